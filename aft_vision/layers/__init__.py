@@ -1,0 +1,5 @@
+"""AFT operators: the functional core (``functional``) and the token-mixer modules built on it."""
+from .aft_conv import AFTConv2d
+from .aft_full import AFTFull, AFTLocal
+from .aft_simple import AFTSimple
+from .functional import aft_conv2d, aft_full, aft_local, aft_simple

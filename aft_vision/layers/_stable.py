@@ -1,0 +1,110 @@
+"""Numerically exact recovery for AFT's weighted averages.
+
+Every AFT operator computes, per query position t and value channel c,
+
+    y[t, c] = sum_t' exp(k[t', c_k] + b[t, t']) * v[t', c] / sum_t' exp(k[t', c_k] + b[t, t'])
+
+where ``c_k`` is the key channel serving value channel c and ``b`` a log-space position bias. The fast paths shift
+``k`` by its maximum over positions (per image and channel) and ``b`` by its row maximum, then use matrix products
+or convolutions. The shifts cancel, but when the largest key and the largest bias sit at different positions the
+shifted terms can all underflow (or, for AFT-conv's ``exp(w) - 1`` kernel, cancel), leaving a denominator that is
+zero or mostly rounding noise. Those entries are flagged by the fast paths and recomputed here as a plain softmax
+over the joint logits ``k + b`` in float64, which is exact for any finite input. In normal training nothing is
+flagged.
+"""
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+
+# A shifted denominator below exp(-50) means the largest joint term was lost to underflow: recompute exactly.
+TINY = 1.9287e-22
+# Entries recomputed per chunk, times the sequence length, bounds the fallback's memory.
+_CHUNK_ELEMENTS = 1 << 22
+
+
+def safe_ratio(numerator: torch.Tensor, denominator: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
+    """``numerator / denominator`` with flagged entries divided by one, so their gradients stay finite."""
+    return numerator / torch.where(bad, torch.ones_like(denominator), denominator)
+
+
+def conv_bias_rows(w: torch.Tensor, grid_w: int, num_keys: int, head: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Dense log-space AFT-conv bias rows: ``w`` inside each query's window, 0 outside.
+
+    Args:
+        w: Effective bias (h, s, s); ``w[i, a, b]`` links query (y, x) to key (y + a - s//2, x + b - s//2).
+        grid_w: Width of the token grid.
+        num_keys: Number of key positions H * W.
+        head: Head index per row, any integer shape broadcastable with ``pos``.
+        pos: Flat query position per row.
+
+    Returns:
+        Bias rows of shape broadcast(head, pos) + (num_keys,).
+    """
+    s = w.shape[-1]
+    radius = s // 2
+    key = torch.arange(num_keys, device=w.device)
+    dy = torch.div(key, grid_w, rounding_mode='floor') - torch.div(pos, grid_w, rounding_mode='floor').unsqueeze(-1)
+    dx = key % grid_w - (pos % grid_w).unsqueeze(-1)
+    dy = dy + radius
+    dx = dx + radius
+    inside = (dy >= 0) & (dy < s) & (dx >= 0) & (dx < s)
+    index = dy.clamp(0, s - 1) * s + dx.clamp(0, s - 1)
+    values = w.reshape(w.shape[0], s * s)[head.unsqueeze(-1), index]
+    return torch.where(inside, values, torch.zeros_like(values))
+
+
+def recompute_flagged(
+        out: torch.Tensor,
+        bad: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        bias_mode: str,
+        bias: Optional[torch.Tensor] = None,
+        grid_w: int = 1,
+        causal: bool = False,
+        chunk_elements: int = _CHUNK_ELEMENTS,
+) -> torch.Tensor:
+    """Replace flagged entries of ``out`` by the exact weighted average.
+
+    Args:
+        out: Fast-path averages (B, T, C), finite everywhere (flagged entries are overwritten).
+        bad: Flags (B, T, C).
+        k: Keys (B, T, Ck); value channel c uses key channel ``c // (C // Ck)``.
+        v: Values (B, T, C).
+        bias_mode: ``'pairwise'`` (``bias`` is a (T, T) log bias, -inf allowed off the causal triangle),
+            ``'none'`` (no bias) or ``'conv'`` (``bias`` is the (h, s, s) AFT-conv bias, head = key channel).
+        bias: See ``bias_mode``.
+        grid_w: Token-grid width for ``'conv'``.
+        causal: Restrict the sums to t' <= t (``'none'`` mode; ``'pairwise'`` carries it in ``bias``).
+        chunk_elements: Bound on the logits held at once (entries per chunk times T).
+
+    Returns:
+        ``out`` with flagged entries recomputed; differentiable in ``out``, ``k``, ``v`` and ``bias``.
+    """
+    if not bool(bad.any()):
+        return out
+    num_keys = k.shape[1]
+    channels_per_key = v.shape[2] // k.shape[2]
+    flagged = bad.nonzero()  # (N, 3): image, query position, value channel
+    chunk = max(1, chunk_elements // num_keys)
+    for start in range(0, flagged.shape[0], chunk):
+        idx = flagged[start:start + chunk]
+        img, pos, chan = idx[:, 0], idx[:, 1], idx[:, 2]
+        key_chan = torch.div(chan, channels_per_key, rounding_mode='floor')
+        # float64: the sum of two large float32 terms is exact there, so the softmax keeps full precision
+        logits = k[img, :, key_chan].double()  # (n, T)
+        if bias_mode == 'pairwise':
+            assert bias is not None
+            logits = logits + bias[pos].double()
+        elif bias_mode == 'conv':
+            assert bias is not None
+            logits = logits + conv_bias_rows(bias, grid_w, num_keys, key_chan, pos).double()
+        elif causal:
+            later = torch.arange(num_keys, device=k.device).unsqueeze(0) > pos.unsqueeze(1)
+            logits = logits.masked_fill(later, float('-inf'))
+        weights = F.softmax(logits, dim=-1)  # (n, T)
+        values = (weights * v[img, :, chan].double()).sum(-1).to(out.dtype)  # (n,)
+        indices: List[Optional[torch.Tensor]] = [img, pos, chan]
+        out = out.index_put(indices, values)
+    return out

@@ -1,0 +1,74 @@
+"""AFT-conv token mixer (Eq. 6) with the per-head bias reparameterisation of Eq. 8."""
+import torch
+from torch import nn
+
+from .functional import aft_conv2d, check_tokens
+
+__all__ = ['AFTConv2d']
+
+
+class AFTConv2d(nn.Module):
+    """AFT-conv on a (B, H, W, C) token grid of any size: fully convolutional, no position embedding needed.
+
+    Keys have one channel per head. The raw (h, s, s) bias is standardised per head and scaled (Eq. 8):
+    ``w_i = gamma_i * (raw_i - mean(raw_i)) / std(raw_i) + beta_i`` with gamma = beta = 0 at initialisation, so a
+    freshly built layer computes AFT-simple. ``qkv`` stacks q (C), k (h) and v (C) along its output.
+
+    Args:
+        dim: Token width C.
+        num_heads: Number of heads h; C must be divisible by h.
+        kernel_size: Odd window size s.
+        qkv_bias: Bias in the q, k, v projection.
+        proj_drop: Dropout after the output projection.
+        eps: Added to the variance in Eq. 8, so a constant raw bias stays well defined.
+    """
+
+    def __init__(
+            self,
+            dim: int,
+            num_heads: int,
+            kernel_size: int,
+            qkv_bias: bool = True,
+            proj_drop: float = 0.0,
+            eps: float = 1e-5,
+    ):
+        super().__init__()
+        if num_heads < 1 or dim % num_heads:
+            raise ValueError(f'dim = {dim} must be divisible by num_heads = {num_heads}')
+        if kernel_size < 1 or kernel_size % 2 == 0:
+            raise ValueError(f'kernel_size must be a positive odd number, got {kernel_size}')
+        self.dim = dim
+        self.num_heads = num_heads
+        self.kernel_size = kernel_size
+        self.eps = eps
+        self.qkv = nn.Linear(dim, dim * 2 + num_heads, bias=qkv_bias)
+        self.pos_weight = nn.Parameter(torch.empty(num_heads, kernel_size, kernel_size))
+        self.pos_gamma = nn.Parameter(torch.zeros(num_heads))
+        self.pos_beta = nn.Parameter(torch.zeros(num_heads))
+        self.proj = nn.Linear(dim, dim)
+        self.proj_drop = nn.Dropout(proj_drop)
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """Raw bias from N(0, 1), so ``eps`` is negligible beside its variance; gamma and beta at 0 (Eq. 8)."""
+        nn.init.normal_(self.pos_weight)
+        nn.init.zeros_(self.pos_gamma)
+        nn.init.zeros_(self.pos_beta)
+
+    def effective_bias(self) -> torch.Tensor:
+        """The bias ``w`` (h, s, s) that Eq. 6 uses, after the reparameterisation of Eq. 8."""
+        raw = self.pos_weight
+        mean = raw.mean(dim=(1, 2), keepdim=True)
+        var = raw.var(dim=(1, 2), unbiased=False, keepdim=True)
+        standardised = (raw - mean) * torch.rsqrt(var + self.eps)  # (h, s, s)
+        return self.pos_gamma.view(-1, 1, 1) * standardised + self.pos_beta.view(-1, 1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_tokens(x, f'(B, H, W, {self.dim})', self.dim)
+        qkv = self.qkv(x)  # (B, H, W, 2C + h)
+        q, k, v = qkv.split([self.dim, self.num_heads, self.dim], dim=-1)
+        x = aft_conv2d(q, k, v, self.effective_bias())  # (B, H, W, C)
+        return self.proj_drop(self.proj(x))
+
+    def extra_repr(self) -> str:
+        return f'dim={self.dim}, num_heads={self.num_heads}, kernel_size={self.kernel_size}'

@@ -1,0 +1,339 @@
+"""AFT operators and modules against a plain float64 reference written from the paper's equations."""
+import math
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from aft_vision.layers import AFTConv2d, AFTFull, AFTLocal, AFTSimple, aft_conv2d, aft_full, aft_local, aft_simple
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The reference: Eq. 2 with an explicit dense bias, one query position and channel at a time, in float64.
+
+def reference(q, k, v, log_bias, causal=False):
+    """``sigmoid(q_t) * sum_t' exp(k_t' + w_tt') v_t' / sum_t' exp(k_t' + w_tt')`` for every (b, t, c).
+
+    ``log_bias`` is (T, T) for all channels or (C, T, T) per channel. The joint maximum of ``k + w`` is divided out of
+    numerator and denominator alike, which leaves the value unchanged and keeps float64 from overflowing.
+    """
+    q, k, v, log_bias = (x.detach().double() for x in (q, k, v, log_bias))
+    batch, seq_len, channels = q.shape
+    out = torch.zeros(batch, seq_len, channels, dtype=torch.float64)
+    for b in range(batch):
+        for t in range(seq_len):
+            for c in range(channels):
+                bias = log_bias[t] if log_bias.dim() == 2 else log_bias[c, t]
+                keys = slice(0, t + 1) if causal else slice(0, seq_len)
+                logits = k[b, keys, c] + bias[keys]
+                weights = torch.exp(logits - logits.max())
+                out[b, t, c] = torch.sigmoid(q[b, t, c]) * (weights * v[b, keys, c]).sum() / weights.sum()
+    return out
+
+
+def local_bias(w, window):
+    seq_len = w.shape[0]
+    dense = torch.zeros_like(w)
+    for t in range(seq_len):
+        for u in range(seq_len):
+            if abs(t - u) < window:
+                dense[t, u] = w[t, u]
+    return dense
+
+
+def conv_reference(q, k, v, w):
+    """Eq. 6 via an explicit per-channel (C, T, T) bias: w inside each query's window, 0 elsewhere."""
+    batch, height, width, channels = q.shape
+    num_heads, s = w.shape[0], w.shape[-1]
+    head_dim, radius = channels // num_heads, s // 2
+    seq_len = height * width
+    bias = torch.zeros(channels, seq_len, seq_len, dtype=torch.float64)
+    for c in range(channels):
+        for y in range(height):
+            for x in range(width):
+                for y2 in range(height):
+                    for x2 in range(width):
+                        a, b = y2 - y + radius, x2 - x + radius
+                        if 0 <= a < s and 0 <= b < s:
+                            bias[c, y * width + x, y2 * width + x2] = w[c // head_dim, a, b]
+    keys = k.repeat_interleave(head_dim, dim=-1).reshape(batch, seq_len, channels)
+    out = reference(q.reshape(batch, seq_len, channels), keys, v.reshape(batch, seq_len, channels), bias)
+    return out.reshape(batch, height, width, channels)
+
+
+def assert_close(actual, expected, atol=2e-5, rtol=1e-4):
+    assert torch.isfinite(actual).all()
+    torch.testing.assert_close(actual.double(), expected, atol=atol, rtol=rtol)
+
+
+SEQ_SHAPES = [(1, 1, 1), (2, 7, 3), (3, 12, 5)]  # (B, T, C)
+# (B, H, W, C, h, s): square and not, h = 1 and h = C, kernel larger than the map, a 1 x 1 map.
+GRID_SHAPES = [(1, 1, 1, 1, 1, 1), (2, 3, 4, 6, 3, 5), (1, 5, 2, 4, 4, 3), (2, 4, 4, 8, 1, 11), (1, 6, 7, 6, 2, 3)]
+
+
+def seq_inputs(batch, seq_len, channels, scale=1.0, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = torch.randn(3, batch, seq_len, channels, generator=gen, dtype=dtype)
+    w = torch.randn(seq_len, seq_len, generator=gen, dtype=dtype)
+    return q, k * scale, v, w * scale
+
+
+def grid_inputs(batch, height, width, channels, num_heads, s, scale=1.0, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, v = torch.randn(2, batch, height, width, channels, generator=gen, dtype=dtype)
+    k = torch.randn(batch, height, width, num_heads, generator=gen, dtype=dtype)
+    w = torch.randn(num_heads, s, s, generator=gen, dtype=dtype)
+    return q, k * scale, v, w * scale
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Functional operators against the reference.
+
+@pytest.mark.parametrize('shape', SEQ_SHAPES)
+@pytest.mark.parametrize('causal', [False, True])
+@pytest.mark.parametrize('scale', [1.0, 30.0, 1e4])
+def test_aft_full_matches_reference(shape, causal, scale):
+    q, k, v, w = seq_inputs(*shape, scale=scale)
+    assert_close(aft_full(q, k, v, w, causal=causal), reference(q, k, v, w, causal))
+
+
+@pytest.mark.parametrize('shape', SEQ_SHAPES)
+@pytest.mark.parametrize('window', [1, 2, 5, 100])
+@pytest.mark.parametrize('causal', [False, True])
+def test_aft_local_matches_reference(shape, window, causal):
+    q, k, v, w = seq_inputs(*shape, scale=3.0)
+    assert_close(aft_local(q, k, v, w, window, causal=causal), reference(q, k, v, local_bias(w, window), causal))
+
+
+@pytest.mark.parametrize('shape', SEQ_SHAPES)
+@pytest.mark.parametrize('causal', [False, True])
+@pytest.mark.parametrize('scale', [1.0, 1e4])
+def test_aft_simple_matches_reference(shape, causal, scale):
+    q, k, v, _ = seq_inputs(*shape, scale=scale)
+    zero_bias = torch.zeros(shape[1], shape[1])
+    assert_close(aft_simple(q, k, v, causal=causal), reference(q, k, v, zero_bias, causal))
+
+
+@pytest.mark.parametrize('shape', GRID_SHAPES)
+@pytest.mark.parametrize('method', ['conv', 'dense', 'auto'])
+@pytest.mark.parametrize('scale', [1.0, 30.0, 1e4])
+def test_aft_conv2d_matches_reference(shape, method, scale):
+    q, k, v, w = grid_inputs(*shape, scale=scale)
+    assert_close(aft_conv2d(q, k, v, w, method=method), conv_reference(q, k, v, w))
+
+
+@pytest.mark.parametrize('method', ['conv', 'dense'])
+@pytest.mark.parametrize('offset', [-30.0, -1e4, 1e4])
+def test_aft_conv2d_bias_far_from_zero(method, offset):
+    """Strongly negative biases make ``exp(w) - 1`` cancel against the global sum; large ones dominate it."""
+    q, k, v, w = grid_inputs(2, 5, 5, 4, 2, 3)
+    w = w + offset
+    assert_close(aft_conv2d(q, k, v, w, method=method), conv_reference(q, k, v, w))
+
+
+def test_causal_prefix_with_keys_far_below_later_ones():
+    q, k, v, w = seq_inputs(2, 9, 4)
+    k[:, :5] -= 1e4  # the prefix underflows when shifted by the later keys' maximum
+    assert_close(aft_simple(q, k, v, causal=True), reference(q, k, v, torch.zeros(9, 9), causal=True))
+    assert_close(aft_full(q, k, v, w, causal=True), reference(q, k, v, w, causal=True))
+
+
+@pytest.mark.parametrize('op', ['full', 'local', 'simple', 'conv', 'dense'])
+def test_gradients_finite_for_extreme_inputs(op):
+    if op in ('conv', 'dense'):
+        q, k, v, w = grid_inputs(2, 4, 5, 6, 3, 3, scale=1e4)
+    else:
+        q, k, v, w = seq_inputs(2, 8, 4, scale=1e4)
+    for x in (q, k, v, w):
+        x.requires_grad_(True)
+    out = {
+        'full': lambda: aft_full(q, k, v, w, causal=True),
+        'local': lambda: aft_local(q, k, v, w, 3),
+        'simple': lambda: aft_simple(q, k, v, causal=True),
+        'conv': lambda: aft_conv2d(q, k, v, w, method='conv'),
+        'dense': lambda: aft_conv2d(q, k, v, w, method='dense'),
+    }[op]()
+    out.square().sum().backward()
+    used = (q, k, v) if op == 'simple' else (q, k, v, w)
+    for x in used:
+        assert torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize('op', ['full', 'simple', 'conv'])
+def test_autocast_bfloat16_runs_in_float32(op):
+    if op == 'conv':
+        q, k, v, w = grid_inputs(2, 4, 6, 8, 2, 5, scale=50.0)
+        expected = conv_reference(q.bfloat16(), k.bfloat16(), v.bfloat16(), w)
+        call = lambda a, b, c: aft_conv2d(a, b, c, w)  # noqa: E731
+    else:
+        q, k, v, w = seq_inputs(2, 10, 8, scale=50.0)
+        bias = w if op == 'full' else torch.zeros_like(w)
+        expected = reference(q.bfloat16(), k.bfloat16(), v.bfloat16(), bias)
+        call = (lambda a, b, c: aft_full(a, b, c, w)) if op == 'full' else aft_simple
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        out = call(q.bfloat16(), k.bfloat16(), v.bfloat16())
+    assert out.dtype == torch.bfloat16
+    # Only the final rounding to bfloat16 differs from the float64 result on the same bfloat16 inputs.
+    assert_close(out, expected, atol=1e-2, rtol=1e-2)
+
+
+def gradcheck_inputs(tensors):
+    return tuple(x.double().requires_grad_(True) for x in tensors)
+
+
+@pytest.mark.parametrize('scale', [1.0, 100.0])  # 100: the exact fallback carries the gradient
+def test_gradcheck(scale):
+    q, k, v, w = gradcheck_inputs(seq_inputs(2, 5, 3, scale=scale))
+    assert torch.autograd.gradcheck(lambda *a: aft_full(*a, causal=True), (q, k, v, w))
+    assert torch.autograd.gradcheck(lambda *a: aft_local(*a, window=2), (q, k, v, w))
+    assert torch.autograd.gradcheck(lambda a, b, c: aft_simple(a, b, c, causal=True), (q, k, v))
+    assert torch.autograd.gradcheck(aft_simple, (q, k, v))
+    q, k, v, w = gradcheck_inputs(grid_inputs(1, 3, 4, 4, 2, 3, scale=scale))
+    for method in ('conv', 'dense'):
+        assert torch.autograd.gradcheck(lambda *a: aft_conv2d(*a, method=method), (q, k, v, w))
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the largest tensor any operator produces."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for x in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(x, torch.Tensor):
+                self.numel = max(self.numel, x.numel())
+        return out
+
+
+@pytest.mark.parametrize('op', ['full', 'local', 'conv', 'dense'])
+def test_memory_never_holds_a_t_by_t_by_c_tensor(op):
+    batch, height, width, channels, num_heads = 2, 8, 8, 32, 4
+    seq_len = height * width
+    if op in ('conv', 'dense'):
+        q, k, v, w = grid_inputs(batch, height, width, channels, num_heads, 5)
+        call = lambda: aft_conv2d(q, k, v, w, method=op)  # noqa: E731
+        bias_numel = num_heads * seq_len * seq_len if op == 'dense' else 0
+    else:
+        q, k, v, w = seq_inputs(batch, seq_len, channels)
+        call = (lambda: aft_full(q, k, v, w)) if op == 'full' else (lambda: aft_local(q, k, v, w, 7))  # noqa: E731
+        bias_numel = seq_len * seq_len
+    with LargestTensor() as tracker:
+        call()
+    assert tracker.numel <= max(bias_numel, batch * seq_len * 2 * (channels + num_heads))
+    assert tracker.numel < batch * seq_len * seq_len * channels / 4
+
+
+def test_conv_paths_agree_on_larger_maps():
+    q, k, v, w = grid_inputs(2, 14, 11, 16, 4, 7, scale=2.0)
+    torch.testing.assert_close(aft_conv2d(q, k, v, w, method='conv'), aft_conv2d(q, k, v, w, method='dense'),
+                               atol=1e-5, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Bad input.
+
+@pytest.mark.parametrize('call, match', [
+    (lambda: aft_full(*seq_inputs(2, 4, 3)[:3], torch.zeros(5, 5)), r'w must have shape \(T, T\)'),
+    (lambda: aft_full(torch.zeros(2, 4, 3), torch.zeros(2, 4, 2), torch.zeros(2, 4, 3), torch.zeros(4, 4)), 'k'),
+    (lambda: aft_full(torch.zeros(2, 4, 3), torch.zeros(2, 4, 3), torch.zeros(2, 5, 3), torch.zeros(4, 4)), 'q and v'),
+    (lambda: aft_simple(torch.zeros(4, 3), torch.zeros(4, 3), torch.zeros(4, 3)), r'3-D \(B, T, C\)'),
+    (lambda: aft_simple(torch.zeros(2, 4, 3, dtype=torch.long), torch.zeros(2, 4, 3), torch.zeros(2, 4, 3)),
+     'floating-point'),
+    (lambda: aft_local(*seq_inputs(1, 4, 2), window=0), 'window'),
+    (lambda: aft_conv2d(*grid_inputs(1, 3, 3, 4, 2, 4)), 'odd'),
+    (lambda: aft_conv2d(torch.zeros(1, 3, 3, 5), torch.zeros(1, 3, 3, 2), torch.zeros(1, 3, 3, 5),
+                        torch.zeros(2, 3, 3)), 'not divisible'),
+    (lambda: aft_conv2d(*grid_inputs(1, 3, 3, 4, 2, 3)[:3], torch.zeros(3, 3, 3)), r'w must have shape \(h, s, s\)'),
+    (lambda: aft_conv2d(*grid_inputs(1, 3, 3, 4, 2, 3)[:3], torch.zeros(2, 3, 5)), r'w must have shape \(h, s, s\)'),
+    (lambda: aft_conv2d(*grid_inputs(1, 3, 3, 4, 2, 3), method='fft'), 'method'),
+    (lambda: AFTConv2d(10, 3, 3), 'divisible'),
+    (lambda: AFTConv2d(12, 3, 4), 'odd'),
+    (lambda: AFTFull(8, 5)(torch.zeros(2, 6, 8)), r'\(B, 5, 8\)'),
+    (lambda: AFTConv2d(8, 2, 3)(torch.zeros(2, 4, 4, 6)), r'\(B, H, W, 8\)'),
+])
+def test_bad_input_raises_value_error(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_non_tensor_raises_type_error():
+    with pytest.raises(TypeError, match='q must be a torch.Tensor'):
+        aft_simple([[1.0]], torch.zeros(1, 1, 1), torch.zeros(1, 1, 1))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Modules.
+
+def test_fresh_aft_conv_equals_aft_simple_with_the_same_projections():
+    dim, num_heads = 12, 3
+    conv = AFTConv2d(dim, num_heads, kernel_size=5)
+    simple = AFTSimple(dim)
+    weight, bias = conv.qkv.weight, conv.qkv.bias
+    q_rows, k_rows, v_rows = slice(0, dim), slice(dim, dim + num_heads), slice(dim + num_heads, None)
+    with torch.no_grad():  # AFT-simple's key for channel c is the conv key of c's head
+        simple.qkv.weight.copy_(torch.cat([weight[q_rows], weight[k_rows].repeat_interleave(4, 0), weight[v_rows]]))
+        simple.qkv.bias.copy_(torch.cat([bias[q_rows], bias[k_rows].repeat_interleave(4), bias[v_rows]]))
+        simple.proj.load_state_dict(conv.proj.state_dict())
+    x = torch.randn(2, 5, 7, dim)
+    torch.testing.assert_close(conv(x), simple(x.reshape(2, 35, dim)).reshape(2, 5, 7, dim))
+
+
+def test_aft_local_with_a_window_covering_the_sequence_equals_aft_full():
+    full = AFTFull(16, seq_len=9, pos_dim=4)
+    local = AFTLocal(16, seq_len=9, window=9, pos_dim=4)
+    local.load_state_dict(full.state_dict())
+    x = torch.randn(3, 9, 16)
+    torch.testing.assert_close(local(x), full(x))
+
+
+def test_aft_full_module_uses_the_factorised_bias():
+    module = AFTFull(8, seq_len=6, pos_dim=3).double()
+    x = torch.randn(2, 6, 8, dtype=torch.float64)
+    q, k, v = module.qkv(x).chunk(3, dim=-1)
+    expected = reference(q, k, v, module.pos_u @ module.pos_v.T)
+    torch.testing.assert_close(module(x), module.proj(expected))
+
+
+def test_aft_conv_module_applies_eq8_reparameterisation():
+    module = AFTConv2d(8, 2, 3).double()
+    with torch.no_grad():
+        module.pos_gamma.copy_(torch.tensor([1.5, -0.5]))
+        module.pos_beta.copy_(torch.tensor([0.2, 1.0]))
+    raw = module.pos_weight
+    expected = torch.stack([
+        g * (r - r.mean()) / r.std(unbiased=False) + b
+        for r, g, b in zip(raw, module.pos_gamma, module.pos_beta)
+    ])
+    torch.testing.assert_close(module.effective_bias(), expected, atol=1e-4, rtol=1e-4)
+    x = torch.randn(2, 4, 3, 8, dtype=torch.float64)
+    q, k, v = module.qkv(x).split([8, 2, 8], dim=-1)
+    torch.testing.assert_close(module(x), module.proj(conv_reference(q, k, v, module.effective_bias())))
+
+
+def test_constant_raw_bias_stays_finite():
+    module = AFTConv2d(8, 2, 3)
+    with torch.no_grad():
+        module.pos_weight.fill_(0.7)
+        module.pos_gamma.fill_(1.0)
+    module(torch.randn(1, 4, 4, 8)).sum().backward()
+    assert torch.isfinite(module.effective_bias()).all()
+    assert all(torch.isfinite(p.grad).all() for p in module.parameters())
+
+
+@pytest.mark.parametrize('module, x', [
+    (AFTFull(16, seq_len=10), torch.randn(2, 10, 16)),
+    (AFTLocal(16, seq_len=10, window=3, causal=True), torch.randn(2, 10, 16)),
+    (AFTSimple(16), torch.randn(2, 10, 16)),
+    (AFTConv2d(16, 4, 3), torch.randn(2, 3, 5, 16)),
+])
+def test_module_shapes_gradients_and_torchscript(module, x):
+    out = module(x)
+    assert out.shape == x.shape
+    out.sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in module.parameters())
+    scripted = torch.jit.script(module)
+    torch.testing.assert_close(scripted(x), out)
+    assert math.isfinite(out.abs().max().item())
