@@ -21,6 +21,8 @@ class AFTConv2d(nn.Module):
         qkv_bias: Bias in the q, k, v projection.
         proj_drop: Dropout after the output projection.
         eps: Added to the variance in Eq. 8, so a constant raw bias stays well defined.
+        device: Device of the parameters (timm factory kwarg).
+        dtype: Dtype of the parameters (timm factory kwarg).
     """
 
     def __init__(
@@ -31,8 +33,11 @@ class AFTConv2d(nn.Module):
             qkv_bias: bool = True,
             proj_drop: float = 0.0,
             eps: float = 1e-5,
+            device=None,
+            dtype=None,
     ):
         super().__init__()
+        dd = {'device': device, 'dtype': dtype}
         if num_heads < 1 or dim % num_heads:
             raise ValueError(f'dim = {dim} must be divisible by num_heads = {num_heads}')
         if kernel_size < 1 or kernel_size % 2 == 0:
@@ -41,11 +46,11 @@ class AFTConv2d(nn.Module):
         self.num_heads = num_heads
         self.kernel_size = kernel_size
         self.eps = eps
-        self.qkv = nn.Linear(dim, dim * 2 + num_heads, bias=qkv_bias)
-        self.pos_weight = nn.Parameter(torch.empty(num_heads, kernel_size, kernel_size))
-        self.pos_gamma = nn.Parameter(torch.zeros(num_heads))
-        self.pos_beta = nn.Parameter(torch.zeros(num_heads))
-        self.proj = nn.Linear(dim, dim)
+        self.qkv = nn.Linear(dim, dim * 2 + num_heads, bias=qkv_bias, **dd)
+        self.pos_weight = nn.Parameter(torch.empty(num_heads, kernel_size, kernel_size, **dd))
+        self.pos_gamma = nn.Parameter(torch.zeros(num_heads, **dd))
+        self.pos_beta = nn.Parameter(torch.zeros(num_heads, **dd))
+        self.proj = nn.Linear(dim, dim, **dd)
         self.proj_drop = nn.Dropout(proj_drop)
         self.init_weights()
 

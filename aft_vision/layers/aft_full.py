@@ -20,6 +20,8 @@ class AFTFull(nn.Module):
         qkv_bias: Bias in the q, k, v projection.
         proj_drop: Dropout after the output projection.
         causal: Restrict each token to itself and earlier tokens.
+        device: Device of the parameters (timm factory kwarg).
+        dtype: Dtype of the parameters (timm factory kwarg).
     """
 
     def __init__(
@@ -30,15 +32,18 @@ class AFTFull(nn.Module):
             qkv_bias: bool = True,
             proj_drop: float = 0.0,
             causal: bool = False,
+            device=None,
+            dtype=None,
     ):
         super().__init__()
+        dd = {'device': device, 'dtype': dtype}
         self.dim = dim
         self.seq_len = seq_len
         self.causal = causal
-        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
-        self.pos_u = nn.Parameter(torch.empty(seq_len, pos_dim))
-        self.pos_v = nn.Parameter(torch.empty(seq_len, pos_dim))
-        self.proj = nn.Linear(dim, dim)
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias, **dd)
+        self.pos_u = nn.Parameter(torch.empty(seq_len, pos_dim, **dd))
+        self.pos_v = nn.Parameter(torch.empty(seq_len, pos_dim, **dd))
+        self.proj = nn.Linear(dim, dim, **dd)
         self.proj_drop = nn.Dropout(proj_drop)
         self.init_weights()
 
@@ -75,6 +80,8 @@ class AFTLocal(AFTFull):
         qkv_bias: Bias in the q, k, v projection.
         proj_drop: Dropout after the output projection.
         causal: Restrict each token to itself and earlier tokens.
+        device: Device of the parameters (timm factory kwarg).
+        dtype: Dtype of the parameters (timm factory kwarg).
     """
 
     def __init__(
@@ -86,10 +93,15 @@ class AFTLocal(AFTFull):
             qkv_bias: bool = True,
             proj_drop: float = 0.0,
             causal: bool = False,
+            device=None,
+            dtype=None,
     ):
         if window < 1:
             raise ValueError(f'window must be >= 1, got {window}')
-        super().__init__(dim, seq_len, pos_dim=pos_dim, qkv_bias=qkv_bias, proj_drop=proj_drop, causal=causal)
+        super().__init__(
+            dim, seq_len, pos_dim=pos_dim, qkv_bias=qkv_bias, proj_drop=proj_drop, causal=causal,
+            device=device, dtype=dtype,
+        )
         self.window = window
 
     def _mix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -15,14 +15,25 @@ class AFTSimple(nn.Module):
         qkv_bias: Bias in the q, k, v projection (laid out like timm's ``Attention.qkv``).
         proj_drop: Dropout after the output projection.
         causal: Restrict each token to itself and earlier tokens.
+        device: Device of the parameters (timm factory kwarg).
+        dtype: Dtype of the parameters (timm factory kwarg).
     """
 
-    def __init__(self, dim: int, qkv_bias: bool = True, proj_drop: float = 0.0, causal: bool = False):
+    def __init__(
+            self,
+            dim: int,
+            qkv_bias: bool = True,
+            proj_drop: float = 0.0,
+            causal: bool = False,
+            device=None,
+            dtype=None,
+    ):
         super().__init__()
+        dd = {'device': device, 'dtype': dtype}
         self.dim = dim
         self.causal = causal
-        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
-        self.proj = nn.Linear(dim, dim)
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias, **dd)
+        self.proj = nn.Linear(dim, dim, **dd)
         self.proj_drop = nn.Dropout(proj_drop)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
