@@ -1,0 +1,131 @@
+"""Property-based tests of the functional AFT operators: any input gives a finite result of the documented shape,
+equal to the plain reference, or a ValueError / TypeError naming the problem; images never affect each other."""
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from aft_vision.layers import aft_conv2d, aft_full, aft_local, aft_simple
+from test_layers import conv_reference, local_bias, reference
+
+SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+DTYPES = st.sampled_from([torch.float32, torch.float64, torch.bfloat16, torch.float16])
+SCALES = st.sampled_from([0.0, 1e-3, 1.0, 20.0, 1e3, 1e4])
+
+
+def tolerance(dtype):
+    return {torch.float64: 1e-9, torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+
+
+@st.composite
+def seq_case(draw):
+    batch, seq_len, channels = draw(st.integers(1, 3)), draw(st.integers(1, 10)), draw(st.integers(1, 5))
+    dtype, scale, seed = draw(DTYPES), draw(SCALES), draw(st.integers(0, 2 ** 16))
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(batch, seq_len, channels, generator=gen, dtype=torch.float64) for _ in range(3))
+    w = torch.randn(seq_len, seq_len, generator=gen, dtype=torch.float64) * scale
+    # bias stays float32 or float64 (a parameter); tokens take the drawn dtype
+    w = w.to(torch.float64 if dtype == torch.float64 else torch.float32)
+    return q.to(dtype), (k * scale).to(dtype), v.to(dtype), w
+
+
+@st.composite
+def grid_case(draw):
+    num_heads = draw(st.integers(1, 3))
+    channels = num_heads * draw(st.integers(1, 3))
+    batch, height, width = draw(st.integers(1, 2)), draw(st.integers(1, 6)), draw(st.integers(1, 6))
+    s = draw(st.sampled_from([1, 3, 5, 9, 15]))
+    dtype, scale, seed = draw(DTYPES), draw(SCALES), draw(st.integers(0, 2 ** 16))
+    gen = torch.Generator().manual_seed(seed)
+    q, v = (torch.randn(batch, height, width, channels, generator=gen, dtype=torch.float64) for _ in range(2))
+    k = torch.randn(batch, height, width, num_heads, generator=gen, dtype=torch.float64) * scale
+    w = torch.randn(num_heads, s, s, generator=gen, dtype=torch.float64) * scale
+    w = w.to(torch.float64 if dtype == torch.float64 else torch.float32)
+    return q.to(dtype), k.to(dtype), v.to(dtype), w, draw(st.sampled_from(['conv', 'dense']))
+
+
+def check(out, expected, like):
+    assert out.shape == like.shape and out.dtype == like.dtype
+    assert torch.isfinite(out).all()
+    tol = tolerance(like.dtype)
+    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+
+
+@SETTINGS
+@given(seq_case(), st.booleans(), st.integers(1, 12))
+def test_sequence_operators_match_reference(case, causal, window):
+    q, k, v, w = case
+    seq_len = q.shape[1]
+    check(aft_full(q, k, v, w, causal=causal), reference(q, k, v, w, causal), q)
+    check(aft_local(q, k, v, w, window, causal=causal), reference(q, k, v, local_bias(w, window), causal), q)
+    check(aft_simple(q, k, v, causal=causal), reference(q, k, v, torch.zeros(seq_len, seq_len), causal), q)
+
+
+@SETTINGS
+@given(grid_case())
+def test_conv_operator_matches_reference(case):
+    q, k, v, w, method = case
+    check(aft_conv2d(q, k, v, w, method=method), conv_reference(q, k, v, w), q)
+
+
+@SETTINGS
+@given(st.lists(st.integers(0, 6), min_size=3, max_size=5), st.lists(st.integers(0, 6), min_size=1, max_size=4),
+       st.sampled_from(['full', 'simple', 'conv']))
+def test_malformed_shapes_raise_value_errors_that_name_the_argument(q_shape, w_shape, op):
+    q = torch.randn(q_shape)
+    k = torch.randn(q_shape[:-1] + [max(1, q_shape[-1] - 1)])
+    call = {
+        'full': lambda: aft_full(q, k, q, torch.randn(w_shape)),
+        'simple': lambda: aft_simple(q, k, q),
+        'conv': lambda: aft_conv2d(q, k, q, torch.randn(w_shape)),
+    }[op]
+    try:
+        out = call()
+    except ValueError as error:
+        assert any(name in str(error) for name in ('q', 'k', 'v', 'w', 'C =', 'kernel'))
+    else:  # accepted: then the shapes were valid and the result is well formed
+        assert out.shape == q.shape and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize('op', ['full', 'simple', 'conv', 'dense'])
+def test_nan_and_inf_stay_in_their_image(op):
+    """A corrupted image may produce NaN, but only in its own output."""
+    torch.manual_seed(0)
+    if op in ('conv', 'dense'):
+        q, v = torch.randn(2, 3, 4, 5, 6)
+        k, w = torch.randn(3, 4, 5, 2), torch.randn(2, 3, 3)
+        call = lambda a, b, c: aft_conv2d(a, b, c, w, method=op)  # noqa: E731
+    else:
+        q, k, v = torch.randn(3, 3, 7, 4)
+        w = torch.randn(7, 7)
+        call = (lambda a, b, c: aft_full(a, b, c, w)) if op == 'full' else aft_simple
+    clean = call(q, k, v)
+    for bad in (float('nan'), float('inf'), -float('inf')):
+        k_bad, v_bad = k.clone(), v.clone()
+        k_bad[1].view(-1)[0] = bad
+        v_bad[1].view(-1)[3] = bad
+        out = call(q, k_bad, v_bad)
+        torch.testing.assert_close(out[0], clean[0], rtol=0, atol=0)
+        torch.testing.assert_close(out[2], clean[2], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize('op', ['full', 'local', 'simple', 'conv', 'dense'])
+def test_each_image_is_independent_of_its_batch(op):
+    """Same image, alone or among others (padding included), gives the same output to float tolerance."""
+    torch.manual_seed(0)
+    if op in ('conv', 'dense'):
+        q, v = torch.randn(2, 5, 4, 6, 8)
+        k, w = torch.randn(5, 4, 6, 2) * 30, torch.randn(2, 5, 5)
+        call = lambda a, b, c: aft_conv2d(a, b, c, w, method=op)  # noqa: E731
+    else:
+        q, k, v = torch.randn(3, 5, 9, 4)
+        k = k * 30
+        w = torch.randn(9, 9)
+        call = {'full': lambda a, b, c: aft_full(a, b, c, w), 'local': lambda a, b, c: aft_local(a, b, c, w, 3),
+                'simple': aft_simple}[op]
+    batched = call(q, k, v)
+    padded = call(*(torch.cat([x, torch.zeros_like(x[:2])]) for x in (q, k, v)))
+    for i in range(q.shape[0]):
+        alone = call(q[i:i + 1], k[i:i + 1], v[i:i + 1])
+        torch.testing.assert_close(batched[i:i + 1], alone, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(padded[i:i + 1], alone, atol=1e-6, rtol=1e-5)
