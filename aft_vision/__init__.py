@@ -4,3 +4,4 @@
 """
 from .version import __version__
 from . import layers
+from . import models

@@ -23,6 +23,14 @@ TINY = 1.9287e-22
 _CHUNK_ELEMENTS = 1 << 22
 
 
+def exporting() -> bool:
+    """True while torch.export / ONNX export / jit tracing records the graph: data-dependent branches are off."""
+    if torch.jit.is_scripting():
+        return False
+    else:
+        return torch.compiler.is_exporting() or torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()
+
+
 def safe_ratio(numerator: torch.Tensor, denominator: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
     """``numerator / denominator`` with flagged entries divided by one, so their gradients stay finite."""
     return numerator / torch.where(bad, torch.ones_like(denominator), denominator)
@@ -82,8 +90,8 @@ def recompute_flagged(
     Returns:
         ``out`` with flagged entries recomputed; differentiable in ``out``, ``k``, ``v`` and ``bias``.
     """
-    if not bool(bad.any()):
-        return out
+    if bad.device.type == 'meta' or exporting() or not bool(bad.any()):
+        return out  # exported graphs keep the fast path only: no data-dependent branch
     num_keys = k.shape[1]
     channels_per_key = v.shape[2] // k.shape[2]
     flagged = bad.nonzero()  # (N, 3): image, query position, value channel

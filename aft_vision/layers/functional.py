@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from timm.layers import register_notrace_function
 
-from ._stable import TINY, conv_bias_rows, recompute_flagged, safe_ratio
+from ._stable import TINY, conv_bias_rows, exporting, recompute_flagged, safe_ratio
 
 __all__ = ['aft_full', 'aft_local', 'aft_simple', 'aft_conv2d']
 
@@ -253,7 +253,11 @@ def aft_conv2d(
 
     * ``'conv'``: one depthwise (``groups``) convolution over the NHWC tokens plus a global sum, O(T s^2 C).
     * ``'dense'``: the (h, T, T) per-head bias matrix times the tokens, O(T^2 C), faster for small maps.
-    * ``'auto'`` (default): ``'dense'`` while h * T * T <= 2**20 elements, else ``'conv'``.
+    * ``'auto'`` (default): ``'dense'`` while h * T * T <= 2**20 elements, else ``'conv'``; always ``'conv'``
+      while exporting (torch.export / ONNX), so the graph works at any input size.
+
+    Exported graphs also leave out the exact recomputation of underflowed entries (``_stable.py``), which needs a
+    data-dependent branch; it matters only for extreme inputs (key or bias gaps beyond ~50).
 
     Args:
         q: Queries (B, H, W, C), before the sigmoid.
@@ -298,8 +302,9 @@ def _aft_conv2d(
     batch, height, width, channels = q.shape
     num_heads = k.shape[-1]
     num_keys = height * width
-    if method == 'auto':
-        method = 'dense' if num_heads * num_keys * num_keys <= dense_max_elements else 'conv'
+    if method == 'auto':  # exported graphs take the convolution: it holds for every input size
+        small = num_heads * num_keys * num_keys <= dense_max_elements
+        method = 'dense' if small and not exporting() else 'conv'
     head_dim = channels // num_heads
     out_dtype = _output_dtype(q, k, v)
     dtype = _compute_dtype([q, k, v, w])

@@ -1,0 +1,439 @@
+""" AFT-conv: a fully convolutional Attention Free Transformer for images
+
+The DeiT backbone (patch 16, 12 pre-norm blocks, MLP ratio 4) with AFT-conv (Eq. 6, 2-D) as token mixer: heads with
+one key channel each and a learned (h, s, s) position bias reparameterised per head (Eq. 8). There is no class token
+and no position embedding: blocks run on a (B, H, W, C) token map of any size, and the classifier reads its global
+average. Like timm's spatial models (Swin with ``output_fmt='NHWC'``), ``forward_features`` returns the unpooled
+map (B, H/16, W/16, C).
+
+Paper: `An Attention Free Transformer` - https://arxiv.org/abs/2105.14103 (Zhai et al. 2021), Sec. 5.3, Tables 7, 8.
+
+Names follow timm's ViT (``patch_embed.proj``, ``blocks.N.norm1``, ``blocks.N.attn.qkv``, ``blocks.N.attn.proj``,
+``blocks.N.norm2``, ``blocks.N.mlp.fc1/fc2``, ``norm``, ``head``), so DeiT weights map by name.
+
+Model names: ``aft_conv_<size>_<kernel>[_h<heads>]`` (heads = d when no ``_h`` suffix); ``aft_conv_tiny``,
+``aft_conv_small`` and ``aft_conv_base`` are the recommended configurations.
+"""
+from functools import partial
+from typing import Any, Dict, List, Optional, Set, Tuple, Type, Union
+
+import torch
+from torch import nn
+
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.layers import PatchEmbed, LayerNorm, calculate_drop_path_rates, get_act_layer, get_device_dtype, \
+    get_norm_layer
+from timm.models import (
+    build_model_with_cfg,
+    checkpoint,
+    checkpoint_seq,
+    generate_default_cfgs,
+    named_apply,
+    register_model,
+)
+
+from aft_vision.layers import AFTConv2d
+from .aft_vit import PAPER_ID, Block, check_image, init_weights_aft, block_indices, _record_input_size
+
+__all__ = ['AFTConvTransformer']  # register_model adds each entry point
+
+GLOBAL_POOLS = ('', 'avg', 'max', 'avgmax')
+
+
+class AFTConvTransformer(nn.Module):
+    """Isotropic AFT-conv transformer: patch embedding, AFT-conv blocks on a (B, H, W, C) map, norm, pool, head.
+
+    Args:
+        img_size: Nominal input size (sets ``pool_size`` metadata; any multiple of the patch size runs).
+        patch_size: Patch size.
+        in_chans: Number of image channels.
+        num_classes: Classifier classes, 0 for no classifier.
+        global_pool: 'avg' (the paper's global average pooling), 'max', 'avgmax' or '' (no pooling).
+        embed_dim: Token width d.
+        depth: Number of blocks.
+        num_heads: AFT-conv heads h (d must be divisible by h).
+        kernel_size: Odd AFT-conv window s.
+        mlp_ratio: MLP hidden width over ``embed_dim``.
+        qkv_bias: Bias in the q, k, v projections.
+        init_values: LayerScale init value, no LayerScale if None.
+        dynamic_img_pad: Zero-pad images to a multiple of the patch size instead of rejecting them.
+        drop_rate: Dropout before the classifier.
+        proj_drop_rate: Dropout after the mixer and MLP projections.
+        drop_path_rate: Stochastic depth rate (linear over the blocks).
+        weight_init: '' for timm's ViT init, 'skip' to leave parameters uninitialised.
+        norm_layer: Normalisation layer (default LayerNorm).
+        act_layer: MLP activation (default GELU).
+        block_fn: Block class.
+    """
+
+    def __init__(
+            self,
+            img_size: Union[int, Tuple[int, int]] = 224,
+            patch_size: Union[int, Tuple[int, int]] = 16,
+            in_chans: int = 3,
+            num_classes: int = 1000,
+            global_pool: str = 'avg',
+            embed_dim: int = 768,
+            depth: int = 12,
+            num_heads: int = 32,
+            kernel_size: int = 11,
+            mlp_ratio: float = 4.,
+            qkv_bias: bool = True,
+            init_values: Optional[float] = None,
+            dynamic_img_pad: bool = False,
+            drop_rate: float = 0.,
+            proj_drop_rate: float = 0.,
+            drop_path_rate: float = 0.,
+            weight_init: str = '',
+            norm_layer: Optional[Union[str, Type[nn.Module]]] = None,
+            act_layer: Optional[Union[str, Type[nn.Module]]] = None,
+            block_fn: Type[nn.Module] = Block,
+            device=None,
+            dtype=None,
+    ):
+        super().__init__()
+        dd = {'device': device, 'dtype': dtype}
+        _check_global_pool(global_pool)
+        if weight_init not in ('', 'skip'):
+            raise ValueError(f"unknown weight_init {weight_init!r}: choose '' or 'skip'")
+        norm_layer = get_norm_layer(norm_layer) or LayerNorm
+        act_layer = get_act_layer(act_layer) or nn.GELU
+
+        self.num_classes = num_classes
+        self.in_chans = in_chans
+        self.global_pool = global_pool
+        self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
+        self.output_fmt = 'NHWC'
+        self.grad_checkpointing = False
+
+        self.patch_embed = PatchEmbed(
+            img_size=img_size,
+            patch_size=patch_size,
+            in_chans=in_chans,
+            embed_dim=embed_dim,
+            output_fmt='NHWC',
+            strict_img_size=False,
+            dynamic_img_pad=dynamic_img_pad,
+            **dd,
+        )
+        reduction = self.patch_embed.feat_ratio()
+
+        mixer_layer = partial(AFTConv2d, num_heads=num_heads, kernel_size=kernel_size)
+        dpr = calculate_drop_path_rates(drop_path_rate, depth)
+        self.blocks = nn.Sequential(*[
+            block_fn(
+                dim=embed_dim,
+                mixer_layer=mixer_layer,
+                mlp_ratio=mlp_ratio,
+                qkv_bias=qkv_bias,
+                proj_drop=proj_drop_rate,
+                init_values=init_values,
+                drop_path=dpr[i],
+                act_layer=act_layer,
+                norm_layer=norm_layer,
+                **dd,
+            )
+            for i in range(depth)])
+        self.feature_info = [dict(module=f'blocks.{i}', num_chs=embed_dim, reduction=reduction) for i in range(depth)]
+        self.norm = norm_layer(embed_dim, **dd)
+
+        self.head_drop = nn.Dropout(drop_rate)
+        self.head = nn.Linear(embed_dim, num_classes, **dd) if num_classes > 0 else nn.Identity()
+
+        if weight_init != 'skip':
+            self.init_weights()
+
+    def init_weights(self, mode: str = '') -> None:
+        """timm's ViT init (``mode`` accepted for API parity, only '' is supported)."""
+        if mode:
+            raise ValueError(f"unknown init mode {mode!r}: only '' is supported")
+        named_apply(init_weights_aft, self)
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> Set[str]:
+        """The raw AFT-conv position biases (like Swin's relative position tables) are not decayed."""
+        return {n for n, _ in self.named_parameters() if n.endswith('.attn.pos_weight')}
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
+        """Parameter groups for layer-wise lr decay: stem, one group per block, final norm with the last block."""
+        return dict(
+            stem=r'^patch_embed',
+            blocks=[(r'^blocks\.(\d+)', None), (r'^norm', (99999,))],
+        )
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.grad_checkpointing = enable
+
+    @torch.jit.ignore
+    def get_classifier(self) -> nn.Module:
+        return self.head
+
+    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
+        """Replace the classifier (``num_classes=0`` removes it); ``global_pool`` None keeps the current pooling."""
+        dd = get_device_dtype(self)
+        self.num_classes = num_classes
+        if global_pool is not None:
+            _check_global_pool(global_pool)
+            self.global_pool = global_pool
+        self.head = nn.Linear(self.embed_dim, num_classes, **dd) if num_classes > 0 else nn.Identity()
+        self.head.train(self.training)
+
+    @torch.jit.ignore
+    def set_input_size(
+            self,
+            img_size: Optional[Union[int, Tuple[int, int]]] = None,
+            patch_size: Optional[Union[int, Tuple[int, int]]] = None,
+    ) -> None:
+        """Change the nominal input size (nothing to resample: the model is fully convolutional) or the patch size
+        (the patch-embedding kernel is resampled)."""
+        self.patch_embed.set_input_size(img_size=img_size, patch_size=patch_size)
+        for info in self.feature_info:
+            info['reduction'] = self.patch_embed.feat_ratio()
+        _record_input_size(self, self.patch_embed.img_size)
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        check_image(x, self.in_chans, self.patch_embed.patch_size, None, self.patch_embed.dynamic_img_pad)
+
+    def forward_intermediates(
+            self,
+            x: torch.Tensor,
+            indices: Optional[Union[int, List[int]]] = None,
+            norm: bool = False,
+            stop_early: bool = False,
+            output_fmt: str = 'NCHW',
+            intermediates_only: bool = False,
+    ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
+        """Forward features that returns intermediates.
+
+        Args:
+            x: Input images (B, C, H, W).
+            indices: Take the last n blocks if int, all if None, the listed blocks if a sequence.
+            norm: Apply the final norm to every intermediate.
+            stop_early: Stop after the last block needed.
+            output_fmt: 'NCHW' or 'NHWC' intermediates.
+            intermediates_only: Only return the intermediates.
+
+        Returns:
+            The intermediates, or (final features (B, H, W, C), intermediates).
+        """
+        if output_fmt not in ('NCHW', 'NHWC'):
+            raise ValueError(f"output_fmt must be 'NCHW' or 'NHWC', got '{output_fmt}'")
+        intermediates = []
+        take_indices, max_index = block_indices(len(self.blocks), indices)
+
+        self._check_input(x)
+        x = self.patch_embed(x)  # (B, H, W, C)
+        if torch.jit.is_scripting() or not stop_early:  # can't slice blocks in torchscript
+            blocks = self.blocks
+        else:
+            blocks = self.blocks[:max_index + 1]
+        for i, blk in enumerate(blocks):
+            if self.grad_checkpointing and not torch.jit.is_scripting():
+                x = checkpoint(blk, x)
+            else:
+                x = blk(x)
+            if i in take_indices:
+                y = self.norm(x) if norm else x
+                intermediates.append(y.permute(0, 3, 1, 2).contiguous() if output_fmt == 'NCHW' else y)
+
+        if intermediates_only:
+            return intermediates
+        x = self.norm(x)
+        return x, intermediates
+
+    def prune_intermediate_layers(
+            self,
+            indices: Union[int, List[int]] = 1,
+            prune_norm: bool = False,
+            prune_head: bool = True,
+    ) -> List[int]:
+        """Drop the blocks after the last requested intermediate (and the norm / head if asked)."""
+        take_indices, max_index = block_indices(len(self.blocks), indices)
+        self.blocks = self.blocks[:max_index + 1]
+        if prune_norm:
+            self.norm = nn.Identity()
+        if prune_head:
+            self.reset_classifier(0, '')
+        return take_indices
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Images (B, C, H, W) -> normalised token map (B, H/p, W/p, C)."""
+        self._check_input(x)
+        x = self.patch_embed(x)  # (B, H, W, C)
+        if self.grad_checkpointing and not torch.jit.is_scripting():
+            x = checkpoint_seq(self.blocks, x)
+        else:
+            x = self.blocks(x)
+        return self.norm(x)
+
+    def pool(self, x: torch.Tensor, pool_type: Optional[str] = None) -> torch.Tensor:
+        """Pool a token map (B, H, W, C) -> (B, C); '' keeps the map."""
+        pool_type = self.global_pool if pool_type is None else pool_type
+        if pool_type == 'avg':
+            return x.mean(dim=(1, 2))
+        if pool_type == 'max':
+            return x.amax(dim=(1, 2))
+        if pool_type == 'avgmax':
+            return 0.5 * (x.mean(dim=(1, 2)) + x.amax(dim=(1, 2)))
+        return x
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        x = self.pool(x)
+        x = self.head_drop(x)
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.forward_features(x)
+        x = self.forward_head(x)
+        return x
+
+
+def _check_global_pool(global_pool: str) -> None:
+    if global_pool not in GLOBAL_POOLS:
+        raise ValueError(f'unknown global_pool {global_pool!r}: choose one of {GLOBAL_POOLS} ("" for no pooling)')
+
+
+def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: AFTConvTransformer) -> Dict[str, torch.Tensor]:
+    """Adapt an AFT-conv checkpoint to ``model``: unwraps ``{'model': ...}`` / ``{'state_dict': ...}``.
+
+    Nothing depends on the input size, so a checkpoint of any resolution loads as it is. Other checkpoint layouts
+    (e.g. DeiT) are converted here.
+    """
+    state_dict = state_dict.get('model', state_dict)
+    state_dict = state_dict.get('state_dict', state_dict)
+    return dict(state_dict)
+
+
+def _cfg(url: str = '', **kwargs) -> Dict[str, Any]:
+    return {
+        'url': url,
+        'num_classes': 1000, 'input_size': (3, 224, 224), 'pool_size': (14, 14),
+        'test_input_size': (3, 384, 384), 'test_pool_size': (24, 24), 'test_crop_pct': 1.0,
+        'crop_pct': .9, 'interpolation': 'bicubic',
+        'mean': IMAGENET_DEFAULT_MEAN, 'std': IMAGENET_DEFAULT_STD,
+        'first_conv': 'patch_embed.proj', 'classifier': 'head',
+        'license': 'apache-2.0', 'paper_ids': PAPER_ID, 'paper_name': 'An Attention Free Transformer',
+        **kwargs,
+    }
+
+
+_cfg_384 = partial(
+    _cfg, input_size=(3, 384, 384), pool_size=(24, 24), crop_pct=1.0,
+    test_input_size=None, test_pool_size=None, test_crop_pct=None,
+)
+
+default_cfgs = generate_default_cfgs({
+    # no released weights yet: '.untrained' cfgs carry the preprocessing the DeiT recipe uses; trained at 224,
+    # AFT-conv is better evaluated at 384 (Table 7), hence test_input_size
+    'aft_conv_tiny.untrained': _cfg(),
+    'aft_conv_small.untrained': _cfg(),
+    'aft_conv_base.untrained': _cfg_384(),
+    'aft_conv_tiny_11.untrained': _cfg(),
+    'aft_conv_tiny_11_h32.untrained': _cfg(),
+    'aft_conv_small_3.untrained': _cfg(),
+    'aft_conv_small_7.untrained': _cfg(),
+    'aft_conv_small_11.untrained': _cfg(),
+    'aft_conv_small_15.untrained': _cfg(),
+    'aft_conv_small_11_h16.untrained': _cfg(),
+    'aft_conv_base_25_h32.untrained': _cfg_384(),
+    'aft_conv_test.untrained': _cfg(
+        input_size=(3, 64, 64), pool_size=(8, 8), test_input_size=(3, 96, 96), test_pool_size=(12, 12), crop_pct=.95),
+})
+
+
+def _create_aft_conv(variant: str, pretrained: bool = False, **kwargs) -> AFTConvTransformer:
+    out_indices = kwargs.pop('out_indices', 3)
+    return build_model_with_cfg(
+        AFTConvTransformer,
+        variant,
+        pretrained,
+        pretrained_filter_fn=checkpoint_filter_fn,
+        feature_cfg=dict(out_indices=out_indices, feature_cls='getter'),
+        **kwargs,
+    )
+
+
+@register_model
+def aft_conv_tiny(pretrained: bool = False, **kwargs) -> AFTConvTransformer:
+    """AFT-conv tiny, recommended: 11x11 kernel, 192 heads (= aft_conv_tiny_11), Table 7: 74.8% top-1, 5.9M."""
+    model_args = dict(patch_size=16, embed_dim=192, depth=12, num_heads=192, kernel_size=11)
+    return _create_aft_conv('aft_conv_tiny', pretrained=pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def aft_conv_small(pretrained: bool = False, **kwargs) -> AFTConvTransformer:
+    """AFT-conv small, recommended: 15x15 kernel, 384 heads (= aft_conv_small_15), Table 7: 81.0% top-1, 23.0M."""
+    model_args = dict(patch_size=16, embed_dim=384, depth=12, num_heads=384, kernel_size=15)
+    return _create_aft_conv('aft_conv_small', pretrained=pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def aft_conv_base(pretrained: bool = False, **kwargs) -> AFTConvTransformer:
+    """AFT-conv base, recommended: 25x25 kernel, 32 heads at 384 (= aft_conv_base_25_h32), Table 8: 79.7M."""
+    model_args = dict(img_size=384, patch_size=16, embed_dim=768, depth=12, num_heads=32, kernel_size=25)
+    return _create_aft_conv('aft_conv_base', pretrained=pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def aft_conv_tiny_11(pretrained: bool = False, **kwargs) -> AFTConvTransformer:
+    """AFT-conv tiny, 11x11 kernel, 192 heads. Table 7: 74.8% top-1, 5.9M params."""
+    model_args = dict(patch_size=16, embed_dim=192, depth=12, num_heads=192, kernel_size=11)
+    return _create_aft_conv('aft_conv_tiny_11', pretrained=pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def aft_conv_tiny_11_h32(pretrained: bool = False, **kwargs) -> AFTConvTransformer:
+    """AFT-conv tiny, 11x11 kernel, 32 heads. Table 7: 73.9% top-1, 5.4M params."""
+    model_args = dict(patch_size=16, embed_dim=192, depth=12, num_heads=32, kernel_size=11)
+    return _create_aft_conv('aft_conv_tiny_11_h32', pretrained=pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def aft_conv_small_3(pretrained: bool = False, **kwargs) -> AFTConvTransformer:
+    """AFT-conv small, 3x3 kernel, 384 heads (Table 11 kernel ablation)."""
+    model_args = dict(patch_size=16, embed_dim=384, depth=12, num_heads=384, kernel_size=3)
+    return _create_aft_conv('aft_conv_small_3', pretrained=pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def aft_conv_small_7(pretrained: bool = False, **kwargs) -> AFTConvTransformer:
+    """AFT-conv small, 7x7 kernel, 384 heads (Table 11 kernel ablation)."""
+    model_args = dict(patch_size=16, embed_dim=384, depth=12, num_heads=384, kernel_size=7)
+    return _create_aft_conv('aft_conv_small_7', pretrained=pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def aft_conv_small_11(pretrained: bool = False, **kwargs) -> AFTConvTransformer:
+    """AFT-conv small, 11x11 kernel, 384 heads. Table 7: 80.8% top-1, 22.5M params."""
+    model_args = dict(patch_size=16, embed_dim=384, depth=12, num_heads=384, kernel_size=11)
+    return _create_aft_conv('aft_conv_small_11', pretrained=pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def aft_conv_small_15(pretrained: bool = False, **kwargs) -> AFTConvTransformer:
+    """AFT-conv small, 15x15 kernel, 384 heads. Table 7: 81.0% top-1 (81.6% at 384), 23.0M params."""
+    model_args = dict(patch_size=16, embed_dim=384, depth=12, num_heads=384, kernel_size=15)
+    return _create_aft_conv('aft_conv_small_15', pretrained=pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def aft_conv_small_11_h16(pretrained: bool = False, **kwargs) -> AFTConvTransformer:
+    """AFT-conv small, 11x11 kernel, 16 heads. Table 7: 80.2% top-1, 20.3M params."""
+    model_args = dict(patch_size=16, embed_dim=384, depth=12, num_heads=16, kernel_size=11)
+    return _create_aft_conv('aft_conv_small_11_h16', pretrained=pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def aft_conv_base_25_h32(pretrained: bool = False, **kwargs) -> AFTConvTransformer:
+    """AFT-conv base, 25x25 kernel, 32 heads at 384. Table 8: 83.4% top-1 (from DeiT base), 79.7M params."""
+    model_args = dict(img_size=384, patch_size=16, embed_dim=768, depth=12, num_heads=32, kernel_size=25)
+    return _create_aft_conv('aft_conv_base_25_h32', pretrained=pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def aft_conv_test(pretrained: bool = False, **kwargs) -> AFTConvTransformer:
+    """Tiny AFT-conv for fast tests (64x64 input, patch 8, d=64, 8 heads, 5x5 kernel, 4 blocks)."""
+    model_args = dict(img_size=64, patch_size=8, embed_dim=64, depth=4, num_heads=8, kernel_size=5, mlp_ratio=2.)
+    return _create_aft_conv('aft_conv_test', pretrained=pretrained, **dict(model_args, **kwargs))
