@@ -76,11 +76,106 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_transfer(subparsers) -> None:
+    p = subparsers.add_parser('transfer', help='convert DeiT / ViT weights into an AFT model (safetensors)')
+    p.add_argument('--src', required=True, help='timm DeiT / ViT name (downloads its weights) or a checkpoint file')
+    p.add_argument('--model', required=True, help='registered AFT model name, e.g. aft_conv_small')
+    p.add_argument('--out', required=True, help='output .safetensors file')
+    p.add_argument('--num-classes', type=int, default=None, help='classes of the AFT head (default: the model\'s)')
+    p.add_argument('--force', action='store_true', help='overwrite --out if it exists')
+
+
+def _cmd_transfer(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ._io import load_weights, save_weights
+    from .models import create_aft_model
+    from .transfer import transfer_vit_weights
+
+    if not args.out.endswith('.safetensors'):
+        raise ValueError(f'--out must be a .safetensors file, got {args.out}')
+    if Path(args.out).exists() and not args.force:
+        raise ValueError(f'{args.out} exists; pass --force to overwrite it')
+    kwargs = {} if args.num_classes is None else {'num_classes': args.num_classes}
+    model = create_aft_model(args.model, **kwargs)
+    if Path(args.src).is_file():
+        source = load_weights(args.src)
+    elif Path(args.src).suffix in ('.safetensors', '.pth', '.pt', '.bin'):
+        raise FileNotFoundError(f'checkpoint file not found: {args.src}')
+    else:
+        import timm
+        source = timm.create_model(args.src, pretrained=True).state_dict()
+    state_dict, report = transfer_vit_weights(source, model)
+    model.load_state_dict(state_dict)
+    digest = save_weights(state_dict, args.out, force=args.force,
+                          metadata={'source': str(args.src), 'architecture': args.model})
+    print(report.summary())
+    print(f'wrote {args.out}  sha256 {digest}')
+    return 0
+
+
+def _add_publish(subparsers) -> None:
+    p = subparsers.add_parser('publish', help='publish an AFT checkpoint in timm\'s Hub layout (or --dry-run)')
+    p.add_argument('checkpoint', help='AFT weights (.safetensors, or a weights-only PyTorch file)')
+    p.add_argument('--model', required=True, help='registered AFT model name the weights belong to')
+    p.add_argument('--repo-id', required=True, help='Hub repository, org/name')
+    p.add_argument('--dry-run', action='store_true', help='write the folder locally (--out-dir); upload nothing')
+    p.add_argument('--out-dir', default=None, help='output folder for --dry-run')
+    p.add_argument('--force', action='store_true', help='replace --out-dir if it exists')
+    p.add_argument('--labels', default=None, help='class names: a text file, one per line, or a JSON list')
+    p.add_argument('--results', default=None, help='JSON file of metric -> value for the model card')
+    p.add_argument('--dataset', action='append', default=[], help='dataset name for the card (repeatable)')
+    p.add_argument('--base-model', default=None, help='Hub id the weights were initialised from')
+    p.add_argument('--training', default=None, help='one paragraph on how the model was trained')
+    p.add_argument('--private', action='store_true', help='create the Hub repository as private')
+
+
+def _read_labels(path: Optional[str]) -> Optional[List[str]]:
+    if path is None:
+        return None
+    import json
+    from pathlib import Path
+
+    text = Path(path).read_text(encoding='utf-8')
+    labels = json.loads(text) if text.lstrip().startswith('[') else [line.strip() for line in text.splitlines()]
+    return [str(label) for label in labels if str(label)]
+
+
+def _cmd_publish(args: argparse.Namespace) -> int:
+    from .hub import publish
+
+    result = publish(
+        args.checkpoint, args.model, args.repo_id, out_dir=args.out_dir, dry_run=args.dry_run, force=args.force,
+        label_names=_read_labels(args.labels), results_file=args.results, datasets=args.dataset,
+        base_model=args.base_model, training=args.training, private=args.private,
+    )
+    where = result.get('folder') or result.get('url')
+    print(f'{"wrote" if args.dry_run else "uploaded"} {where}  model.safetensors sha256 {result["sha256"]}')
+    return 0
+
+
+def _add_bench(subparsers) -> None:
+    from . import bench
+
+    p = subparsers.add_parser('bench', help='AFT vs DeiT throughput, memory and GMACs at several resolutions')
+    bench.add_arguments(p)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from . import bench
+
+    _device(args.device)
+    return bench.main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog='aft-vision', description='Attention Free Transformer tools for timm.')
     parser.add_argument('--version', action='version', version=f'%(prog)s {__version__}')
     subparsers = parser.add_subparsers(dest='command', required=True, metavar='COMMAND')
     _add_demo(subparsers)
+    _add_transfer(subparsers)
+    _add_publish(subparsers)
+    _add_bench(subparsers)
     return parser
 
 
@@ -94,7 +189,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     command = globals()[f'_cmd_{args.command}']
     try:
         return command(args)
-    except (ValueError, FileNotFoundError, KeyError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError, KeyError, RuntimeError) as e:
         message = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f'{parser.prog}: error: {message}', file=sys.stderr)
         return 2

@@ -33,7 +33,8 @@ from timm.models import (
 )
 
 from aft_vision.layers import AFTConv2d
-from .aft_vit import PAPER_ID, Block, check_image, init_weights_aft, block_indices, _record_input_size
+from .aft_vit import PAPER_ID, Block, adapt_vit_checkpoint, check_image, deit_init_cfg, init_weights_aft, \
+    block_indices, _record_input_size
 
 __all__ = ['AFTConvTransformer']  # register_model adds each entry point
 
@@ -298,12 +299,10 @@ def _check_global_pool(global_pool: str) -> None:
 def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: AFTConvTransformer) -> Dict[str, torch.Tensor]:
     """Adapt an AFT-conv checkpoint to ``model``: unwraps ``{'model': ...}`` / ``{'state_dict': ...}``.
 
-    Nothing depends on the input size, so a checkpoint of any resolution loads as it is. Other checkpoint layouts
-    (e.g. DeiT) are converted here.
+    Nothing depends on the input size, so a checkpoint of any resolution loads as it is. DeiT / ViT checkpoints are
+    mapped onto the model by ``transfer_vit_weights`` (values, MLPs, norms, patch embedding; the rest fresh).
     """
-    state_dict = state_dict.get('model', state_dict)
-    state_dict = state_dict.get('state_dict', state_dict)
-    return dict(state_dict)
+    return adapt_vit_checkpoint(state_dict, model)
 
 
 def _cfg(url: str = '', **kwargs) -> Dict[str, Any]:
@@ -324,7 +323,21 @@ _cfg_384 = partial(
     test_input_size=None, test_pool_size=None, test_crop_pct=None,
 )
 
+_deit_tiny, _deit_small = 'deit_tiny_patch16_224.fb_in1k', 'deit_small_patch16_224.fb_in1k'
+
 default_cfgs = generate_default_cfgs({
+    # '.deit_in1k': DeiT weights converted on load (fine-tuning initialisations, as in Table 8); '.untrained': none
+    'aft_conv_tiny.deit_in1k': deit_init_cfg(_cfg, _deit_tiny),
+    'aft_conv_small.deit_in1k': deit_init_cfg(_cfg, _deit_small),
+    'aft_conv_base.deit_in1k': deit_init_cfg(_cfg_384, 'deit_base_patch16_384.fb_in1k'),
+    'aft_conv_tiny_11.deit_in1k': deit_init_cfg(_cfg, _deit_tiny),
+    'aft_conv_tiny_11_h32.deit_in1k': deit_init_cfg(_cfg, _deit_tiny),
+    'aft_conv_small_3.deit_in1k': deit_init_cfg(_cfg, _deit_small),
+    'aft_conv_small_7.deit_in1k': deit_init_cfg(_cfg, _deit_small),
+    'aft_conv_small_11.deit_in1k': deit_init_cfg(_cfg, _deit_small),
+    'aft_conv_small_15.deit_in1k': deit_init_cfg(_cfg, _deit_small),
+    'aft_conv_small_11_h16.deit_in1k': deit_init_cfg(_cfg, _deit_small),
+    'aft_conv_base_25_h32.deit_in1k': deit_init_cfg(_cfg_384, 'deit_base_patch16_384.fb_in1k'),
     # no released weights yet: '.untrained' cfgs carry the preprocessing the DeiT recipe uses; trained at 224,
     # AFT-conv is better evaluated at 384 (Table 7), hence test_input_size
     'aft_conv_tiny.untrained': _cfg(),

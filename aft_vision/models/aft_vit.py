@@ -20,6 +20,8 @@ of the position embedding) are resampled over the 2-D patch grid, the class-toke
 from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Type, Union
 
+import logging
+
 import torch
 from torch import nn
 from torch.jit import Final
@@ -49,6 +51,9 @@ from timm.models import (
 )
 
 from aft_vision.layers import AFTFull, AFTSimple, aft_full
+from aft_vision.transfer import is_vit_state_dict, transfer_vit_weights, unwrap_state_dict
+
+_logger = logging.getLogger(__name__)
 
 __all__ = ['AFTVisionTransformer', 'Block', 'GridAFTFull']  # register_model adds each entry point
 
@@ -681,6 +686,15 @@ def _state_dict_grid(num_grid_tokens: int, name: str) -> Tuple[int, int]:
     return side, side
 
 
+def adapt_vit_checkpoint(state_dict: Dict[str, torch.Tensor], model: nn.Module) -> Dict[str, torch.Tensor]:
+    """Unwrap a training checkpoint; map a DeiT / ViT one onto the AFT ``model`` (report logged at INFO)."""
+    state_dict = unwrap_state_dict(state_dict)
+    if is_vit_state_dict(state_dict):
+        state_dict, report = transfer_vit_weights(state_dict, model)
+        _logger.info('DeiT -> %s transfer: %s', type(model).__name__, report.summary())
+    return state_dict
+
+
 def checkpoint_filter_fn(
         state_dict: Dict[str, torch.Tensor],
         model: AFTVisionTransformer,
@@ -693,10 +707,9 @@ def checkpoint_filter_fn(
     * resamples ``pos_embed`` and AFT-full's ``blocks.N.attn.pos_u``/``pos_v`` from the checkpoint's (square) patch
       grid to the model's, over the 2-D grid with the class-token row kept.
 
-    Other checkpoint layouts (e.g. DeiT) are converted before this per-tensor pass.
+    DeiT / ViT checkpoints are first mapped onto the model by ``transfer_vit_weights``.
     """
-    state_dict = state_dict.get('model', state_dict)
-    state_dict = state_dict.get('state_dict', state_dict)
+    state_dict = adapt_vit_checkpoint(state_dict, model)
     num_prefix_tokens = model.num_prefix_tokens
     grid_size = tuple(model.patch_embed.grid_size)
 
@@ -731,8 +744,24 @@ def _cfg(url: str = '', **kwargs) -> Dict[str, Any]:
     }
 
 
+DEIT_INIT_NOTE = (
+    'DeiT ImageNet-1k weights converted on load by the DeiT -> AFT transfer (Table 8 of the paper): an '
+    'initialisation for fine-tuning, not a trained AFT classifier. AFT-specific tensors start fresh.'
+)
+
+
+def deit_init_cfg(cfg_fn: Callable[..., Dict[str, Any]], deit_tag: str, **kwargs) -> Dict[str, Any]:
+    """A ``.deit_in1k`` tag: ``deit_tag``'s weights from timm's Hub repository, converted by the filter."""
+    return cfg_fn(hf_hub_id=f'timm/{deit_tag}', notes=(DEIT_INIT_NOTE,), **kwargs)
+
+
 default_cfgs = generate_default_cfgs({
-    # no released weights yet: '.untrained' cfgs carry the preprocessing the DeiT recipe uses
+    # '.deit_in1k': DeiT weights converted on load (fine-tuning initialisations); '.untrained': no weights
+    'aft_full_tiny.deit_in1k': deit_init_cfg(_cfg, 'deit_tiny_patch16_224.fb_in1k'),
+    'aft_full_small.deit_in1k': deit_init_cfg(_cfg, 'deit_small_patch16_224.fb_in1k'),
+    'aft_full_base.deit_in1k': deit_init_cfg(_cfg, 'deit_base_patch16_224.fb_in1k'),
+    'aft_simple_tiny.deit_in1k': deit_init_cfg(_cfg, 'deit_tiny_patch16_224.fb_in1k'),
+    'aft_simple_small.deit_in1k': deit_init_cfg(_cfg, 'deit_small_patch16_224.fb_in1k'),
     'aft_full_tiny.untrained': _cfg(),
     'aft_full_small.untrained': _cfg(),
     'aft_full_base.untrained': _cfg(),

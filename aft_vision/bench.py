@@ -1,0 +1,268 @@
+"""``aft-vision bench``: AFT models against their DeiT counterparts, at every resolution, in one interleaved run.
+
+For each resolution, every AFT model and its DeiT baseline (timm's ``deit_*_patch16_224`` built at that size, with
+timm's fused attention) are timed alternately after warm-up; the median of the repetitions is reported, so slow
+drifts of the machine hit both alike. Figures: inference and training-step throughput (forward + backward + AdamW
+step), peak memory (process RSS growth on CPU, ``max_memory_allocated`` on CUDA), parameters, GMACs (torch's flop
+counter) and achieved GFLOP/s, and each AFT / DeiT ratio.
+"""
+import argparse
+import contextlib
+import gc
+import json
+import os
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import timm
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+from tqdm import tqdm
+
+__all__ = ['run_benchmark', 'add_arguments', 'main']
+
+DEFAULT_MODELS = ['aft_conv_small', 'aft_conv_small_11_h16', 'aft_conv_tiny', 'aft_full_tiny']
+BASELINES = {192: 'deit_tiny_patch16_224', 384: 'deit_small_patch16_224', 768: 'deit_base_patch16_224'}
+
+
+class _RssPeak:
+    """Samples the process RSS every millisecond in a thread; ``peak`` is the growth over the start, in bytes."""
+
+    def __init__(self):
+        self.peak = 0
+        self._stop = threading.Event()
+        self._page = os.sysconf('SC_PAGE_SIZE')
+
+    def _rss(self) -> int:
+        with open('/proc/self/statm') as handle:
+            return int(handle.read().split()[1]) * self._page
+
+    def __enter__(self):
+        self._start = self._rss()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._rss() - self._start)
+            time.sleep(0.001)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._rss() - self._start)
+
+
+def _autocast(device: torch.device, precision: str):
+    if precision == 'fp32':
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16 if precision == 'bf16' else torch.float16)
+
+
+def _sync(device: torch.device):
+    if device.type == 'cuda':
+        torch.cuda.synchronize(device)
+
+
+class _Case:
+    """One model at one resolution: its inference and training-step closures."""
+
+    def __init__(self, name: str, img_size: int, batch_size: int, device: torch.device, precision: str):
+        self.name, self.device, self.precision = name, device, precision
+        self.model = timm.create_model(name, img_size=img_size, num_classes=1000).to(device)
+        self.images = torch.randn(batch_size, 3, img_size, img_size, device=device)
+        self.labels = torch.randint(0, 1000, (batch_size,), device=device)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-6)
+        self.params = sum(p.numel() for p in self.model.parameters())
+
+    def infer(self):
+        self.model.eval()
+        with torch.inference_mode(), _autocast(self.device, self.precision):
+            self.model(self.images)
+
+    def train_step(self):
+        self.model.train()
+        with _autocast(self.device, self.precision):
+            loss = torch.nn.functional.cross_entropy(self.model(self.images), self.labels)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def flops(self) -> int:
+        self.model.eval()
+        counter = FlopCounterMode(display=False)
+        with torch.no_grad(), counter:
+            self.model(self.images)
+        return counter.get_total_flops()
+
+    def seconds(self, fn: Callable[[], None]) -> float:
+        _sync(self.device)
+        start = time.perf_counter()
+        fn()
+        _sync(self.device)
+        return time.perf_counter() - start
+
+    def peak_memory(self, fn: Callable[[], None]) -> int:
+        gc.collect()
+        if self.device.type == 'cuda':
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            base = torch.cuda.memory_allocated(self.device)
+            fn()
+            _sync(self.device)
+            return torch.cuda.max_memory_allocated(self.device) - base
+        with _RssPeak() as rss:
+            fn()
+        return rss.peak
+
+
+def _baseline_for(model_name: str) -> str:
+    width = timm.create_model(model_name, pretrained=False, num_classes=0, img_size=224).num_features
+    if width not in BASELINES:
+        raise ValueError(f'no DeiT counterpart for {model_name} (width {width}); DeiT widths are {sorted(BASELINES)}')
+    return BASELINES[width]
+
+
+def run_benchmark(
+        models: List[str],
+        resolutions: List[int],
+        batch_size: int = 8,
+        repeats: int = 5,
+        warmup: int = 2,
+        device: str = 'cpu',
+        precision: str = 'fp32',
+        train: bool = True,
+        baselines: Optional[Dict[str, str]] = None,
+) -> List[Dict]:
+    """Measure every model and its DeiT baseline at every resolution; one result row per (model, resolution)."""
+    device = torch.device(device)
+    baselines = baselines or {name: _baseline_for(name) for name in models}
+    rows = []
+    pairs = [(res, name) for res in resolutions for name in models]
+    for res, name in tqdm(pairs, desc='bench', unit='pair'):
+        cases = {'aft': _Case(name, res, batch_size, device, precision),
+                 'deit': _Case(baselines[name], res, batch_size, device, precision)}
+        tasks = {'infer': 'infer', 'train': 'train_step'} if train else {'infer': 'infer'}
+        times = {(who, task): [] for who in cases for task in tasks}
+        for task, method in tasks.items():
+            for case in cases.values():
+                for _ in range(warmup):
+                    getattr(case, method)()
+            for _ in range(repeats):  # interleaved: aft, deit, aft, deit, ...
+                for who, case in cases.items():
+                    times[who, task].append(case.seconds(getattr(case, method)))
+        row = {'resolution': res, 'batch_size': batch_size, 'device': str(device), 'precision': precision,
+               'threads': torch.get_num_threads()}
+        for who, case in cases.items():
+            flops = case.flops()
+            infer_s = statistics.median(times[who, 'infer'])
+            row[who] = {
+                'model': case.name,
+                'params': case.params,
+                'gmacs': flops / 2 / batch_size / 1e9,
+                'infer_img_s': batch_size / infer_s,
+                'infer_gflop_s': flops / infer_s / 1e9,
+                'infer_peak_mb': case.peak_memory(case.infer) / 2 ** 20,
+            }
+            if train:
+                row[who]['train_img_s'] = batch_size / statistics.median(times[who, 'train'])
+                row[who]['train_peak_mb'] = case.peak_memory(case.train_step) / 2 ** 20
+        row['ratio'] = {key: row['aft'][key] / row['deit'][key] for key in row['aft']
+                        if key not in ('model', 'params', 'gmacs') and row['deit'][key]}
+        rows.append(row)
+        del cases
+        gc.collect()
+    return rows
+
+
+def markdown_table(rows: List[Dict]) -> str:
+    """The README table: one line per (resolution, model), AFT beside DeiT and their ratio."""
+    head = ('| res | model | params (M) | GMACs | infer img/s | train img/s | train peak MB | GFLOP/s '
+            '| vs DeiT: infer | train | train mem |')
+    lines = [head, '|' + '---|' * (head.count('|') - 1)]
+    for row in rows:
+        for who in ('aft', 'deit'):
+            r = row[who]
+            ratio = row['ratio']
+            tail = (f"{ratio['infer_img_s']:.2f}x | {ratio.get('train_img_s', float('nan')):.2f}x | "
+                    f"{ratio.get('train_peak_mb', float('nan')):.2f}x" if who == 'aft' else ' | | ')
+            lines.append(
+                f"| {row['resolution']} | {r['model']} | {r['params'] / 1e6:.1f} | {r['gmacs']:.2f} | "
+                f"{r['infer_img_s']:.1f} | {r.get('train_img_s', float('nan')):.1f} | "
+                f"{r.get('train_peak_mb', float('nan')):.0f} | {r['infer_gflop_s']:.1f} | {tail} |")
+    return '\n'.join(lines)
+
+
+def plot(rows: List[Dict], path: Path) -> None:
+    """Throughput and training memory against resolution, AFT (solid) vs DeiT (dashed)."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name in dict.fromkeys(row['aft']['model'] for row in rows):
+        mine = [row for row in rows if row['aft']['model'] == name]
+        res = [row['resolution'] for row in mine]
+        for who, style in (('aft', '-o'), ('deit', '--s')):
+            label = mine[0][who]['model']
+            axes[0].plot(res, [row[who]['infer_img_s'] for row in mine], style, label=label)
+            if 'train_peak_mb' in mine[0][who]:
+                axes[1].plot(res, [row[who]['train_peak_mb'] for row in mine], style, label=label)
+    axes[0].set(xlabel='resolution (px)', ylabel='inference images / s', yscale='log', title='Throughput')
+    axes[1].set(xlabel='resolution (px)', ylabel='training-step peak memory (MB)', title='Memory')
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    temp = path.with_name(f'.{path.name}.tmp.png')
+    fig.savefig(temp, dpi=110)
+    plt.close(fig)
+    os.replace(temp, path)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument('--models', nargs='+', default=DEFAULT_MODELS, help='AFT models (default: %(default)s)')
+    parser.add_argument('--resolutions', nargs='+', type=int, default=[224, 384, 512, 768])
+    parser.add_argument('--batch-size', type=int, default=8)
+    parser.add_argument('--repeats', type=int, default=5, help='timed repetitions per figure (median)')
+    parser.add_argument('--warmup', type=int, default=2)
+    parser.add_argument('--threads', type=int, default=None, help='torch threads (default: all cores)')
+    parser.add_argument('--device', default='cpu')
+    parser.add_argument('--precision', choices=['fp32', 'bf16', 'fp16'], default='fp32', help='autocast dtype')
+    parser.add_argument('--no-train', action='store_true', help='skip the training-step figures')
+    parser.add_argument('--quick', action='store_true', help='tiny run: aft_conv_test vs test_vit at 64 px')
+    parser.add_argument('--out-dir', default='outputs/bench', help='where bench.json, bench.md and bench.png go')
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if min(args.resolutions) < 16 or args.batch_size < 1 or args.repeats < 1:
+        raise ValueError('resolutions must be >= 16 px, --batch-size and --repeats >= 1')
+    models, baselines, resolutions = args.models, None, args.resolutions
+    if args.quick:
+        models, resolutions = ['aft_conv_test'], [64]
+        baselines = {'aft_conv_test': 'test_vit'}
+        args.repeats, args.warmup = 1, 1
+    for name in models:
+        if not timm.is_model(name):
+            raise ValueError(f'unknown model {name!r}; AFT models: {", ".join(timm.list_models("aft_*"))}')
+    torch.manual_seed(0)
+    rows = run_benchmark(models, resolutions, args.batch_size, args.repeats, args.warmup, args.device,
+                         args.precision, train=not args.no_train, baselines=baselines)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    table = markdown_table(rows)
+    (out / 'bench.json').write_text(json.dumps({'command': vars(args), 'rows': rows}, indent=2))
+    (out / 'bench.md').write_text(table + '\n')
+    try:
+        plot(rows, out / 'bench.png')
+    except ImportError:
+        print('matplotlib is not installed (pip install aft-vision[demo]): no plot written')
+    print(table)
+    print(f'wrote {out}/bench.json, bench.md, bench.png')
+    return 0

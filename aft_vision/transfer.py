@@ -1,0 +1,177 @@
+"""DeiT / ViT -> AFT weight transfer (Sec. 5.3, Table 8 of the AFT paper).
+
+``transfer_vit_weights(state_dict, model)`` maps a DeiT or ViT state dict (timm's layout, or the original DeiT
+release's ``{"model": ...}``) onto any AFT model by name: patch embedding, LayerNorms, MLPs, value and output
+projections, and the head when the class count matches. As in the paper, AFT-conv starts its query and key
+projections, position biases and (absent) class token / position embedding fresh; AFT-full and AFT-simple also take
+the query / key projections, the class token and the position embedding (resampled to the model's grid).
+
+Every source tensor is either used or named as deliberately skipped, every shape is checked, and the returned
+``TransferReport`` says what was copied, resampled, skipped and freshly initialised.
+"""
+import logging
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Dict, List, Mapping, Tuple
+
+import torch
+from timm.layers import resample_abs_pos_embed
+
+__all__ = ['TransferReport', 'transfer_vit_weights', 'unwrap_state_dict', 'is_vit_state_dict']
+
+_logger = logging.getLogger(__name__)
+
+_QKV = re.compile(r'blocks\.(\d+)\.attn\.qkv\.(weight|bias)$')
+_DISTILLATION = ('dist_token', 'head_dist.weight', 'head_dist.bias')
+
+
+@dataclass
+class TransferReport:
+    """What a transfer did, tensor by tensor (target names unless said otherwise)."""
+    copied: List[str] = field(default_factory=list)
+    resampled: Dict[str, str] = field(default_factory=dict)
+    partial: Dict[str, str] = field(default_factory=dict)
+    skipped: Dict[str, str] = field(default_factory=dict)  # source key -> reason
+    fresh: List[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        """A short human-readable report, one section per outcome."""
+        lines = [
+            f'copied {len(self.copied)} tensors, resampled {len(self.resampled)}, partially copied '
+            f'{len(self.partial)}, skipped {len(self.skipped)} source tensors, fresh {len(self.fresh)}',
+        ]
+        for title, items in (('resampled', self.resampled), ('partial', self.partial), ('skipped', self.skipped)):
+            for key, why in _collapse(items).items():
+                lines.append(f'  {title:9s} {key}: {why}')
+        for key in _collapse(dict.fromkeys(self.fresh, '')):
+            lines.append(f'  fresh     {key}')
+        return '\n'.join(lines)
+
+
+def _collapse(items: Mapping[str, str]) -> Dict[str, str]:
+    """Fold per-block entries into ``blocks.*.`` lines so the report stays short."""
+    folded: Dict[str, str] = {}
+    for key, why in items.items():
+        folded.setdefault(re.sub(r'^blocks\.\d+\.', 'blocks.*.', key), re.sub(r'blocks\.\d+\.', 'blocks.*.', why))
+    return folded
+
+
+def unwrap_state_dict(checkpoint: Mapping) -> Dict[str, torch.Tensor]:
+    """Return the tensors of a checkpoint saved bare, as ``{'model': ...}``, ``{'state_dict': ...}`` or by DDP."""
+    for wrapper in ('model', 'state_dict', 'model_ema', 'state_dict_ema'):
+        if isinstance(checkpoint.get(wrapper), Mapping):
+            checkpoint = checkpoint[wrapper]
+            break
+    state_dict = {}
+    for key, value in checkpoint.items():
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f'checkpoint entry {key!r} is a {type(value).__name__}, not a tensor: not a state dict')
+        state_dict[key[len('module.'):] if key.startswith('module.') else key] = value
+    return state_dict
+
+
+def is_vit_state_dict(state_dict: Mapping[str, torch.Tensor]) -> bool:
+    """True for a ViT / DeiT state dict: ``attn.qkv`` weights and no AFT position biases."""
+    has_qkv = any(_QKV.match(key) for key in state_dict)
+    has_aft = any('.attn.pos_' in key for key in state_dict)
+    return has_qkv and not has_aft
+
+
+def _num_blocks(keys) -> int:
+    indices = [int(m.group(1)) for m in (re.match(r'blocks\.(\d+)\.', key) for key in keys) if m]
+    return max(indices) + 1 if indices else 0
+
+
+def _resample_pos_embed(pos_embed: torch.Tensor, target: torch.Tensor, num_prefix: int) -> torch.Tensor:
+    """Resample (1, prefix + h*w, C) over a square source grid to the target's token count."""
+    src_tokens, dst_tokens = pos_embed.shape[1] - num_prefix, target.shape[1] - num_prefix
+    src_side, dst_side = math.isqrt(src_tokens), math.isqrt(dst_tokens)
+    if src_side * src_side != src_tokens or dst_side * dst_side != dst_tokens:
+        raise ValueError(f'pos_embed: cannot resample a non-square grid, source {list(pos_embed.shape)} '
+                         f'-> model {list(target.shape)}')
+    return resample_abs_pos_embed(pos_embed, [dst_side, dst_side], [src_side, src_side], num_prefix_tokens=num_prefix)
+
+
+def _map_qkv(key: str, source: torch.Tensor, target: torch.Tensor, values_only: bool,
+             report: TransferReport) -> torch.Tensor:
+    """ViT's (3C, ...) q/k/v projection onto an AFT one: whole, or only the values (AFT-conv, as in the paper)."""
+    dim = source.shape[0] // 3
+    num_heads = target.shape[0] - 2 * dim
+    fits = source.shape[0] == 3 * dim and num_heads >= 1 and source.shape[1:] == target.shape[1:]
+    if not fits or (not values_only and source.shape != target.shape):
+        raise ValueError(f'{key}: source shape {list(source.shape)} does not map onto model shape '
+                         f'{list(target.shape)} (expected a ViT (3C, ...) projection of the same width)')
+    if not values_only:
+        report.copied.append(key)
+        return source
+    mapped = target.clone()
+    mapped[dim + num_heads:] = source[2 * dim:]  # values; queries and keys start fresh
+    report.partial[key] = f'value rows {dim + num_heads}:{2 * dim + num_heads} <- source rows {2 * dim}:{3 * dim}'
+    report.skipped[f'{key}[0:{2 * dim}]'] = 'query and key rows: AFT-conv starts them fresh, as in the paper'
+    return mapped
+
+
+def transfer_vit_weights(
+        state_dict: Mapping[str, torch.Tensor],
+        model: torch.nn.Module,
+) -> Tuple[Dict[str, torch.Tensor], TransferReport]:
+    """Map a DeiT / ViT state dict onto an AFT model.
+
+    Args:
+        state_dict: Source tensors, in timm's ViT layout or wrapped as in the DeiT release.
+        model: The AFT model to fill; tensors it starts fresh are taken from its current state.
+
+    Returns:
+        A complete state dict for ``model`` (``load_state_dict(strict=True)`` accepts it) and the report.
+
+    Raises:
+        ValueError: The source is not a ViT / DeiT layout, or its width, depth or a tensor shape does not fit,
+            naming the key and both shapes.
+    """
+    source = unwrap_state_dict(state_dict)
+    target = model.state_dict()
+    for required in ('patch_embed.proj.weight', 'blocks.0.attn.qkv.weight'):
+        if required not in source:
+            raise ValueError(f'not a ViT / DeiT checkpoint: key {required!r} is missing '
+                             f'(found e.g. {sorted(source)[:5]})')
+    src_depth, dst_depth = _num_blocks(source), _num_blocks(target)
+    if src_depth != dst_depth:
+        raise ValueError(f'depth mismatch: the checkpoint has {src_depth} blocks (blocks.0-{src_depth - 1}), '
+                         f'the model {dst_depth}')
+    src_patch, dst_patch = source['patch_embed.proj.weight'], target['patch_embed.proj.weight']
+    if src_patch.shape != dst_patch.shape:
+        raise ValueError(f'width mismatch at patch_embed.proj.weight: checkpoint {list(src_patch.shape)}, '
+                         f'model {list(dst_patch.shape)}')
+
+    report = TransferReport()
+    mapped = dict(target)
+    num_prefix = getattr(model, 'num_prefix_tokens', 1)
+    values_only = any(key.endswith('.attn.pos_weight') for key in target)  # AFT-conv
+    for key, tensor in source.items():
+        if key in _DISTILLATION:
+            report.skipped[key] = 'DeiT distillation token / head: AFT models have none'
+        elif key not in target:
+            if key in ('cls_token', 'pos_embed'):
+                report.skipped[key] = 'AFT-conv has no class token or position embedding (fully convolutional)'
+                continue
+            raise ValueError(f'not a ViT / DeiT layout this model accepts: checkpoint key {key!r} '
+                             f'{list(tensor.shape)} has no counterpart in {type(model).__name__}')
+        elif _QKV.match(key):
+            mapped[key] = _map_qkv(key, tensor, target[key], values_only, report)
+        elif key == 'pos_embed' and tensor.shape != target[key].shape:
+            mapped[key] = _resample_pos_embed(tensor, target[key], num_prefix)
+            report.resampled[key] = f'{list(tensor.shape)} -> {list(target[key].shape)}'
+        elif key.startswith('head.') and tensor.shape != target[key].shape:
+            report.skipped[key] = f'class count differs: checkpoint {list(tensor.shape)}, model {list(target[key].shape)}'
+        elif tensor.shape != target[key].shape:
+            raise ValueError(f'shape mismatch at {key!r}: checkpoint {list(tensor.shape)}, '
+                             f'model {list(target[key].shape)}')
+        else:
+            mapped[key] = tensor
+            report.copied.append(key)
+    written = set(report.copied) | set(report.resampled) | set(report.partial)
+    report.fresh = [key for key in target if key not in written]
+    for key in written:
+        mapped[key] = mapped[key].to(dtype=target[key].dtype)
+    return mapped, report

@@ -1,0 +1,196 @@
+"""DeiT -> AFT transfer, pretrained tags, publishing and Hub / local-dir loading, all offline.
+
+The Hub is replaced by a cache folder the tests fill themselves (huggingface_hub's own layout); every load below runs
+through timm's and huggingface_hub's real download code with ``HF_HUB_OFFLINE`` set.
+"""
+import json
+import shutil
+
+import huggingface_hub
+import pytest
+import timm
+import torch
+from safetensors.torch import load_file
+from timm.models import save_for_hf
+
+import aft_vision  # noqa: F401  (registers the models)
+from aft_vision.cli import main as cli_main
+from aft_vision.hub import publish
+from aft_vision.transfer import transfer_vit_weights
+
+COMMIT = 'a' * 40
+
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch):
+    """An offline Hub: ``add(repo_id, folder)`` places a folder in the cache as the repo's main revision."""
+    cache = tmp_path / 'hub-cache'
+    cache.mkdir()
+    monkeypatch.setenv('HF_HUB_OFFLINE', '1')
+    monkeypatch.setenv('HF_HUB_CACHE', str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, 'HF_HUB_OFFLINE', True)
+    monkeypatch.setattr(huggingface_hub.constants, 'HF_HUB_CACHE', str(cache))
+
+    def add(repo_id, folder):
+        repo = cache / f'models--{repo_id.replace("/", "--")}'
+        shutil.copytree(folder, repo / 'snapshots' / COMMIT)
+        (repo / 'refs').mkdir()
+        (repo / 'refs' / 'main').write_text(COMMIT)
+
+    return add
+
+
+def random_deit(name, tmp_path, offline_hub):
+    """A randomly initialised DeiT saved by timm into the offline Hub under its real repository name."""
+    torch.manual_seed(0)
+    deit = timm.create_model(name)
+    folder = tmp_path / name
+    save_for_hf(deit, str(folder), safe_serialization=True)
+    offline_hub(deit.pretrained_cfg['hf_hub_id'], folder)
+    return load_file(str(folder / 'model.safetensors'))
+
+
+def test_deit_tag_loads_through_the_hub_path_and_transfers_exactly(tmp_path, offline_hub):
+    source = random_deit('deit_small_patch16_224.fb_in1k', tmp_path, offline_hub)
+    model = timm.create_model('aft_conv_small.deit_in1k', pretrained=True).eval()
+    assert 'deit_small_patch16_224.fb_in1k' in model.pretrained_cfg['hf_hub_id']
+    state = model.state_dict()
+    fresh_model = timm.create_model('aft_conv_small')
+    dim = 384
+    for key, tensor in state.items():
+        if key.endswith('attn.qkv.weight') or key.endswith('attn.qkv.bias'):
+            # values from DeiT; queries and keys start fresh (the paper's transfer)
+            num_heads = tensor.shape[0] - 2 * dim
+            assert torch.equal(tensor[dim + num_heads:], source[key][2 * dim:])
+            if key.endswith('weight'):  # biases start at zero on both sides
+                assert not torch.equal(tensor[:dim], source[key][:dim])
+        elif '.attn.pos_' in key:
+            assert key not in source
+            assert tensor.shape == fresh_model.state_dict()[key].shape
+        else:
+            assert torch.equal(tensor, source[key]), key
+    assert 'cls_token' in source and 'pos_embed' in source
+    out = model(torch.randn(2, 3, 224, 224))
+    assert out.shape == (2, 1000) and torch.isfinite(out).all()
+
+
+def test_transfer_report_names_everything(tmp_path):
+    deit = timm.create_model('deit_tiny_patch16_224')
+    model = timm.create_model('aft_full_tiny', num_classes=10)
+    state_dict, report = transfer_vit_weights({'model': deit.state_dict()}, model)  # DeiT release layout
+    model.load_state_dict(state_dict)
+    source_keys = set(deit.state_dict())
+    accounted = set(report.copied) | set(report.resampled) | {k.split('[')[0] for k in report.skipped}
+    assert accounted == source_keys
+    assert set(report.skipped) == {'head.weight', 'head.bias'}  # 1000 vs 10 classes
+    assert {k.rsplit('.', 1)[-1] for k in report.fresh} == {'pos_u', 'pos_v', 'weight', 'bias'}
+    assert all(k.startswith('head.') or '.attn.pos_' in k for k in report.fresh)
+    for key in report.copied:
+        assert torch.equal(model.state_dict()[key], deit.state_dict()[key])
+
+
+def test_transfer_resamples_pos_embed_for_aft_full_at_384():
+    deit = timm.create_model('deit_tiny_patch16_224')
+    model = timm.create_model('aft_full_tiny', img_size=384)
+    state_dict, report = transfer_vit_weights(deit.state_dict(), model)
+    assert report.resampled['pos_embed'] == '[1, 197, 192] -> [1, 577, 192]'
+    assert torch.equal(state_dict['pos_embed'][:, 0], deit.pos_embed[:, 0])  # class-token position kept
+    model.load_state_dict(state_dict)
+    assert torch.isfinite(model(torch.randn(1, 3, 384, 384))).all()
+
+
+@pytest.mark.parametrize('source, match', [
+    (lambda: timm.create_model('deit_small_patch16_224').state_dict(), 'width mismatch at patch_embed.proj.weight'),
+    (lambda: timm.create_model('deit_tiny_patch16_224', depth=6).state_dict(), 'depth mismatch'),
+    (lambda: timm.create_model('resnet18').state_dict(), 'not a ViT / DeiT checkpoint'),
+])
+def test_transfer_rejects_what_does_not_fit(source, match):
+    with pytest.raises(ValueError, match=match):
+        transfer_vit_weights(source(), timm.create_model('aft_conv_tiny'))
+
+
+def test_every_tag_names_a_real_deit_repository():
+    """Each ``.deit_in1k`` tag must point at a DeiT repository timm itself publishes."""
+    tags = [name for name in timm.list_pretrained('aft_*')]
+    assert 'aft_conv_small.deit_in1k' in tags and 'aft_conv_base_25_h32.deit_in1k' in tags
+    deit_repos = {
+        timm.models.get_pretrained_cfg(name).hf_hub_id: name for name in timm.list_pretrained('deit_*')
+    }
+    for tag in tags:
+        cfg = timm.models.get_pretrained_cfg(tag)
+        assert cfg.hf_hub_id in deit_repos, (tag, cfg.hf_hub_id)
+        assert 'initialisation for fine-tuning' in cfg.notes[0]
+
+
+def test_cli_transfer_writes_safetensors_once(tmp_path, capsys):
+    deit_file = tmp_path / 'deit.pth'
+    torch.save({'model': timm.create_model('deit_tiny_patch16_224').state_dict()}, deit_file)
+    out = tmp_path / 'aft.safetensors'
+    args = ['transfer', '--src', str(deit_file), '--model', 'aft_conv_tiny', '--out', str(out)]
+    assert cli_main(args) == 0
+    printed = capsys.readouterr().out
+    assert 'sha256' in printed and 'partial' in printed and 'fresh' in printed
+    before = out.read_bytes()
+    assert cli_main(args) == 2  # refuses to overwrite
+    assert '--force' in capsys.readouterr().err
+    assert out.read_bytes() == before
+    assert cli_main(args + ['--force']) == 0
+
+
+def test_publish_dry_run_round_trips_through_local_dir_and_hf_hub(tmp_path, offline_hub):
+    torch.manual_seed(1)
+    model = timm.create_model('aft_conv_test', num_classes=5).eval()
+    checkpoint = tmp_path / 'trained.safetensors'
+    from aft_vision._io import save_weights
+    save_weights(model.state_dict(), checkpoint)
+    results = tmp_path / 'results.json'
+    results.write_text(json.dumps({'top1': 97.5}))
+    folder = tmp_path / 'hub-folder'
+    publish(str(checkpoint), 'aft_conv_test', 'someone/aft-test', out_dir=str(folder), dry_run=True,
+            label_names=list('abcde'), results_file=str(results), datasets=['digits'])
+    assert sorted(p.name for p in folder.iterdir()) == ['README.md', 'config.json', 'model.safetensors']
+    config = json.loads((folder / 'config.json').read_text())
+    assert config['architecture'] == 'aft_conv_test' and config['num_classes'] == 5
+    assert config['label_names'] == list('abcde')
+    card = (folder / 'README.md').read_text()
+    assert 'library_name: timm' in card and '| top1 | 97.5 |' in card and "hf-hub:someone/aft-test" in card
+
+    x = torch.randn(2, 3, 64, 64)
+    expected = model(x)
+    local = timm.create_model(f'local-dir:{folder}', pretrained=True).eval()
+    assert torch.equal(local(x), expected)
+    offline_hub('someone/aft-test', folder)
+    remote = timm.create_model('hf-hub:someone/aft-test', pretrained=True).eval()
+    assert torch.equal(remote(x), expected)
+
+
+def test_publish_refuses_bad_inputs_and_leaves_nothing(tmp_path):
+    checkpoint = tmp_path / 'bad.safetensors'
+    checkpoint.write_bytes(b'not a safetensors file at all')
+    folder = tmp_path / 'out'
+    with pytest.raises(ValueError, match='not a readable safetensors file'):
+        publish(str(checkpoint), 'aft_conv_test', 'me/x', out_dir=str(folder), dry_run=True)
+    wrong = tmp_path / 'wrong.safetensors'
+    from aft_vision._io import save_weights
+    save_weights(timm.create_model('aft_full_test').state_dict(), wrong)
+    with pytest.raises(ValueError, match='does not fit aft_conv_test'):
+        publish(str(wrong), 'aft_conv_test', 'me/x', out_dir=str(folder), dry_run=True)
+    with pytest.raises(ValueError, match="org/name"):
+        publish(str(wrong), 'aft_full_test', 'no-slash', out_dir=str(folder), dry_run=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['bad.safetensors', 'wrong.safetensors']
+
+
+def test_failed_upload_says_what_failed_and_leaves_nothing(tmp_path, monkeypatch):
+    from aft_vision._io import save_weights
+    checkpoint = tmp_path / 'w.safetensors'
+    save_weights(timm.create_model('aft_conv_test').state_dict(), checkpoint)
+    monkeypatch.setenv('HF_TOKEN', 'hf_secret_never_printed')
+
+    def refuse(self, *args, **kwargs):
+        raise ConnectionError('Hub unreachable')
+
+    monkeypatch.setattr(huggingface_hub.HfApi, 'create_repo', refuse)
+    with pytest.raises(RuntimeError, match='creating Hub repository me/x failed: ConnectionError') as error:
+        publish(str(checkpoint), 'aft_conv_test', 'me/x')
+    assert 'hf_secret' not in str(error.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['w.safetensors']
