@@ -195,7 +195,8 @@ class AFTConvTransformer(nn.Module):
         _record_input_size(self, self.patch_embed.img_size)
 
     def _check_input(self, x: torch.Tensor) -> None:
-        check_image(x, self.in_chans, self.patch_embed.patch_size, None, self.patch_embed.dynamic_img_pad)
+        check_image(x, self.in_chans, self.patch_embed.patch_size, None, self.patch_embed.dynamic_img_pad,
+                    self.patch_embed.proj.weight.dtype)
 
     def forward_intermediates(
             self,

@@ -129,6 +129,7 @@ def check_image(
         patch_size: Tuple[int, int],
         img_size: Optional[Tuple[int, int]] = None,
         dynamic_img_pad: bool = False,
+        weight_dtype: Optional[torch.dtype] = None,
 ) -> None:
     """Check an image batch (B, C, H, W) against what a patch-embedding model accepts; raise ValueError otherwise.
 
@@ -139,7 +140,18 @@ def check_image(
         img_size: The only accepted size, for a model whose positional parameters are tied to its grid; None when
             any size is accepted that is a multiple of the patch size (or any size if ``dynamic_img_pad``).
         dynamic_img_pad: The model zero-pads images to a multiple of the patch size.
+        weight_dtype: The model's parameter dtype; outside autocast, images must have it.
     """
+    if not x.is_floating_point():
+        raise TypeError(f'expected a floating-point image batch, got dtype {x.dtype}: convert and normalise it first')
+    if weight_dtype is not None and x.dtype != weight_dtype:
+        if torch.jit.is_scripting():
+            autocast = False
+        else:
+            autocast = torch.is_autocast_enabled(x.device.type)
+        if not autocast:
+            raise TypeError(f'image dtype {x.dtype} does not match the model parameters ({weight_dtype}): cast the '
+                            f'images (x.to({weight_dtype})), the model (model.to({x.dtype})), or run under autocast')
     if x.dim() != 4:
         raise ValueError(f'expected an image batch of shape (B, {in_chans}, H, W), got shape {list(x.shape)}')
     if x.shape[1] != in_chans:
@@ -548,6 +560,7 @@ class AFTVisionTransformer(nn.Module):
             self.patch_embed.patch_size,
             None if self.dynamic_img_size else self.patch_embed.img_size,
             self.patch_embed.dynamic_img_pad,
+            self.patch_embed.proj.weight.dtype,
         )
 
     def forward_intermediates(
