@@ -140,7 +140,7 @@ def transfer_vit_weights(
         raise ValueError(f'depth mismatch: the checkpoint has {src_depth} blocks (blocks.0-{src_depth - 1}), '
                          f'the model {dst_depth}')
     src_patch, dst_patch = source['patch_embed.proj.weight'], target['patch_embed.proj.weight']
-    if src_patch.shape != dst_patch.shape:
+    if src_patch.shape[0] != dst_patch.shape[0] or src_patch.shape[2:] != dst_patch.shape[2:]:
         raise ValueError(f'width mismatch at patch_embed.proj.weight: checkpoint {list(src_patch.shape)}, '
                          f'model {list(dst_patch.shape)}')
 
@@ -155,6 +155,9 @@ def transfer_vit_weights(
             if key in ('cls_token', 'pos_embed'):
                 report.skipped[key] = 'AFT-conv has no class token or position embedding (fully convolutional)'
                 continue
+            if key.startswith('head.'):
+                report.skipped[key] = 'the model has no classifier (num_classes=0)'
+                continue
             raise ValueError(f'not a ViT / DeiT layout this model accepts: checkpoint key {key!r} '
                              f'{list(tensor.shape)} has no counterpart in {type(model).__name__}')
         elif _QKV.match(key):
@@ -164,6 +167,10 @@ def transfer_vit_weights(
             report.resampled[key] = f'{list(tensor.shape)} -> {list(target[key].shape)}'
         elif key.startswith('head.') and tensor.shape != target[key].shape:
             report.skipped[key] = f'class count differs: checkpoint {list(tensor.shape)}, model {list(target[key].shape)}'
+        elif key == 'patch_embed.proj.weight' and tensor.shape != target[key].shape:
+            # other input channels: kept as they are for timm's loader, which adapts them (``first_conv``)
+            mapped[key] = tensor
+            report.partial[key] = f'{tensor.shape[1]} input channels kept for the loader to adapt to {target[key].shape[1]}'
         elif tensor.shape != target[key].shape:
             raise ValueError(f'shape mismatch at {key!r}: checkpoint {list(tensor.shape)}, '
                              f'model {list(target[key].shape)}')

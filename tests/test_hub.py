@@ -72,6 +72,12 @@ def test_deit_tag_loads_through_the_hub_path_and_transfers_exactly(tmp_path, off
     assert 'cls_token' in source and 'pos_embed' in source
     out = model(torch.randn(2, 3, 224, 224))
     assert out.shape == (2, 1000) and torch.isfinite(out).all()
+    # timm's own pretrained-loading contract: other input channels and a new head
+    gray = timm.create_model('aft_conv_small.deit_in1k', pretrained=True, in_chans=1, num_classes=5)
+    torch.testing.assert_close(gray.patch_embed.proj.weight, source['patch_embed.proj.weight'].sum(1, keepdim=True))
+    assert gray(torch.randn(1, 1, 224, 224)).shape == (1, 5)
+    assert timm.create_model('aft_conv_small.deit_in1k', pretrained=True, num_classes=0)(
+        torch.randn(1, 3, 224, 224)).shape == (1, 384)
 
 
 def test_transfer_report_names_everything(tmp_path):
