@@ -189,7 +189,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     command = globals()[f'_cmd_{args.command}']
     try:
         return command(args)
-    except (ValueError, FileNotFoundError, FileExistsError, KeyError, RuntimeError) as e:
+    except (ValueError, TypeError, OSError, KeyError, RuntimeError) as e:  # OSError: missing or unwritable paths
         message = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f'{parser.prog}: error: {message}', file=sys.stderr)
         return 2
