@@ -31,6 +31,13 @@ def exporting() -> bool:
         return torch.compiler.is_exporting() or torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()
 
 
+def any_flagged(bad: torch.Tensor) -> bool:
+    """Whether any entry needs the exact recomputation; always False on meta tensors and while exporting."""
+    if bad.device.type == 'meta' or exporting():
+        return False  # exported graphs keep the fast path only: no data-dependent branch
+    return bool(bad.any())
+
+
 def safe_ratio(numerator: torch.Tensor, denominator: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
     """``numerator / denominator`` with flagged entries divided by one, so their gradients stay finite."""
     return numerator / torch.where(bad, torch.ones_like(denominator), denominator)
@@ -73,7 +80,7 @@ def recompute_flagged(
         causal: bool = False,
         chunk_elements: int = _CHUNK_ELEMENTS,
 ) -> torch.Tensor:
-    """Replace flagged entries of ``out`` by the exact weighted average.
+    """Replace flagged entries of ``out`` by the exact weighted average (call it when ``any_flagged(bad)``).
 
     Args:
         out: Fast-path averages (B, T, C), finite everywhere (flagged entries are overwritten).
@@ -90,8 +97,6 @@ def recompute_flagged(
     Returns:
         ``out`` with flagged entries recomputed; differentiable in ``out``, ``k``, ``v`` and ``bias``.
     """
-    if bad.device.type == 'meta' or exporting() or not bool(bad.any()):
-        return out  # exported graphs keep the fast path only: no data-dependent branch
     num_keys = k.shape[1]
     channels_per_key = v.shape[2] // k.shape[2]
     flagged = bad.nonzero()  # (N, 3): image, query position, value channel

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from timm.layers import register_notrace_function
 
-from ._stable import TINY, conv_bias_rows, exporting, recompute_flagged, safe_ratio
+from ._stable import TINY, any_flagged, conv_bias_rows, exporting, recompute_flagged, safe_ratio
 
 __all__ = ['aft_full', 'aft_local', 'aft_simple', 'aft_conv2d']
 
@@ -96,8 +96,9 @@ def _pairwise_average(k: torch.Tensor, v: torch.Tensor, log_bias: torch.Tensor, 
     sums = torch.mm(weights, tokens.reshape(tokens.shape[0], -1)).view(tokens.shape).transpose(0, 1)  # (B, T, 2C)
     numerator, denominator = sums[..., :num_channels], sums[..., num_channels:]
     bad = denominator < tiny
-    out = safe_ratio(numerator, denominator, bad)
-    return recompute_flagged(out, bad, k, v, 'pairwise', bias=log_bias)
+    if not any_flagged(bad):
+        return numerator / denominator
+    return recompute_flagged(safe_ratio(numerator, denominator, bad), bad, k, v, 'pairwise', bias=log_bias)
 
 
 @register_notrace_function
@@ -200,7 +201,10 @@ def _aft_simple(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
         numerator = torch.cumsum(exp_k * v, dim=1)
         denominator = torch.cumsum(exp_k, dim=1)
         bad = denominator < tiny
-        mixed = recompute_flagged(safe_ratio(numerator, denominator, bad), bad, k, v, 'none', causal=True)
+        if any_flagged(bad):
+            mixed = recompute_flagged(safe_ratio(numerator, denominator, bad), bad, k, v, 'none', causal=True)
+        else:
+            mixed = numerator / denominator
     else:
         mixed = (F.softmax(k, dim=1) * v).sum(dim=1, keepdim=True)  # (B, 1, C)
     out = torch.sigmoid(q) * mixed
@@ -208,7 +212,7 @@ def _aft_simple(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
 
 
 def _conv_sums_depthwise(exp_kv: torch.Tensor, exp_k: torch.Tensor, w: torch.Tensor, bias_max: torch.Tensor):
-    """Numerator and denominator of Eq. 6 by one depthwise convolution; NHWC in, NHWC out."""
+    """Numerator and denominator of Eq. 6 by one depthwise convolution, and sum(exp(k)); NHWC in, NHWC out."""
     num_heads, s = w.shape[0], w.shape[-1]
     head_dim = exp_kv.shape[-1] // num_heads
     floor = torch.exp(-bias_max)  # (h,) weight of a key outside the window
@@ -216,9 +220,10 @@ def _conv_sums_depthwise(exp_kv: torch.Tensor, exp_k: torch.Tensor, w: torch.Ten
     kernel = torch.cat([kernel.repeat_interleave(head_dim, dim=0), kernel])  # (C + h, s, s)
     floor = torch.cat([floor.repeat_interleave(head_dim), floor])  # (C + h,)
     tokens = torch.cat([exp_kv, exp_k], dim=-1)  # (B, H, W, C + h)
+    # NHWC tokens are a channels-last NCHW view: the depthwise convolution reads them without a copy
     local = F.conv2d(tokens.permute(0, 3, 1, 2), kernel.unsqueeze(1), padding=s // 2, groups=kernel.shape[0])
-    total = tokens.sum(dim=(1, 2), keepdim=True) * floor  # (B, 1, 1, C + h)
-    return local.permute(0, 2, 3, 1) + total  # (B, H, W, C + h)
+    totals = tokens.sum(dim=(1, 2), keepdim=True)  # (B, 1, 1, C + h)
+    return local.permute(0, 2, 3, 1) + totals * floor, totals[..., -num_heads:]
 
 
 def _conv_sums_dense(exp_kv: torch.Tensor, exp_k: torch.Tensor, log_bias: torch.Tensor):
@@ -319,16 +324,19 @@ def _aft_conv2d(
         limit = torch.full([1, 1, 1, num_heads], tiny, dtype=dtype, device=q.device)
     else:
         bias_max = w.detach().amax(dim=(1, 2)).clamp_min(0.0)  # (h,)
-        sums = _conv_sums_depthwise(exp_kv, exp_k, w, bias_max)
-        scale = exp_k.detach().sum(dim=(1, 2), keepdim=True) * torch.exp(-bias_max)  # (B, 1, 1, h)
-        limit = (scale * cancel_tol).clamp_min(tiny)
-    numerator, denominator = sums[..., :channels], sums[..., channels:]  # (B, H, W, C), (B, H, W, h)
-    bad = (denominator < limit).repeat_interleave(head_dim, dim=-1)  # (B, H, W, C)
-    denominator = denominator.repeat_interleave(head_dim, dim=-1)
-    mixed = safe_ratio(numerator, denominator, bad).view(batch, num_keys, channels)
-    mixed = recompute_flagged(
-        mixed, bad.view(batch, num_keys, channels), k.reshape(batch, num_keys, num_heads),
-        v.reshape(batch, num_keys, channels), 'conv', bias=w, grid_w=width,
-    )
-    out = torch.sigmoid(q) * mixed.view(batch, height, width, channels)
+        sums, key_totals = _conv_sums_depthwise(exp_kv, exp_k, w, bias_max)
+        limit = (key_totals.detach() * torch.exp(-bias_max) * cancel_tol).clamp_min(tiny)  # (B, 1, 1, h)
+    numerator = sums[..., :channels].view(batch, height, width, num_heads, head_dim)
+    denominator = sums[..., channels:].unsqueeze(-1)  # (B, H, W, h, 1), broadcast over each head's channels
+    bad = denominator < limit.unsqueeze(-1)
+    if any_flagged(bad):
+        flags = bad.expand(numerator.shape).reshape(batch, num_keys, channels)
+        mixed = safe_ratio(numerator, denominator, bad).reshape(batch, num_keys, channels)
+        mixed = recompute_flagged(
+            mixed, flags, k.reshape(batch, num_keys, num_heads), v.reshape(batch, num_keys, channels),
+            'conv', bias=w, grid_w=width,
+        ).view(batch, height, width, num_heads, head_dim)
+    else:
+        mixed = numerator / denominator
+    out = (torch.sigmoid(q).reshape(mixed.shape) * mixed).view(batch, height, width, channels)
     return out.to(out_dtype)
