@@ -3,13 +3,15 @@
 For each resolution, every AFT model and its DeiT baseline (timm's ``deit_*_patch16_224`` built at that size, with
 timm's fused attention) are timed alternately after warm-up; the median of the repetitions is reported, so slow
 drifts of the machine hit both alike. Figures: inference and training-step throughput (forward + backward + AdamW
-step), peak memory (process RSS growth on CPU, ``max_memory_allocated`` on CUDA), parameters, GMACs (torch's flop
+step), peak memory (process RSS growth over a first call in a fresh process on CPU, ``max_memory_allocated`` on
+CUDA), parameters, GMACs (torch's flop
 counter) and achieved GFLOP/s, and each AFT / DeiT ratio.
 """
 import argparse
 import contextlib
 import gc
 import json
+import multiprocessing
 import os
 import statistics
 import threading
@@ -106,18 +108,37 @@ class _Case:
         _sync(self.device)
         return time.perf_counter() - start
 
-    def peak_memory(self, fn: Callable[[], None]) -> int:
-        gc.collect()
+    def peak_memory(self, method: str) -> int:
+        """Peak memory of one call of ``method`` ('infer' or 'train_step'), in bytes.
+
+        CUDA: ``max_memory_allocated`` over the call. CPU: the allocator keeps freed memory, so RSS growth is only
+        meaningful in a process that has not run the model yet: the call runs once in a fresh spawned process.
+        """
         if self.device.type == 'cuda':
+            gc.collect()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
             base = torch.cuda.memory_allocated(self.device)
-            fn()
+            getattr(self, method)()
             _sync(self.device)
             return torch.cuda.max_memory_allocated(self.device) - base
-        with _RssPeak() as rss:
-            fn()
-        return rss.peak
+        args = (self.name, self.images.shape[-1], self.images.shape[0], self.precision, method,
+                torch.get_num_threads())
+        with multiprocessing.get_context('spawn').Pool(1) as pool:
+            return pool.apply(_fresh_process_rss_peak, args)
+
+
+def _fresh_process_rss_peak(name: str, img_size: int, batch_size: int, precision: str, method: str,
+                            threads: int) -> int:
+    """RSS growth over the first call of ``method`` of a freshly built model (runs in a spawned process)."""
+    import aft_vision  # noqa: F401  (registers the models in the spawned process)
+
+    torch.set_num_threads(threads)
+    case = _Case(name, img_size, batch_size, torch.device('cpu'), precision)
+    gc.collect()
+    with _RssPeak() as rss:
+        getattr(case, method)()
+    return rss.peak
 
 
 def _baseline_for(model_name: str) -> str:
@@ -166,11 +187,11 @@ def run_benchmark(
                 'gmacs': flops / 2 / batch_size / 1e9,
                 'infer_img_s': batch_size / infer_s,
                 'infer_gflop_s': flops / infer_s / 1e9,
-                'infer_peak_mb': case.peak_memory(case.infer) / 2 ** 20,
+                'infer_peak_mb': case.peak_memory('infer') / 2 ** 20,
             }
             if train:
                 row[who]['train_img_s'] = batch_size / statistics.median(times[who, 'train'])
-                row[who]['train_peak_mb'] = case.peak_memory(case.train_step) / 2 ** 20
+                row[who]['train_peak_mb'] = case.peak_memory('train_step') / 2 ** 20
         row['ratio'] = {key: row['aft'][key] / row['deit'][key] for key in row['aft']
                         if key not in ('model', 'params', 'gmacs') and row['deit'][key]}
         rows.append(row)
