@@ -231,8 +231,8 @@ def plot(rows: List[Dict], path: Path) -> None:
         for who, style in (('aft', '-o'), ('deit', '--s')):
             label = mine[0][who]['model']
             axes[0].plot(res, [row[who]['infer_img_s'] for row in mine], style, label=label)
-            if 'train_peak_mb' in mine[0][who]:
-                axes[1].plot(res, [row[who]['train_peak_mb'] for row in mine], style, label=label)
+            memory = [row[who].get('train_peak_mb', float('nan')) for row in mine]  # nan: --no-train rows
+            axes[1].plot(res, memory, style, label=label)
     axes[0].set(xlabel='resolution (px)', ylabel='inference images / s', yscale='log', title='Throughput')
     axes[1].set(xlabel='resolution (px)', ylabel='training-step peak memory (MB)', title='Memory')
     for ax in axes:
