@@ -168,6 +168,20 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return bench.main(args)
 
 
+def _add_train(subparsers) -> None:
+    from . import train
+
+    p = subparsers.add_parser('train', help='the main job: train on the digits (or --data-dir), evaluate, publish')
+    train.add_arguments(p)
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from . import train
+
+    train.run(args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog='aft-vision', description='Attention Free Transformer tools for timm.')
     parser.add_argument('--version', action='version', version=f'%(prog)s {__version__}')
@@ -176,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_transfer(subparsers)
     _add_publish(subparsers)
     _add_bench(subparsers)
+    _add_train(subparsers)
     return parser
 
 

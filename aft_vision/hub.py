@@ -150,8 +150,11 @@ def publish(
         base_model: Optional[str] = None,
         training: Optional[str] = None,
         private: bool = False,
+        model_kwargs: Optional[Dict] = None,
 ) -> Dict[str, str]:
     """Publish an AFT checkpoint: a local folder (``dry_run``) or a Hub upload.
+
+    ``model_kwargs`` rebuild a non-default architecture (e.g. ``patch_size=4``); timm records them in config.json.
 
     Returns:
         ``{'folder' or 'url': ..., 'sha256': sha256 of model.safetensors}``.
@@ -173,7 +176,7 @@ def publish(
             raise ValueError(f'cannot read results file {results_file}: {error}') from None
         if not isinstance(results, dict):
             raise ValueError(f'results file {results_file} must hold a JSON object of metric -> value')
-    model = load_checkpoint_into(model_name, checkpoint)
+    model = load_checkpoint_into(model_name, checkpoint, **(model_kwargs or {}))
     folder_args = dict(model_name=model_name, repo_id=repo_id, label_names=label_names, results=results,
                        datasets=datasets, base_model=base_model, training=training)
     if dry_run:

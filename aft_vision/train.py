@@ -1,0 +1,217 @@
+"""The main job: train an AFT-conv model on scikit-learn's handwritten digits (no download), evaluate it at the
+training resolution and a larger one, publish it as a Hub folder, reload it through timm and check it is identical.
+
+``python -m aft_vision.train`` (``bash scripts/run.sh``). ``--data-dir`` takes any ImageFolder with ``train/`` and
+``val/``, ``--model`` any registered AFT model.
+"""
+import argparse
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import timm
+import torch
+from timm.data import create_transform, resolve_data_config
+from timm.loss import LabelSmoothingCrossEntropy
+from timm.optim import create_optimizer_v2
+from timm.scheduler import create_scheduler_v2
+from torch.utils.data import DataLoader
+from torchvision.datasets import ImageFolder
+from tqdm import tqdm
+
+from ._io import save_weights
+from .hub import publish
+from .models import create_aft_model
+from .regularizers import position_bias_entropy
+
+# A small AFT-conv for 32 x 32 digits: patch 4 -> an 8 x 8 token grid, a 15 x 15 window (the whole grid), 8 heads.
+DIGITS_MODEL = dict(patch_size=4, embed_dim=64, depth=4, num_heads=8, kernel_size=15, mlp_ratio=2.)
+
+
+def write_digits(root: Path, size: int = 32, val_fraction: float = 0.2, seed: int = 0) -> Path:
+    """Write scikit-learn's 1797 digits once as an ImageFolder (``train/``, ``val/``), stratified, as RGB PNGs."""
+    if (root / 'train').is_dir() and (root / 'val').is_dir():
+        return root
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    gen = torch.Generator().manual_seed(seed)
+    staging = root.with_name(f'.{root.name}.tmp')
+    for label in range(10):
+        indices = torch.nonzero(torch.tensor(data.target) == label).flatten()
+        indices = indices[torch.randperm(len(indices), generator=gen)]
+        num_val = round(len(indices) * val_fraction)
+        for split, chosen in (('val', indices[:num_val]), ('train', indices[num_val:])):
+            folder = staging / split / str(label)
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in chosen.tolist():
+                pixels = (data.images[i] * (255 / 16)).astype('uint8')  # 8 x 8, values 0..16
+                Image.fromarray(pixels).resize((size, size), Image.BICUBIC).convert('RGB').save(folder / f'{i}.png')
+    root.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(staging, root)
+    return root
+
+
+def _loader(folder: Path, model: torch.nn.Module, img_size: int, train: bool, batch_size: int, seed: int):
+    config = resolve_data_config({'input_size': (3, img_size, img_size), 'crop_pct': 1.0}, model=model)
+    if train:  # digits must not be flipped; mild scale jitter only
+        transform = create_transform(**config, is_training=True, hflip=0.0, scale=(0.85, 1.0), ratio=(0.9, 1.1),
+                                     color_jitter=None, auto_augment=None)
+    else:
+        transform = create_transform(**config)
+    dataset = ImageFolder(str(folder), transform=transform)
+    if not len(dataset):
+        raise ValueError(f'no images found in {folder}')
+    return DataLoader(dataset, batch_size=batch_size, shuffle=train, num_workers=0,
+                      generator=torch.Generator().manual_seed(seed), drop_last=train and len(dataset) > batch_size)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, folder: Path, img_size: int, batch_size: int = 256) -> float:
+    """Top-1 accuracy (%) on an ImageFolder at ``img_size``."""
+    model.eval()
+    correct = total = 0
+    for images, labels in _loader(folder, model, img_size, False, batch_size, 0):
+        correct += (model(images).argmax(-1) == labels).sum().item()
+        total += len(labels)
+    return 100.0 * correct / total
+
+
+def train(
+        data_dir: Path,
+        model_name: str,
+        epochs: int,
+        img_size: int,
+        batch_size: int,
+        lr: float,
+        seed: int,
+        sparsity_weight: float = 0.0,
+        model_kwargs: Optional[Dict] = None,
+) -> Tuple[torch.nn.Module, List[Dict], List[str]]:
+    """Train from scratch (or from ``pretrained=True`` weights in ``model_kwargs``) with timm's components."""
+    torch.manual_seed(seed)
+    classes = ImageFolder(str(data_dir / 'train')).classes
+    model = create_aft_model(model_name, num_classes=len(classes), **(model_kwargs or {}))
+    train_loader = _loader(data_dir / 'train', model, img_size, True, batch_size, seed)
+    optimizer = create_optimizer_v2(model, 'adamw', lr=lr, weight_decay=0.05)
+    scheduler, _ = create_scheduler_v2(optimizer, sched='cosine', num_epochs=epochs, warmup_epochs=1,
+                                       warmup_lr=lr / 10, min_lr=lr / 100, step_on_epochs=False,
+                                       updates_per_epoch=len(train_loader))
+    criterion = LabelSmoothingCrossEntropy(smoothing=0.1)
+    history = []
+    for epoch in range(epochs):
+        model.train()
+        losses = []
+        bar = tqdm(train_loader, desc=f'epoch {epoch + 1}/{epochs}', unit='batch', leave=False)
+        for step, (images, labels) in enumerate(bar):
+            loss = criterion(model(images), labels)
+            if sparsity_weight:
+                loss = loss + sparsity_weight * position_bias_entropy(model)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            scheduler.step_update(epoch * len(train_loader) + step + 1)
+            losses.append(loss.item())
+            bar.set_postfix(loss=f'{loss.item():.3f}')
+        if not all(math.isfinite(x) for x in losses):
+            raise RuntimeError(f'training diverged in epoch {epoch + 1}: non-finite loss')
+        val_top1 = evaluate(model, data_dir / 'val', img_size)
+        history.append({'epoch': epoch + 1, 'loss': sum(losses) / len(losses), 'val_top1': val_top1})
+        print(f'epoch {epoch + 1:2d}  loss {history[-1]["loss"]:.4f}  val top-1 {val_top1:.2f}%')
+    return model, history, classes
+
+
+def plot_curves(history: List[Dict], path: Path) -> None:
+    """Training loss and validation top-1 per epoch."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+
+    epochs = [h['epoch'] for h in history]
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(9, 3.5))
+    ax_loss.plot(epochs, [h['loss'] for h in history], '-o')
+    ax_loss.set(xlabel='epoch', ylabel='training loss', title='Loss')
+    ax_acc.plot(epochs, [h['val_top1'] for h in history], '-o', color='tab:green')
+    ax_acc.set(xlabel='epoch', ylabel='val top-1 (%)', title='Held-out accuracy')
+    for ax in (ax_loss, ax_acc):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    temp = path.with_name(f'.{path.name}.tmp.png')
+    fig.savefig(temp, dpi=100)
+    plt.close(fig)
+    os.replace(temp, path)
+
+
+def run(args: argparse.Namespace) -> Dict:
+    """The whole job; returns the results written to ``results.json``."""
+    start = time.perf_counter()
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    data_dir = Path(args.data_dir) if args.data_dir else write_digits(out / 'data')
+    for split in ('train', 'val'):
+        if not (data_dir / split).is_dir():
+            raise FileNotFoundError(f'{data_dir / split} not found: --data-dir needs train/ and val/ ImageFolders')
+    model_kwargs = dict(DIGITS_MODEL) if args.model == 'aft_conv_test' and not args.data_dir else {}
+    if args.pretrained:
+        model_kwargs['pretrained'] = True
+    model, history, classes = train(data_dir, args.model, args.epochs, args.img_size, args.batch_size, args.lr,
+                                    args.seed, args.sparsity_weight, model_kwargs)
+    top1 = evaluate(model, data_dir / 'val', args.img_size)
+    top1_large = evaluate(model, data_dir / 'val', args.eval_img_size)
+
+    weights = out / 'model.safetensors'
+    sha256 = save_weights(model.state_dict(), weights, force=True)
+    results = {'top1': top1, f'top1_at_{args.eval_img_size}': top1_large}
+    (out / 'results.json').write_text(json.dumps(results, indent=2))
+    hub_dir = out / 'hub'
+    publish(str(weights), args.model, 'aft-vision/digits-demo', out_dir=str(hub_dir), dry_run=True, force=True,
+            label_names=classes, results_file=str(out / 'results.json'), datasets=['sklearn-digits'],
+            training=f'{args.epochs} epochs from scratch at {args.img_size} px, AdamW lr {args.lr}, cosine, '
+                     f'label smoothing 0.1 (aft_vision.train).', model_kwargs=model_kwargs)
+    reloaded = timm.create_model(f'local-dir:{hub_dir}', pretrained=True)
+    top1_reloaded = evaluate(reloaded, data_dir / 'val', args.img_size)
+    if top1_reloaded != top1:
+        raise RuntimeError(f'reloaded model scores {top1_reloaded:.2f}%, the trained one {top1:.2f}%')
+    try:
+        plot_curves(history, out / 'training_curve.png')
+    except ImportError:
+        print('matplotlib is not installed (pip install aft-vision[demo]): no training curve written')
+    results.update({
+        'model': args.model, 'epochs': args.epochs, 'img_size': args.img_size, 'eval_img_size': args.eval_img_size,
+        'top1_reloaded': top1_reloaded, 'history': history, 'weights_sha256': sha256,
+        'wall_seconds': round(time.perf_counter() - start, 1),
+    })
+    (out / 'results.json').write_text(json.dumps(results, indent=2))
+    print(f'\n{args.model} on {data_dir}: top-1 {top1:.2f}% at {args.img_size}px, {top1_large:.2f}% at '
+          f'{args.eval_img_size}px; reloaded from {hub_dir}: {top1_reloaded:.2f}% (identical)')
+    print(f'wrote {weights} (sha256 {sha256[:16]}...), {hub_dir}/, {out / "results.json"}, '
+          f'{out / "training_curve.png"}; {results["wall_seconds"]:.0f} s')
+    return results
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument('--data-dir', default=None, help='ImageFolder with train/ and val/ (default: the digits)')
+    parser.add_argument('--model', default='aft_conv_test', help='registered AFT model (default: %(default)s)')
+    parser.add_argument('--pretrained', action='store_true', help='start from the model\'s pretrained tag')
+    parser.add_argument('--epochs', type=int, default=30)
+    parser.add_argument('--img-size', type=int, default=32, help='training and evaluation resolution')
+    parser.add_argument('--eval-img-size', type=int, default=48, help='the larger evaluation resolution')
+    parser.add_argument('--batch-size', type=int, default=64)
+    parser.add_argument('--lr', type=float, default=5e-3)
+    parser.add_argument('--seed', type=int, default=0)
+    parser.add_argument('--sparsity-weight', type=float, default=0.0,
+                        help='weight of the Eq. 9 entropy regulariser (the paper: 0.001)')
+    parser.add_argument('--out-dir', default='outputs/digits', help='where weights, hub folder and plots go')
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    from .cli import main as cli_main
+    return cli_main(['train', *(argv if argv is not None else __import__('sys').argv[1:])])
+
+
+if __name__ == '__main__':
+    raise SystemExit(main())
