@@ -14,7 +14,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-__all__ = ['load_weights', 'save_weights', 'atomic_dir', 'sha256sum']
+__all__ = ['load_weights', 'save_weights', 'atomic_dir', 'save_figure', 'sha256sum']
 
 PathLike = Union[str, os.PathLike]
 
@@ -106,3 +106,18 @@ def sha256sum(path: PathLike) -> str:
         for block in iter(lambda: handle.read(1 << 20), b''):
             digest.update(block)
     return digest.hexdigest()
+
+
+def save_figure(fig, path: PathLike, dpi: int = 110) -> None:
+    """Save a matplotlib figure as PNG through a temporary sibling, then close it."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    temp = path.with_name(f'.{path.name}.tmp.png')
+    try:
+        fig.tight_layout()
+        fig.savefig(temp, dpi=dpi)
+        os.replace(temp, path)
+    finally:
+        plt.close(fig)
+        temp.unlink(missing_ok=True)

@@ -24,6 +24,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
 
+from ._io import save_figure
+
 __all__ = ['run_benchmark', 'add_arguments', 'main']
 
 DEFAULT_MODELS = ['aft_conv_small', 'aft_conv_small_11_h16', 'aft_conv_tiny', 'aft_full_tiny']
@@ -238,11 +240,7 @@ def plot(rows: List[Dict], path: Path) -> None:
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    temp = path.with_name(f'.{path.name}.tmp.png')
-    fig.savefig(temp, dpi=110)
-    plt.close(fig)
-    os.replace(temp, path)
+    save_figure(fig, path, dpi=110)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -82,7 +82,7 @@ def _model_card(
         '## Model details',
         f'- **Architecture:** `{model_name}` ({num_params / 1e6:.2f}M parameters, {model.num_classes} classes)',
         f'- **Input size:** {tuple(cfg.get("input_size", ()))}, crop_pct {cfg.get("crop_pct")}',
-        f'- **Paper:** [An Attention Free Transformer](https://arxiv.org/abs/2105.14103)',
+        '- **Paper:** [An Attention Free Transformer](https://arxiv.org/abs/2105.14103)',
     ]
     if datasets:
         lines.append(f'- **Dataset:** {", ".join(datasets)}')

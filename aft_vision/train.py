@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 from torchvision.datasets import ImageFolder
 from tqdm import tqdm
 
-from ._io import save_weights
+from ._io import save_figure, save_weights
 from .hub import publish
 from .models import create_aft_model
 from .regularizers import position_bias_entropy
@@ -139,11 +139,7 @@ def plot_curves(history: List[Dict], path: Path) -> None:
     ax_acc.set(xlabel='epoch', ylabel='val top-1 (%)', title='Held-out accuracy')
     for ax in (ax_loss, ax_acc):
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    temp = path.with_name(f'.{path.name}.tmp.png')
-    fig.savefig(temp, dpi=100)
-    plt.close(fig)
-    os.replace(temp, path)
+    save_figure(fig, path, dpi=100)
 
 
 def run(args: argparse.Namespace) -> Dict:
