@@ -182,6 +182,19 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_predict(subparsers) -> None:
+    from . import predict
+
+    p = subparsers.add_parser('predict', help='top-k classes for image files at any crop size')
+    predict.add_arguments(p)
+
+
+def _cmd_predict(args: argparse.Namespace) -> int:
+    from . import predict
+
+    return predict.main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog='aft-vision', description='Attention Free Transformer tools for timm.')
     parser.add_argument('--version', action='version', version=f'%(prog)s {__version__}')
@@ -191,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_publish(subparsers)
     _add_bench(subparsers)
     _add_train(subparsers)
+    _add_predict(subparsers)
     return parser
 
 

@@ -1,0 +1,71 @@
+"""``aft-vision predict``: top-k classes for image files, with timm's eval preprocessing at any crop size."""
+import argparse
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+from PIL import Image, UnidentifiedImageError
+from timm.data import ImageNetInfo, create_transform, resolve_data_config
+
+from .hub import load_checkpoint_into
+from .models import create_aft_model
+
+__all__ = ['predict', 'add_arguments', 'main']
+
+
+def _label_names(model: torch.nn.Module) -> Optional[List[str]]:
+    """Names the weights carry, else ImageNet's for a 1000-class head."""
+    names = model.pretrained_cfg.get('label_names')
+    if names:
+        return list(names.values()) if isinstance(names, dict) else list(names)
+    if model.num_classes == 1000:
+        info = ImageNetInfo()
+        return [info.index_to_description(i) for i in range(1000)]
+    return None
+
+
+def predict(model: torch.nn.Module, paths: List[str], img_size: Optional[int] = None, topk: int = 5) -> Dict:
+    """Classify readable images; unreadable ones are listed with the reason. Returns ``{'results', 'errors'}``."""
+    args = {'input_size': (3, img_size, img_size)} if img_size else {}
+    transform = create_transform(**resolve_data_config(args, model=model))
+    names = _label_names(model)
+    results, errors = {}, {}
+    model.eval()
+    for path in paths:
+        try:
+            with Image.open(path) as image:
+                tensor = transform(image.convert('RGB')).unsqueeze(0)
+        except (OSError, UnidentifiedImageError, ValueError) as error:  # missing, not an image, truncated
+            errors[path] = f'{type(error).__name__}: {error}'
+            continue
+        with torch.no_grad():
+            probs = model(tensor).softmax(-1)[0]
+        values, indices = probs.topk(min(topk, probs.numel()))
+        results[path] = [(names[i] if names else str(i), float(p)) for p, i in zip(values, indices.tolist())]
+    return {'results': results, 'errors': errors}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument('images', nargs='+', help='image files')
+    parser.add_argument('--model', required=True, help='registered AFT model, or hf-hub:/local-dir: source')
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument('--checkpoint', default=None, help='AFT weights (.safetensors or weights-only .pth)')
+    source.add_argument('--pretrained', action='store_true', help='the model\'s pretrained tag (downloads)')
+    parser.add_argument('--img-size', type=int, default=None, help='crop size (default: the model\'s data config)')
+    parser.add_argument('--topk', type=int, default=5)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.checkpoint:
+        model = load_checkpoint_into(args.model, args.checkpoint)
+    else:
+        model = create_aft_model(args.model, pretrained=args.pretrained or ':' in args.model)
+    out = predict(model, args.images, args.img_size, args.topk)
+    for path, why in out['errors'].items():
+        print(f'aft-vision: skipped {path}: {why}', file=sys.stderr)
+    for path, top in out['results'].items():
+        print(f'{Path(path).name}: ' + ', '.join(f'{name} {p:.3f}' for name, p in top))
+    if not out['results']:
+        raise ValueError('no image could be read')
+    return 0
