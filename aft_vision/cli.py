@@ -195,6 +195,34 @@ def _cmd_predict(args: argparse.Namespace) -> int:
     return predict.main(args)
 
 
+def _add_show_bias(subparsers) -> None:
+    from . import visualize
+
+    p = subparsers.add_parser('show-bias', help='plot learned position biases per layer and head (PNG)')
+    visualize.add_arguments(p)
+
+
+def _cmd_show_bias(args: argparse.Namespace) -> int:
+    from . import visualize
+
+    visualize.show_bias(args)
+    return 0
+
+
+def _add_show_keys(subparsers) -> None:
+    from . import visualize
+
+    p = subparsers.add_parser('show-keys', help='plot an image\'s keys per layer and head (PNG)')
+    visualize.add_arguments(p, keys=True)
+
+
+def _cmd_show_keys(args: argparse.Namespace) -> int:
+    from . import visualize
+
+    visualize.show_keys(args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog='aft-vision', description='Attention Free Transformer tools for timm.')
     parser.add_argument('--version', action='version', version=f'%(prog)s {__version__}')
@@ -205,6 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(subparsers)
     _add_train(subparsers)
     _add_predict(subparsers)
+    _add_show_bias(subparsers)
+    _add_show_keys(subparsers)
     return parser
 
 
@@ -215,7 +245,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help, --version, or a usage error argparse already printed
         return 0 if e.code is None else e.code if isinstance(e.code, int) else 2
-    command = globals()[f'_cmd_{args.command}']
+    command = globals()[f'_cmd_{args.command.replace("-", "_")}']  # 'show-bias' -> _cmd_show_bias
     try:
         return command(args)
     except (ValueError, TypeError, OSError, KeyError, RuntimeError) as e:  # OSError: missing or unwritable paths

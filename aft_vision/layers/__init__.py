@@ -3,3 +3,4 @@ from .aft_conv import AFTConv2d
 from .aft_full import AFTFull, AFTLocal
 from .aft_simple import AFTSimple
 from .functional import aft_conv2d, aft_full, aft_local, aft_simple
+from .aft_conv_onehot import AFTConv2dOneHot, aft_conv2d_onehot, convert_to_onehot

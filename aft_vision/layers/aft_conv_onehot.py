@@ -1,0 +1,224 @@
+"""AFT-conv with a one-hot position bias per head: the Gumbel-softmax sparse variant of Sec. 8 (Eq. 10).
+
+The paper multiplies each head's bias by a Gumbel-softmax sample over its s x s offsets,
+``w_i = w_i * gumbel(w_i; tau)`` with tau = 0.5, and replaces the sample by a hard max at inference. With a one-hot
+factor every offset but one gets ``w = 0``, i.e. ``exp(w) - 1 = 0``: it contributes like a key outside the window
+(global connectivity is kept). Eq. 6 then reduces to a global sum plus one shifted map per head,
+
+    Y = sigmoid(Q) * (sum exp(K) V + c * shift(exp(K) V)) / (sum exp(K) + c * shift(exp(K))),  c = exp(w_sel) - 1,
+
+which is what ``aft_conv2d_onehot`` computes in O(T * C), like AFT-simple: the paper's "convolution into indexing".
+"""
+import torch
+import torch.nn.functional as F
+from timm.layers import register_notrace_function
+from torch import nn
+
+from ._stable import TINY, any_flagged
+from .aft_conv import AFTConv2d
+from .functional import _CANCEL_TOL, _compute_dtype, _full_precision, _output_dtype, aft_conv2d, check_tokens
+
+__all__ = ['AFTConv2dOneHot', 'aft_conv2d_onehot', 'onehot_bias', 'convert_to_onehot']
+
+
+def onehot_bias(w: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Dense (h, s, s) bias that keeps ``w`` at one flat offset ``index[i]`` per head and is 0 elsewhere."""
+    mask = F.one_hot(index, w.shape[1] * w.shape[2]).to(w.dtype).view_as(w)  # (h, s, s)
+    return w * mask
+
+
+@register_notrace_function
+def aft_conv2d_onehot(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        w: torch.Tensor,
+        index: torch.Tensor,
+) -> torch.Tensor:
+    """AFT-conv (Eq. 6) with a one-hot bias by global pooling plus indexing, O(B * T * C).
+
+    Equals ``aft_conv2d(q, k, v, onehot_bias(w, index))``: head i's bias is ``w[i].flatten()[index[i]]`` at one
+    offset and 0 at the others. Keys outside the map contribute nothing to the shifted term, as in the convolution's
+    zero padding. Entries whose denominator cancels (a single dominant key seen through a very negative bias) are
+    handed to ``aft_conv2d``, which recomputes them exactly.
+
+    Args:
+        q: Queries (B, H, W, C), before the sigmoid.
+        k: Keys (B, H, W, h).
+        v: Values (B, H, W, C).
+        w: Position bias (h, s, s), s odd; only the selected entries are read.
+        index: Selected flat offset per head (h,), ``a * s + b`` for ``w[i, a, b]``, which links the query at
+            (y, x) to the key at (y + a - s//2, x + b - s//2).
+
+    Returns:
+        Mixed tokens (B, H, W, C).
+    """
+    check_tokens(q, '(B, H, W, C)', q.shape[-1])
+    if k.dim() != 4 or k.shape[:3] != q.shape[:3] or v.shape != q.shape:
+        raise ValueError(f'expected q, v (B, H, W, C) and k (B, H, W, h), got {list(q.shape)}, {list(k.shape)}, '
+                         f'{list(v.shape)}')
+    num_heads = k.shape[-1]
+    if w.dim() != 3 or w.shape[0] != num_heads or w.shape[1] != w.shape[2] or w.shape[1] % 2 == 0:
+        raise ValueError(f'w must be (h, s, s) with h = {num_heads} and s odd, got {list(w.shape)}')
+    if index.shape != (num_heads,):
+        raise ValueError(f'index must be ({num_heads},), got {list(index.shape)}')
+    if torch.jit.is_scripting():
+        return _aft_conv2d_onehot(q, k, v, w, index)
+    with _full_precision(q.device):
+        return _aft_conv2d_onehot(q, k, v, w, index)
+
+
+def _aft_conv2d_onehot(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        w: torch.Tensor,
+        index: torch.Tensor,
+        tiny: float = TINY,
+        cancel_tol: float = _CANCEL_TOL,
+) -> torch.Tensor:
+    batch, height, width, channels = q.shape
+    num_heads, s = w.shape[0], w.shape[-1]
+    head_dim = channels // num_heads
+    out_dtype = _output_dtype(q, k, v)
+    dtype = _compute_dtype([q, k, v, w])
+    q, k, v, w = q.to(dtype), k.to(dtype), v.to(dtype), w.to(device=q.device, dtype=dtype)
+    index = index.to(q.device)
+    heads = torch.arange(num_heads, device=q.device)
+    selected = w.flatten(1)[heads, index]  # (h,) the one non-zero bias per head
+    dy, dx = index // s - s // 2, index % s - s // 2  # (h,) offset from query to key
+    num_keys = height * width
+
+    # per (position, head): the head's d values of exp(k) * v, then exp(k); position T is a key off the map (zeros)
+    buffer = q.new_empty(batch, num_keys + 1, num_heads, head_dim + 1)  # (B, T + 1, h, d + 1)
+    buffer[:, num_keys] = 0.0
+    exp_kv = buffer[:, :num_keys, :, :head_dim]  # (B, T, h, d), a view
+    exp_k = buffer[:, :num_keys, :, head_dim]  # (B, T, h), a view
+    values = v.view(batch, num_keys, num_heads, head_dim)
+    if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):  # autograd: copy into the buffer
+        keys = torch.exp(k - k.amax(dim=(1, 2), keepdim=True).detach()).view(batch, num_keys, num_heads)
+        buffer[:, :num_keys, :, head_dim] = keys
+        buffer[:, :num_keys, :, :head_dim] = keys.unsqueeze(-1) * values
+    else:  # inference: write straight into the buffer
+        torch.exp((k - k.amax(dim=(1, 2), keepdim=True)).view(batch, num_keys, num_heads), out=exp_k)
+        torch.mul(exp_k.unsqueeze(-1), values, out=exp_kv)
+    totals = buffer.sum(dim=1, keepdim=True)  # (B, 1, h, d + 1): the global pooling
+
+    # the indexing: for every (query, head) the row of its key, or row T when the key is off the map
+    rows = torch.arange(height, device=q.device).unsqueeze(1) + dy  # (H, h)
+    cols = torch.arange(width, device=q.device).unsqueeze(1) + dx  # (W, h)
+    inside = ((rows >= 0) & (rows < height)).unsqueeze(1) & ((cols >= 0) & (cols < width)).unsqueeze(0)  # (H, W, h)
+    source = torch.where(inside, rows.unsqueeze(1) * width + cols.unsqueeze(0), num_keys)  # (H, W, h)
+    flat = (source * num_heads + heads).view(-1)  # (T * h,) into the (T + 1) * h rows of d + 1 values
+    rows_of = buffer.view(batch, (num_keys + 1) * num_heads, head_dim + 1)
+    shifted = rows_of.index_select(1, flat).view(batch, num_keys, num_heads, head_dim + 1)  # (B, T, h, d + 1)
+
+    # exp(w) - 1 as exp(w - m) - exp(-m) with m = max(w, 0): finite for any w, the shift cancels in the ratio
+    shift = selected.detach().clamp_min(0.0)  # (h,)
+    floor = torch.exp(-shift).unsqueeze(-1)  # (h, 1)
+    gain = torch.exp(selected - shift).unsqueeze(-1) - floor  # (h, 1)
+    sums = torch.addcmul(totals * floor, shifted, gain)  # (B, T, h, d + 1)
+    numerator, denominator = sums[..., :head_dim], sums[..., head_dim:]  # (B, T, h, d), (B, T, h, 1)
+    limit = (totals[..., head_dim:].detach() * floor * cancel_tol).clamp_min(tiny)  # (B, 1, h, 1)
+    if any_flagged(denominator < limit):
+        return aft_conv2d(q, k, v, onehot_bias(w, index)).to(out_dtype)
+    mixed = (numerator / denominator).reshape(batch, height, width, channels)
+    out = torch.sigmoid(q) * mixed
+    return out.to(out_dtype)
+
+
+class AFTConv2dOneHot(AFTConv2d):
+    """AFT-conv whose heads each attend through one learned offset (Sec. 8, Eq. 10).
+
+    Parameters and state-dict keys are those of ``AFTConv2d``: ``dense_bias()`` is its Eq. 8 bias ``w`` (h, s, s),
+    which also serves as the logits of the offset choice. The bias Eq. 6 uses, ``effective_bias()``, is
+    ``w * onehot``:
+
+    * training: ``onehot = gumbel_softmax(w_i.flatten(), tau)`` per head, a fresh sample at every call; with
+      ``hard=True`` (default) the sample is one-hot in the forward pass and differentiable straight-through (the
+      soft sample's gradient), so exactly one offset per head carries a bias, as the paper describes;
+    * eval: ``onehot`` marks ``argmax(w_i)`` (the first one on ties) and the forward pass runs
+      ``aft_conv2d_onehot`` (global pooling plus indexing) instead of a convolution.
+
+    A freshly built layer has ``w = 0`` (gamma = beta = 0, Eq. 8) and computes AFT-simple, like ``AFTConv2d``. Eq. 9's
+    entropy regulariser is meant for the dense layer: on this one it would see the sampled one-hot bias.
+
+    Args:
+        dim: Token width C.
+        num_heads: Number of heads h; C must be divisible by h.
+        kernel_size: Odd window size s.
+        tau: Gumbel-softmax temperature (the paper: 0.5).
+        hard: Straight-through one-hot samples in training; False uses the soft sample (a dense bias).
+        **kwargs: ``AFTConv2d``'s other arguments (qkv_bias, proj_drop, eps, device, dtype).
+    """
+
+    def __init__(self, dim: int, num_heads: int, kernel_size: int, tau: float = 0.5, hard: bool = True, **kwargs):
+        super().__init__(dim, num_heads, kernel_size, **kwargs)
+        if tau <= 0:
+            raise ValueError(f'tau must be positive, got {tau}')
+        self.tau = tau
+        self.hard = hard
+
+    @classmethod
+    def from_dense(cls, layer: AFTConv2d, tau: float = 0.5, hard: bool = True) -> 'AFTConv2dOneHot':
+        """A one-hot layer with the weights (and device, dtype, train/eval mode) of a trained ``AFTConv2d``."""
+        weight = layer.qkv.weight
+        onehot = cls(layer.dim, layer.num_heads, layer.kernel_size, tau=tau, hard=hard,
+                     qkv_bias=layer.qkv.bias is not None, proj_drop=layer.proj_drop.p, eps=layer.eps,
+                     device=weight.device, dtype=weight.dtype)
+        onehot.load_state_dict(layer.state_dict())
+        return onehot.train(layer.training)
+
+    def dense_bias(self) -> torch.Tensor:
+        """The Eq. 8 bias ``w`` (h, s, s) before the one-hot selection, also the logits of the selection.
+
+        The same computation as ``AFTConv2d.effective_bias``, repeated because TorchScript cannot call ``super()``.
+        """
+        raw = self.pos_weight
+        mean = raw.mean(dim=(1, 2), keepdim=True)
+        var = raw.var(dim=(1, 2), unbiased=False, keepdim=True)
+        standardised = (raw - mean) * torch.rsqrt(var + self.eps)  # (h, s, s)
+        return self.pos_gamma.view(-1, 1, 1) * standardised + self.pos_beta.view(-1, 1, 1)
+
+    def selected_offsets(self) -> torch.Tensor:
+        """The offset each head uses at inference, as (h, 2) rows ``(dy, dx)`` from query to key."""
+        index = self.dense_bias().flatten(1).argmax(dim=1)  # (h,)
+        return torch.stack([index // self.kernel_size, index % self.kernel_size], dim=1) - self.kernel_size // 2
+
+    def effective_bias(self) -> torch.Tensor:
+        """The bias Eq. 6 uses (h, s, s): ``w`` at one offset per head (sampled in training, argmax in eval), 0 else."""
+        w = self.dense_bias()
+        if self.training:
+            sample = F.gumbel_softmax(w.flatten(1), tau=self.tau, hard=self.hard)  # (h, s*s), rows sum to 1
+            return w * sample.view_as(w)
+        return onehot_bias(w, w.flatten(1).argmax(dim=1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_tokens(x, f'(B, H, W, {self.dim})', self.dim)
+        q, k, v = self.qkv(x).split([self.dim, self.num_heads, self.dim], dim=-1)  # (B, H, W, C / h / C)
+        if self.training:  # Eq. 6 with the sampled bias: gradients reach every offset's logit
+            x = aft_conv2d(q, k, v, self.effective_bias())
+        else:  # global pooling plus indexing
+            w = self.dense_bias()
+            x = aft_conv2d_onehot(q, k, v, w, w.detach().flatten(1).argmax(dim=1))  # (B, H, W, C)
+        return self.proj_drop(self.proj(x))
+
+    def extra_repr(self) -> str:
+        return f'{super().extra_repr()}, tau={self.tau}, hard={self.hard}'
+
+
+def convert_to_onehot(model: nn.Module, tau: float = 0.5, hard: bool = True) -> nn.Module:
+    """Replace every ``AFTConv2d`` in ``model`` (in place) by an ``AFTConv2dOneHot`` with the same weights.
+
+    Returns:
+        ``model``, for chaining. A model without AFT-conv layers raises ValueError.
+    """
+    found = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is AFTConv2d:
+                setattr(parent, name, AFTConv2dOneHot.from_dense(child, tau=tau, hard=hard))
+                found += 1
+    if not found:
+        raise ValueError(f'{type(model).__name__} has no AFTConv2d layer to convert')
+    return model
