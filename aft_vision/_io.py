@@ -1,4 +1,5 @@
 """Safe weight files: read only safetensors or tensor-only pickles, write atomically, never clobber silently."""
+import argparse
 import contextlib
 import hashlib
 import os
@@ -22,6 +23,9 @@ PathLike = Union[str, os.PathLike]
 def load_weights(path: PathLike) -> Dict[str, torch.Tensor]:
     """Read a weight file: ``.safetensors``, or a PyTorch file through ``torch.load(weights_only=True)``.
 
+    Besides tensors and containers, the weights-only unpickler admits ``argparse.Namespace`` (a plain attribute bag),
+    which timm's ``train.py`` stores as ``args`` in its checkpoints; anything else pickled is refused.
+
     Raises:
         FileNotFoundError: ``path`` does not exist.
         ValueError: The file is truncated, corrupted, empty, or a pickle holding more than tensors.
@@ -37,7 +41,8 @@ def load_weights(path: PathLike) -> Dict[str, torch.Tensor]:
         except (SafetensorError, OSError, ValueError) as error:
             raise ValueError(f'{path} is not a readable safetensors file ({error})') from None
     try:
-        checkpoint = torch.load(path, map_location='cpu', weights_only=True)
+        with torch.serialization.safe_globals([argparse.Namespace]):  # the arguments in timm train.py checkpoints
+            checkpoint = torch.load(path, map_location='cpu', weights_only=True)
     except pickle.UnpicklingError as error:
         found = re.search(r'Unsupported global: GLOBAL (\S+)', str(error))
         if found:

@@ -7,6 +7,7 @@ from typing import Dict, List, Optional
 import torch
 from PIL import Image, UnidentifiedImageError
 from timm.data import ImageNetInfo, create_transform, resolve_data_config
+from timm.utils import ParseKwargs
 
 from .hub import load_checkpoint_into
 from .models import create_aft_model
@@ -49,6 +50,8 @@ def predict(model: torch.nn.Module, paths: List[str], img_size: Optional[int] = 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('images', nargs='+', help='image files')
     parser.add_argument('--model', required=True, help='registered AFT model, or hf-hub:/local-dir: source')
+    parser.add_argument('--model-kwargs', nargs='*', default={}, action=ParseKwargs, metavar='KEY=VALUE',
+                        help='architecture arguments the checkpoint was trained with, e.g. patch_size=4')
     source = parser.add_mutually_exclusive_group()
     source.add_argument('--checkpoint', default=None, help='AFT weights (.safetensors or weights-only .pth)')
     source.add_argument('--pretrained', action='store_true', help='the model\'s pretrained tag (downloads)')
@@ -58,9 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     if args.checkpoint:
-        model = load_checkpoint_into(args.model, args.checkpoint)
+        model = load_checkpoint_into(args.model, args.checkpoint, **args.model_kwargs)
     else:
-        model = create_aft_model(args.model, pretrained=args.pretrained or ':' in args.model)
+        model = create_aft_model(args.model, pretrained=args.pretrained or ':' in args.model, **args.model_kwargs)
     out = predict(model, args.images, args.img_size, args.topk)
     for path, why in out['errors'].items():
         print(f'aft-vision: skipped {path}: {why}', file=sys.stderr)

@@ -3,22 +3,32 @@ training resolution and a larger one, publish it as a Hub folder, reload it thro
 
 ``python -m aft_vision.train`` (``bash scripts/run.sh``). ``--data-dir`` takes any ImageFolder with ``train/`` and
 ``val/``, ``--model`` any registered AFT model.
+
+Distributed data parallel under ``torchrun --nproc_per_node=N -m aft_vision.train ...`` (gloo on CPU, NCCL on CUDA):
+each process trains on its shard of the training set (``DistributedSampler``) with ``--batch-size`` images per step;
+rank 0 writes the data set, evaluates, saves and publishes. ``results.json`` lists every rank's final weight digest.
 """
 import argparse
+import hashlib
 import json
 import math
 import os
+import random
+import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 import timm
 import torch
+import torch.distributed as dist
 from timm.data import create_transform, resolve_data_config
 from timm.loss import LabelSmoothingCrossEntropy
 from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
-from torch.utils.data import DataLoader
+from timm.utils import ParseKwargs
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler
 from torchvision.datasets import ImageFolder
 from tqdm import tqdm
 
@@ -56,27 +66,63 @@ def write_digits(root: Path, size: int = 32, val_fraction: float = 0.2, seed: in
     return root
 
 
-def _loader(folder: Path, model: torch.nn.Module, img_size: int, train: bool, batch_size: int, seed: int):
+def _loader(folder: Path, model: torch.nn.Module, img_size: int, train: bool, batch_size: int, seed: int,
+            rank: int = 0, world_size: int = 1) -> DataLoader:
+    """timm's train (augmenting) or eval transforms at ``img_size`` over an ImageFolder; sharded under DDP."""
     config = resolve_data_config({'input_size': (3, img_size, img_size), 'crop_pct': 1.0}, model=model)
-    if train:  # digits must not be flipped; mild scale jitter only
-        transform = create_transform(**config, is_training=True, hflip=0.0, scale=(0.85, 1.0), ratio=(0.9, 1.1),
+    if train:
+        # No flips (digits). Random crops of 40-100% of the area zoom in by up to 1.6x, so training sees digits larger
+        # than evaluation at the same size does; a larger evaluation size (digits 1.5x larger at 48 px) then stays in
+        # the training distribution: the train / test object-size gap behind the paper's 224 -> 384 gain (FixRes).
+        transform = create_transform(**config, is_training=True, hflip=0.0, scale=(0.4, 1.0), ratio=(0.9, 1.1),
                                      color_jitter=None, auto_augment=None)
     else:
         transform = create_transform(**config)
     dataset = ImageFolder(str(folder), transform=transform)
     if not len(dataset):
         raise ValueError(f'no images found in {folder}')
-    return DataLoader(dataset, batch_size=batch_size, shuffle=train, num_workers=0,
-                      generator=torch.Generator().manual_seed(seed), drop_last=train and len(dataset) > batch_size)
+    sampler = None
+    if world_size > 1:  # each rank a disjoint shard, reshuffled per epoch by sampler.set_epoch
+        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=train, seed=seed)
+    shard = len(dataset) // world_size
+    return DataLoader(dataset, batch_size=batch_size, shuffle=train and sampler is None, sampler=sampler,
+                      num_workers=0, generator=torch.Generator().manual_seed(seed),
+                      drop_last=train and shard > batch_size)
+
+
+def _init_distributed(device: str) -> Tuple[int, int, torch.device]:
+    """(rank, world size, device). Joins torchrun's process group when ``WORLD_SIZE`` > 1: gloo on CPU, NCCL on CUDA."""
+    world_size = int(os.environ.get('WORLD_SIZE', '1'))
+    torch_device = torch.device(device)
+    if torch_device.type == 'cuda' and not torch.cuda.is_available():
+        raise ValueError(f'--device {device}: CUDA is not available')
+    if world_size == 1:
+        return 0, 1, torch_device
+    if torch_device.type == 'cuda':
+        torch_device = torch.device('cuda', int(os.environ.get('LOCAL_RANK', '0')))
+        torch.cuda.set_device(torch_device)
+    if not dist.is_initialized():
+        dist.init_process_group('nccl' if torch_device.type == 'cuda' else 'gloo')
+    return dist.get_rank(), world_size, torch_device
+
+
+def state_digest(state_dict: Mapping[str, torch.Tensor]) -> str:
+    """sha256 over the sorted names and raw bytes of a state dict: equal digests mean bit-identical weights."""
+    digest = hashlib.sha256()
+    for name in sorted(state_dict):
+        digest.update(name.encode())
+        digest.update(state_dict[name].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, folder: Path, img_size: int, batch_size: int = 256) -> float:
-    """Top-1 accuracy (%) on an ImageFolder at ``img_size``."""
+    """Top-1 accuracy (%) on an ImageFolder at ``img_size``, on the device ``model`` lives on."""
     model.eval()
+    device = next(model.parameters()).device
     correct = total = 0
     for images, labels in _loader(folder, model, img_size, False, batch_size, 0):
-        correct += (model(images).argmax(-1) == labels).sum().item()
+        correct += (model(images.to(device)).argmax(-1).cpu() == labels).sum().item()
         total += len(labels)
     return 100.0 * correct / total
 
@@ -91,12 +137,26 @@ def train(
         seed: int,
         sparsity_weight: float = 0.0,
         model_kwargs: Optional[Dict] = None,
+        pretrained: bool = False,
+        device: torch.device = torch.device('cpu'),
+        rank: int = 0,
+        world_size: int = 1,
 ) -> Tuple[torch.nn.Module, List[Dict], List[str]]:
-    """Train from scratch (or from ``pretrained=True`` weights in ``model_kwargs``) with timm's components."""
-    torch.manual_seed(seed)
+    """Train from scratch (or from the model's pretrained weights) with timm's components.
+
+    Under torchrun (``world_size`` > 1) the model is wrapped in DistributedDataParallel and each rank trains on its
+    shard; only rank 0 evaluates (``val_top1`` in the history) and prints. Returns the unwrapped model.
+    """
+    torch.manual_seed(seed)  # the same initial weights on every rank
     classes = ImageFolder(str(data_dir / 'train')).classes
-    model = create_aft_model(model_name, num_classes=len(classes), **(model_kwargs or {}))
-    train_loader = _loader(data_dir / 'train', model, img_size, True, batch_size, seed)
+    model = create_aft_model(model_name, pretrained=pretrained, num_classes=len(classes), **(model_kwargs or {}))
+    model = model.to(device)
+    random.seed(seed + rank)  # timm's crops draw from Python's random, the rest from torch: different per rank
+    torch.manual_seed(seed + rank)
+    train_loader = _loader(data_dir / 'train', model, img_size, True, batch_size, seed, rank, world_size)
+    net = model  # what the training step calls; DDP averages the gradients across ranks
+    if world_size > 1:
+        net = DistributedDataParallel(model, device_ids=[device] if device.type == 'cuda' else None)
     optimizer = create_optimizer_v2(model, 'adamw', lr=lr, weight_decay=0.05)
     scheduler, _ = create_scheduler_v2(optimizer, sched='cosine', num_epochs=epochs, warmup_epochs=1,
                                        warmup_lr=lr / 10, min_lr=lr / 100, step_on_epochs=False,
@@ -104,12 +164,14 @@ def train(
     criterion = LabelSmoothingCrossEntropy(smoothing=0.1)
     history = []
     for epoch in range(epochs):
-        model.train()
+        net.train()
+        if isinstance(train_loader.sampler, DistributedSampler):
+            train_loader.sampler.set_epoch(epoch)
         losses = []
-        bar = tqdm(train_loader, desc=f'epoch {epoch + 1}/{epochs}', unit='batch', leave=False)
+        bar = tqdm(train_loader, desc=f'epoch {epoch + 1}/{epochs}', unit='batch', leave=False, disable=rank != 0)
         for step, (images, labels) in enumerate(bar):
-            loss = criterion(model(images), labels)
-            if sparsity_weight:
+            loss = criterion(net(images.to(device)), labels.to(device))
+            if sparsity_weight:  # Eq. 9 on the shared weights: every rank adds the same term
                 loss = loss + sparsity_weight * position_bias_entropy(model)
             optimizer.zero_grad()
             loss.backward()
@@ -119,9 +181,11 @@ def train(
             bar.set_postfix(loss=f'{loss.item():.3f}')
         if not all(math.isfinite(x) for x in losses):
             raise RuntimeError(f'training diverged in epoch {epoch + 1}: non-finite loss')
-        val_top1 = evaluate(model, data_dir / 'val', img_size)
-        history.append({'epoch': epoch + 1, 'loss': sum(losses) / len(losses), 'val_top1': val_top1})
-        print(f'epoch {epoch + 1:2d}  loss {history[-1]["loss"]:.4f}  val top-1 {val_top1:.2f}%')
+        record = {'epoch': epoch + 1, 'loss': sum(losses) / len(losses)}
+        if rank == 0:
+            record['val_top1'] = evaluate(model, data_dir / 'val', img_size)
+            print(f'epoch {epoch + 1:2d}  loss {record["loss"]:.4f}  val top-1 {record["val_top1"]:.2f}%')
+        history.append(record)
     return model, history, classes
 
 
@@ -142,33 +206,65 @@ def plot_curves(history: List[Dict], path: Path) -> None:
     save_figure(fig, path, dpi=100)
 
 
+def _check_pretrained(name: str) -> None:
+    """``--pretrained`` needs weights: a pretrained tag of ``name`` or a ``hf-hub:`` / ``local-dir:`` source."""
+    if ':' in name:
+        return
+    tags = [n for n in timm.list_pretrained() if n == name or n.split('.')[0] == name]
+    if not tags:
+        raise ValueError(f'{name} has no pretrained weights; models with weights: '
+                         f'{", ".join(timm.list_pretrained("aft_*"))}')
+
+
 def run(args: argparse.Namespace) -> Dict:
-    """The whole job; returns the results written to ``results.json``."""
+    """The whole job; returns the results written to ``results.json`` (an empty dict on ranks other than 0)."""
     start = time.perf_counter()
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    data_dir = Path(args.data_dir) if args.data_dir else write_digits(out / 'data')
-    for split in ('train', 'val'):
-        if not (data_dir / split).is_dir():
-            raise FileNotFoundError(f'{data_dir / split} not found: --data-dir needs train/ and val/ ImageFolders')
-    model_kwargs = dict(DIGITS_MODEL) if args.model == 'aft_conv_test' and not args.data_dir else {}
     if args.pretrained:
-        model_kwargs['pretrained'] = True
-    model, history, classes = train(data_dir, args.model, args.epochs, args.img_size, args.batch_size, args.lr,
-                                    args.seed, args.sparsity_weight, model_kwargs)
+        _check_pretrained(args.model)
+    rank, world_size, device = _init_distributed(args.device)
+    out = Path(args.out_dir)
+    try:
+        if args.data_dir:
+            data_dir = Path(args.data_dir)
+        else:
+            data_dir = out / 'data'
+            if rank == 0:
+                write_digits(data_dir)
+        if world_size > 1:
+            dist.barrier()  # rank 0 has written the data set
+        for split in ('train', 'val'):
+            if not (data_dir / split).is_dir():
+                raise FileNotFoundError(f'{data_dir / split} not found: --data-dir needs train/ and val/ ImageFolders')
+        model_kwargs = dict(args.model_kwargs or {})
+        if args.model == 'aft_conv_test' and not args.data_dir:
+            model_kwargs = dict(DIGITS_MODEL, **model_kwargs)
+        model, history, classes = train(data_dir, args.model, args.epochs, args.img_size, args.batch_size, args.lr,
+                                        args.seed, args.sparsity_weight, model_kwargs, args.pretrained, device,
+                                        rank, world_size)
+        digest = state_digest(model.state_dict())
+        digests = [digest] * world_size
+        if world_size > 1:
+            dist.all_gather_object(digests, digest)
+    finally:
+        if world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+    if rank != 0:
+        return {}
+
     top1 = evaluate(model, data_dir / 'val', args.img_size)
     top1_large = evaluate(model, data_dir / 'val', args.eval_img_size)
-
     weights = out / 'model.safetensors'
-    sha256 = save_weights(model.state_dict(), weights, force=True)
+    sha256 = save_weights({k: v.cpu() for k, v in model.state_dict().items()}, weights, force=True)
     results = {'top1': top1, f'top1_at_{args.eval_img_size}': top1_large}
     (out / 'results.json').write_text(json.dumps(results, indent=2))
     hub_dir = out / 'hub'
+    start_from = 'its pretrained weights' if args.pretrained else 'scratch'
     publish(str(weights), args.model, 'aft-vision/digits-demo', out_dir=str(hub_dir), dry_run=True, force=True,
-            label_names=classes, results_file=str(out / 'results.json'), datasets=['sklearn-digits'],
-            training=f'{args.epochs} epochs from scratch at {args.img_size} px, AdamW lr {args.lr}, cosine, '
+            label_names=classes, results_file=str(out / 'results.json'),
+            datasets=[] if args.data_dir else ['sklearn-digits'],
+            training=f'{args.epochs} epochs from {start_from} at {args.img_size} px, AdamW lr {args.lr}, cosine, '
                      f'label smoothing 0.1 (aft_vision.train).', model_kwargs=model_kwargs)
-    reloaded = timm.create_model(f'local-dir:{hub_dir}', pretrained=True)
+    reloaded = timm.create_model(f'local-dir:{hub_dir}', pretrained=True).to(device)
     top1_reloaded = evaluate(reloaded, data_dir / 'val', args.img_size)
     if top1_reloaded != top1:
         raise RuntimeError(f'reloaded model scores {top1_reloaded:.2f}%, the trained one {top1:.2f}%')
@@ -177,13 +273,17 @@ def run(args: argparse.Namespace) -> Dict:
     except ImportError:
         print('matplotlib is not installed (pip install aft-vision[demo]): no training curve written')
     results.update({
-        'model': args.model, 'epochs': args.epochs, 'img_size': args.img_size, 'eval_img_size': args.eval_img_size,
-        'top1_reloaded': top1_reloaded, 'history': history, 'weights_sha256': sha256,
+        'model': args.model, 'model_kwargs': model_kwargs, 'epochs': args.epochs, 'img_size': args.img_size,
+        'eval_img_size': args.eval_img_size, 'top1_reloaded': top1_reloaded, 'history': history,
+        'weights_sha256': sha256, 'world_size': world_size, 'rank_state_sha256': digests,
         'wall_seconds': round(time.perf_counter() - start, 1),
     })
     (out / 'results.json').write_text(json.dumps(results, indent=2))
     print(f'\n{args.model} on {data_dir}: top-1 {top1:.2f}% at {args.img_size}px, {top1_large:.2f}% at '
           f'{args.eval_img_size}px; reloaded from {hub_dir}: {top1_reloaded:.2f}% (identical)')
+    if world_size > 1:
+        agree = 'identical on every rank' if len(set(digests)) == 1 else 'DIFFER between ranks'
+        print(f'{world_size} processes: final weights {agree}')
     print(f'wrote {weights} (sha256 {sha256[:16]}...), {hub_dir}/, {out / "results.json"}, '
           f'{out / "training_curve.png"}; {results["wall_seconds"]:.0f} s')
     return results
@@ -192,21 +292,25 @@ def run(args: argparse.Namespace) -> Dict:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--data-dir', default=None, help='ImageFolder with train/ and val/ (default: the digits)')
     parser.add_argument('--model', default='aft_conv_test', help='registered AFT model (default: %(default)s)')
-    parser.add_argument('--pretrained', action='store_true', help='start from the model\'s pretrained tag')
+    parser.add_argument('--model-kwargs', nargs='*', default={}, action=ParseKwargs, metavar='KEY=VALUE',
+                        help='model arguments, e.g. patch_size=8 depth=2 (for aft_conv_test on the digits: '
+                             'changes to its small default)')
+    parser.add_argument('--pretrained', action='store_true', help='fine-tune from the model\'s pretrained tag')
     parser.add_argument('--epochs', type=int, default=30)
     parser.add_argument('--img-size', type=int, default=32, help='training and evaluation resolution')
     parser.add_argument('--eval-img-size', type=int, default=48, help='the larger evaluation resolution')
-    parser.add_argument('--batch-size', type=int, default=64)
+    parser.add_argument('--batch-size', type=int, default=64, help='images per step and per process')
     parser.add_argument('--lr', type=float, default=5e-3)
     parser.add_argument('--seed', type=int, default=0)
     parser.add_argument('--sparsity-weight', type=float, default=0.0,
                         help='weight of the Eq. 9 entropy regulariser (the paper: 0.001)')
     parser.add_argument('--out-dir', default='outputs/digits', help='where weights, hub folder and plots go')
+    parser.add_argument('--device', default='cpu', help='cpu or cuda (under torchrun: one GPU per process)')
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     from .cli import main as cli_main
-    return cli_main(['train', *(argv if argv is not None else __import__('sys').argv[1:])])
+    return cli_main(['train', *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == '__main__':

@@ -1,4 +1,5 @@
 """Weight files: only safetensors or tensor-only pickles are read; writes are atomic and never clobber silently."""
+import argparse
 import collections
 import hashlib
 
@@ -28,6 +29,13 @@ def test_weights_only_pickle_is_read(tmp_path, tensors):
     path = tmp_path / 'w.pth'
     torch.save({'model': tensors}, path)
     assert torch.equal(load_weights(path)['model']['a.weight'], tensors['a.weight'])
+
+
+def test_timm_train_checkpoint_with_its_arguments_is_read(tmp_path, tensors):
+    path = tmp_path / 'last.pth.tar'  # what timm's train.py saves: weights plus its argparse.Namespace
+    torch.save({'epoch': 3, 'arch': 'aft_conv_test', 'state_dict': tensors, 'args': argparse.Namespace(lr=0.1)}, path)
+    checkpoint = load_weights(path)
+    assert checkpoint['args'].lr == 0.1 and torch.equal(checkpoint['state_dict']['b.bias'], tensors['b.bias'])
 
 
 def test_refuses_to_overwrite_without_force(tmp_path, tensors):

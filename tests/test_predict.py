@@ -57,3 +57,15 @@ def test_no_readable_image_is_an_error(tmp_path, capsys):
     _, bad = _images(tmp_path)
     assert cli_main(['predict', *bad, '--model', 'aft_conv_test']) == 2
     assert 'no image could be read' in capsys.readouterr().err
+
+
+def test_checkpoint_of_a_resized_architecture_with_model_kwargs(tmp_path, capsys):
+    model = timm.create_model('aft_conv_test', num_classes=4, patch_size=8, embed_dim=32)
+    checkpoint = tmp_path / 'w.safetensors'
+    save_weights(model.state_dict(), checkpoint)
+    good, _ = _images(tmp_path)
+    assert cli_main(['predict', good[0], '--model', 'aft_conv_test', '--checkpoint', str(checkpoint)]) == 2
+    assert 'does not fit' in capsys.readouterr().err
+    assert cli_main(['predict', good[0], '--model', 'aft_conv_test', '--checkpoint', str(checkpoint),
+                     '--model-kwargs', 'patch_size=8', 'embed_dim=32', '--img-size', '40']) == 0
+    assert capsys.readouterr().out.count(',') == 3  # four classes, top-4

@@ -60,13 +60,17 @@ class AFTConv2d(nn.Module):
         nn.init.zeros_(self.pos_gamma)
         nn.init.zeros_(self.pos_beta)
 
-    def effective_bias(self) -> torch.Tensor:
-        """The bias ``w`` (h, s, s) that Eq. 6 uses, after the reparameterisation of Eq. 8."""
+    def dense_bias(self) -> torch.Tensor:
+        """The learned bias ``w`` (h, s, s) after the reparameterisation of Eq. 8 (what Eq. 9 regularises)."""
         raw = self.pos_weight
         mean = raw.mean(dim=(1, 2), keepdim=True)
         var = raw.var(dim=(1, 2), unbiased=False, keepdim=True)
         standardised = (raw - mean) * torch.rsqrt(var + self.eps)  # (h, s, s)
         return self.pos_gamma.view(-1, 1, 1) * standardised + self.pos_beta.view(-1, 1, 1)
+
+    def effective_bias(self) -> torch.Tensor:
+        """The bias (h, s, s) that Eq. 6 uses: ``dense_bias()`` here; sparse subclasses select from it."""
+        return self.dense_bias()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_tokens(x, f'(B, H, W, {self.dim})', self.dim)

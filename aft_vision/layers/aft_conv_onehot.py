@@ -130,9 +130,9 @@ def _aft_conv2d_onehot(
 class AFTConv2dOneHot(AFTConv2d):
     """AFT-conv whose heads each attend through one learned offset (Sec. 8, Eq. 10).
 
-    Parameters and state-dict keys are those of ``AFTConv2d``: ``dense_bias()`` is its Eq. 8 bias ``w`` (h, s, s),
-    which also serves as the logits of the offset choice. The bias Eq. 6 uses, ``effective_bias()``, is
-    ``w * onehot``:
+    Parameters and state-dict keys are those of ``AFTConv2d``, so dense checkpoints load as they are: ``dense_bias()``
+    is its Eq. 8 bias ``w`` (h, s, s), which also serves as the logits of the offset choice. The bias Eq. 6 uses,
+    ``effective_bias()``, is ``w * onehot``:
 
     * training: ``onehot = gumbel_softmax(w_i.flatten(), tau)`` per head, a fresh sample at every call; with
       ``hard=True`` (default) the sample is one-hot in the forward pass and differentiable straight-through (the
@@ -141,7 +141,7 @@ class AFTConv2dOneHot(AFTConv2d):
       ``aft_conv2d_onehot`` (global pooling plus indexing) instead of a convolution.
 
     A freshly built layer has ``w = 0`` (gamma = beta = 0, Eq. 8) and computes AFT-simple, like ``AFTConv2d``. Eq. 9's
-    entropy regulariser is meant for the dense layer: on this one it would see the sampled one-hot bias.
+    entropy regulariser reads ``dense_bias()``, the logits, on both layers.
 
     Args:
         dim: Token width C.
@@ -168,17 +168,6 @@ class AFTConv2dOneHot(AFTConv2d):
                      device=weight.device, dtype=weight.dtype)
         onehot.load_state_dict(layer.state_dict())
         return onehot.train(layer.training)
-
-    def dense_bias(self) -> torch.Tensor:
-        """The Eq. 8 bias ``w`` (h, s, s) before the one-hot selection, also the logits of the selection.
-
-        The same computation as ``AFTConv2d.effective_bias``, repeated because TorchScript cannot call ``super()``.
-        """
-        raw = self.pos_weight
-        mean = raw.mean(dim=(1, 2), keepdim=True)
-        var = raw.var(dim=(1, 2), unbiased=False, keepdim=True)
-        standardised = (raw - mean) * torch.rsqrt(var + self.eps)  # (h, s, s)
-        return self.pos_gamma.view(-1, 1, 1) * standardised + self.pos_beta.view(-1, 1, 1)
 
     def selected_offsets(self) -> torch.Tensor:
         """The offset each head uses at inference, as (h, 2) rows ``(dy, dx)`` from query to key."""
