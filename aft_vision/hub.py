@@ -8,17 +8,17 @@ huggingface_hub from the user's login or ``HF_TOKEN`` and never printed or writt
 import json
 import tempfile
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import timm
 import torch
-from timm.models import save_for_hf
+from timm.models import load_model_config_from_hf, parse_model_name, save_for_hf, split_model_name_tag
 
 from ._io import atomic_dir, load_weights, sha256sum
 from .transfer import unwrap_state_dict
 from .version import __version__
 
-__all__ = ['build_hub_folder', 'publish', 'load_checkpoint_into']
+__all__ = ['build_hub_folder', 'publish', 'load_checkpoint_into', 'source_architecture']
 
 _CITATION = """@article{zhai2021attention,
   title={An Attention Free Transformer},
@@ -27,6 +27,32 @@ _CITATION = """@article{zhai2021attention,
   journal={arXiv preprint arXiv:2105.14103},
   year={2021}
 }"""
+
+
+def source_architecture(name: str, model_kwargs: Optional[Dict[str, Any]] = None) -> Tuple[str, Dict[str, Any]]:
+    """The registered architecture and the arguments that rebuild ``name`` with ``model_kwargs`` applied.
+
+    For a ``local-dir:`` / ``hf-hub:`` source these are the architecture and ``model_args`` its config.json records,
+    updated by ``model_kwargs`` (the class count is left to the checkpoint's head); for a registered name, the name
+    without its pretrained tag and ``model_kwargs``. A model fine-tuned from a published folder is republished this way.
+
+    Raises:
+        FileNotFoundError: A ``local-dir:`` folder has no config.json.
+    """
+    model_kwargs = dict(model_kwargs or {})
+    source, model_id = parse_model_name(name)
+    if not source:
+        return split_model_name_tag(model_id)[0], model_kwargs
+    if source == 'hf-hub':
+        _, architecture, saved = load_model_config_from_hf(model_id)
+    else:
+        config_file = Path(model_id) / 'config.json'
+        if not config_file.is_file():
+            raise FileNotFoundError(f'{name}: no config.json in {model_id} (write one with aft-vision publish)')
+        config = json.loads(config_file.read_text())
+        architecture, saved = config['architecture'], config.get('model_args')
+    saved = {key: value for key, value in (saved or {}).items() if key != 'num_classes'}
+    return architecture, {**saved, **model_kwargs}
 
 
 def load_checkpoint_into(model_name: str, checkpoint: str, **model_kwargs) -> torch.nn.Module:

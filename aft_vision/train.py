@@ -33,7 +33,7 @@ from torchvision.datasets import ImageFolder
 from tqdm import tqdm
 
 from ._io import save_figure, save_weights
-from .hub import publish
+from .hub import publish, source_architecture
 from .models import create_aft_model
 from .regularizers import position_bias_entropy
 
@@ -258,12 +258,13 @@ def run(args: argparse.Namespace) -> Dict:
     results = {'top1': top1, f'top1_at_{args.eval_img_size}': top1_large}
     (out / 'results.json').write_text(json.dumps(results, indent=2))
     hub_dir = out / 'hub'
-    start_from = 'its pretrained weights' if args.pretrained else 'scratch'
-    publish(str(weights), args.model, 'aft-vision/digits-demo', out_dir=str(hub_dir), dry_run=True, force=True,
+    start_from = 'scratch' if not args.pretrained else args.model if ':' in args.model else 'its pretrained weights'
+    architecture, architecture_kwargs = source_architecture(args.model, model_kwargs)  # a folder's saved arguments
+    publish(str(weights), architecture, 'aft-vision/digits-demo', out_dir=str(hub_dir), dry_run=True, force=True,
             label_names=classes, results_file=str(out / 'results.json'),
             datasets=[] if args.data_dir else ['sklearn-digits'],
             training=f'{args.epochs} epochs from {start_from} at {args.img_size} px, AdamW lr {args.lr}, cosine, '
-                     f'label smoothing 0.1 (aft_vision.train).', model_kwargs=model_kwargs)
+                     f'label smoothing 0.1 (aft_vision.train).', model_kwargs=architecture_kwargs)
     reloaded = timm.create_model(f'local-dir:{hub_dir}', pretrained=True).to(device)
     top1_reloaded = evaluate(reloaded, data_dir / 'val', args.img_size)
     if top1_reloaded != top1:
@@ -273,8 +274,8 @@ def run(args: argparse.Namespace) -> Dict:
     except ImportError:
         print('matplotlib is not installed (pip install aft-vision[demo]): no training curve written')
     results.update({
-        'model': args.model, 'model_kwargs': model_kwargs, 'epochs': args.epochs, 'img_size': args.img_size,
-        'eval_img_size': args.eval_img_size, 'top1_reloaded': top1_reloaded, 'history': history,
+        'model': args.model, 'architecture': architecture, 'model_kwargs': architecture_kwargs, 'epochs': args.epochs,
+        'img_size': args.img_size, 'eval_img_size': args.eval_img_size, 'top1_reloaded': top1_reloaded, 'history': history,
         'weights_sha256': sha256, 'world_size': world_size, 'rank_state_sha256': digests,
         'wall_seconds': round(time.perf_counter() - start, 1),
     })

@@ -200,3 +200,17 @@ def test_failed_upload_says_what_failed_and_leaves_nothing(tmp_path, monkeypatch
         publish(str(checkpoint), 'aft_conv_test', 'me/x')
     assert 'hf_secret' not in str(error.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ['w.safetensors']
+
+
+def test_source_architecture_reads_a_folder_and_names_a_missing_config(tmp_path):
+    from aft_vision.hub import source_architecture
+
+    assert source_architecture('aft_conv_small.deit_in1k', {'kernel_size': 3}) == ('aft_conv_small', {'kernel_size': 3})
+    folder = tmp_path / 'published'
+    folder.mkdir()
+    (folder / 'config.json').write_text(json.dumps(
+        {'architecture': 'aft_conv_test', 'model_args': {'patch_size': 4, 'num_classes': 10, 'kernel_size': 15}}))
+    assert source_architecture(f'local-dir:{folder}', {'kernel_size': 3}) == (
+        'aft_conv_test', {'patch_size': 4, 'kernel_size': 3})  # the class count comes from the checkpoint's head
+    with pytest.raises(FileNotFoundError, match='no config.json'):
+        source_architecture(f'local-dir:{tmp_path}')

@@ -192,3 +192,21 @@ ClassificationTask.prepare_distributed = prepare_distributed
     validated = next(csv.DictReader(results.open()))
     assert validated['model'] == 'aft_conv_test' and validated['img_size'] == '48'
     assert 0.0 <= float(validated['top1']) <= 100.0
+
+
+def test_fine_tune_a_published_folder_into_the_onehot_variant(tmp_path, one_thread):
+    data = _tiny_image_folder(tmp_path / 'data')
+    dense, sparse = tmp_path / 'dense', tmp_path / 'sparse'
+    assert cli_main(['train', '--data-dir', str(data), '--epochs', '1', '--batch-size', '4',
+                     '--model-kwargs', *TINY_MODEL, '--out-dir', str(dense)]) == 0
+    assert cli_main(['train', '--data-dir', str(data), '--epochs', '1', '--batch-size', '4', '--lr', '1e-5',
+                     '--model', f'local-dir:{dense / "hub"}', '--pretrained',
+                     '--model-kwargs', 'mixer_layer=aft_conv_onehot', '--out-dir', str(sparse)]) == 0
+    before, after = load_weights(dense / 'model.safetensors'), load_weights(sparse / 'model.safetensors')
+    assert before.keys() == after.keys()
+    assert max((after[k] - before[k]).abs().max().item() for k in before) < 1e-3  # started from the dense weights
+    config = json.loads((sparse / 'hub' / 'config.json').read_text())
+    assert config['architecture'] == 'aft_conv_test'
+    assert config['model_args']['mixer_layer'] == 'aft_conv_onehot' and config['model_args']['patch_size'] == 8
+    reloaded = timm.create_model(f'local-dir:{sparse / "hub"}', pretrained=True)
+    assert type(reloaded.blocks[0].attn).__name__ == 'AFTConv2dOneHot'

@@ -313,3 +313,31 @@ def test_onehot_model_and_its_bias_maps():
     assert (np.count_nonzero(maps.reshape(4, 8, -1), axis=-1) <= 1).all()  # Figure 8: one offset per head
     with pytest.raises(ValueError, match='no AFTConv2d'):
         convert_to_onehot(timm.create_model('aft_simple_test'))
+
+
+def test_onehot_is_a_model_option_that_takes_dense_weights_and_publishes(tmp_path):
+    from aft_vision.hub import publish
+    from aft_vision.regularizers import position_bias_entropy
+
+    torch.manual_seed(0)
+    dense = _trained_like(timm.create_model('aft_conv_test', num_classes=5))
+    onehot = timm.create_model('aft_conv_test', num_classes=5, mixer_layer='aft_conv_onehot', mixer_kwargs={'tau': 0.7})
+    onehot.load_state_dict(dense.state_dict())  # strict: the same parameters under the same names
+    onehot.eval()
+    assert all(type(block.attn) is AFTConv2dOneHot and block.attn.tau == 0.7 for block in onehot.blocks)
+    assert position_bias_entropy(onehot).item() == position_bias_entropy(dense).item()  # Eq. 9 reads the logits
+    x = torch.randn(2, 3, 48, 64)
+    with torch.no_grad():
+        out = onehot(x)
+        assert torch.equal(out, torch.jit.script(onehot)(x))
+        weights = tmp_path / 'dense.safetensors'
+        save_weights(dense.state_dict(), weights)
+        assert torch.equal(out, convert_to_onehot(dense, tau=0.7)(x))  # checked against the plain operator above
+        folder = tmp_path / 'hub'
+        publish(str(weights), 'aft_conv_test', 'me/onehot', out_dir=str(folder), dry_run=True,
+                model_kwargs={'mixer_layer': 'aft_conv_onehot', 'mixer_kwargs': {'tau': 0.7}})
+        reloaded = timm.create_model(f'local-dir:{folder}', pretrained=True).eval()
+        assert type(reloaded.blocks[0].attn) is AFTConv2dOneHot and reloaded.blocks[0].attn.tau == 0.7
+        assert torch.equal(reloaded(x), out)
+    with pytest.raises(ValueError, match="unknown mixer_layer 'sparse'.*aft_conv_onehot"):
+        timm.create_model('aft_conv_test', mixer_layer='sparse')

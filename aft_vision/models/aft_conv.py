@@ -15,7 +15,7 @@ Model names: ``aft_conv_<size>_<kernel>[_h<heads>]`` (heads = d when no ``_h`` s
 ``aft_conv_small`` and ``aft_conv_base`` are the recommended configurations.
 """
 from functools import partial
-from typing import Any, Dict, List, Optional, Set, Tuple, Type, Union
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Type, Union
 
 import torch
 from torch import nn
@@ -32,13 +32,15 @@ from timm.models import (
     register_model,
 )
 
-from aft_vision.layers import AFTConv2d
+from aft_vision.layers import AFTConv2d, AFTConv2dOneHot
 from .aft_vit import PAPER_ID, Block, adapt_vit_checkpoint, check_image, deit_init_cfg, init_weights_aft, \
     block_indices, _record_input_size
 
 __all__ = ['AFTConvTransformer']  # register_model adds each entry point
 
 GLOBAL_POOLS = ('', 'avg', 'max', 'avgmax')
+# token mixers by name (names travel in config.json): the dense bias of Eq. 6 / 8, or Sec. 8's one-hot bias (Eq. 10)
+MIXER_LAYERS: Dict[str, Type[AFTConv2d]] = {'aft_conv': AFTConv2d, 'aft_conv_onehot': AFTConv2dOneHot}
 
 
 class AFTConvTransformer(nn.Module):
@@ -54,6 +56,10 @@ class AFTConvTransformer(nn.Module):
         depth: Number of blocks.
         num_heads: AFT-conv heads h (d must be divisible by h).
         kernel_size: Odd AFT-conv window s.
+        mixer_layer: Token mixer: 'aft_conv' (dense position bias), 'aft_conv_onehot' (Sec. 8: one Gumbel-softmax
+            sampled offset per head in training, the argmax by pooling plus indexing at inference), or a class taking
+            ``AFTConv2d``'s arguments. Both named mixers have the same parameters, so checkpoints load into either.
+        mixer_kwargs: Extra mixer arguments, e.g. ``{'tau': 0.5}`` for 'aft_conv_onehot'.
         mlp_ratio: MLP hidden width over ``embed_dim``.
         qkv_bias: Bias in the q, k, v projections.
         init_values: LayerScale init value, no LayerScale if None.
@@ -78,6 +84,8 @@ class AFTConvTransformer(nn.Module):
             depth: int = 12,
             num_heads: int = 32,
             kernel_size: int = 11,
+            mixer_layer: Union[str, Callable[..., nn.Module]] = 'aft_conv',
+            mixer_kwargs: Optional[Dict[str, Any]] = None,
             mlp_ratio: float = 4.,
             qkv_bias: bool = True,
             init_values: Optional[float] = None,
@@ -119,7 +127,8 @@ class AFTConvTransformer(nn.Module):
         )
         reduction = self.patch_embed.feat_ratio()
 
-        mixer_layer = partial(AFTConv2d, num_heads=num_heads, kernel_size=kernel_size)
+        mixer_layer = partial(_mixer_class(mixer_layer), num_heads=num_heads, kernel_size=kernel_size,
+                              **(mixer_kwargs or {}))
         dpr = calculate_drop_path_rates(drop_path_rate, depth)
         self.blocks = nn.Sequential(*[
             block_fn(
@@ -290,6 +299,14 @@ class AFTConvTransformer(nn.Module):
         x = self.forward_features(x)
         x = self.forward_head(x)
         return x
+
+
+def _mixer_class(mixer_layer: Union[str, Callable[..., nn.Module]]) -> Callable[..., nn.Module]:
+    if not isinstance(mixer_layer, str):
+        return mixer_layer
+    if mixer_layer not in MIXER_LAYERS:
+        raise ValueError(f'unknown mixer_layer {mixer_layer!r}: choose one of {sorted(MIXER_LAYERS)} or pass a class')
+    return MIXER_LAYERS[mixer_layer]
 
 
 def _check_global_pool(global_pool: str) -> None:
