@@ -275,8 +275,8 @@ def run(args: argparse.Namespace) -> Dict:
         print('matplotlib is not installed (pip install aft-vision[demo]): no training curve written')
     results.update({
         'model': args.model, 'architecture': architecture, 'model_kwargs': architecture_kwargs, 'epochs': args.epochs,
-        'img_size': args.img_size, 'eval_img_size': args.eval_img_size, 'top1_reloaded': top1_reloaded, 'history': history,
-        'weights_sha256': sha256, 'world_size': world_size, 'rank_state_sha256': digests,
+        'img_size': args.img_size, 'eval_img_size': args.eval_img_size, 'top1_reloaded': top1_reloaded,
+        'history': history, 'weights_sha256': sha256, 'world_size': world_size, 'rank_state_sha256': digests,
         'wall_seconds': round(time.perf_counter() - start, 1),
     })
     (out / 'results.json').write_text(json.dumps(results, indent=2))

@@ -166,11 +166,13 @@ def transfer_vit_weights(
             mapped[key] = _resample_pos_embed(tensor, target[key], num_prefix)
             report.resampled[key] = f'{list(tensor.shape)} -> {list(target[key].shape)}'
         elif key.startswith('head.') and tensor.shape != target[key].shape:
-            report.skipped[key] = f'class count differs: checkpoint {list(tensor.shape)}, model {list(target[key].shape)}'
+            report.skipped[key] = (f'class count differs: checkpoint {list(tensor.shape)}, '
+                                   f'model {list(target[key].shape)}')
         elif key == 'patch_embed.proj.weight' and tensor.shape != target[key].shape:
             # other input channels: kept as they are for timm's loader, which adapts them (``first_conv``)
             mapped[key] = tensor
-            report.partial[key] = f'{tensor.shape[1]} input channels kept for the loader to adapt to {target[key].shape[1]}'
+            report.partial[key] = (f'{tensor.shape[1]} input channels kept for the loader to adapt to '
+                                   f'{target[key].shape[1]}')
         elif tensor.shape != target[key].shape:
             raise ValueError(f'shape mismatch at {key!r}: checkpoint {list(tensor.shape)}, '
                              f'model {list(target[key].shape)}')

@@ -13,7 +13,7 @@ import argparse
 import contextlib
 import time
 from pathlib import Path
-from typing import Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -311,6 +311,16 @@ def _label_grid(panels, row_label: str, col_label: str) -> None:
                 ax.set_title(f'{col_label} {c + 1}', fontsize=8)
 
 
+def _draw_rows(fig, panels, bars, maps: np.ndarray, cmap: str, norm_of_row: Callable, **imshow_kwargs) -> None:
+    """Draw ``maps[row, col]`` into ``panels[row][col]``, one colour scale per row (``norm_of_row(maps[row])``) with
+    its colour bar at the row's end."""
+    for row, axes in enumerate(panels):
+        norm = norm_of_row(maps[row])
+        for col, ax in enumerate(axes):
+            shown = ax.imshow(maps[row, col], cmap=cmap, norm=norm, interpolation='nearest', **imshow_kwargs)
+        fig.colorbar(shown, cax=bars[row]).ax.tick_params(labelsize=6)
+
+
 def _bias_norm(limit: float, log_scale: bool):
     """Colour scale for ``exp(w) - 1`` in [-limit, limit]: linear, or linear within +-0.1 and logarithmic beyond."""
     from matplotlib.colors import Normalize, SymLogNorm
@@ -355,13 +365,9 @@ def plot_position_bias(
         num_layers, num_heads, size = maps.shape[0], maps.shape[1], maps.shape[-1]
         fig = _figure(0.9 * num_heads + 1.2, 0.9 * num_layers + 0.8)
         panels, bars, _ = _grid_panels(fig, num_layers, num_heads)
-        for layer, row in enumerate(panels):
-            limit = float(np.abs(maps[layer]).max()) or 1.0  # all zero (gamma = beta = 0): any scale
-            norm = _bias_norm(limit, log_scale)
-            for head, ax in enumerate(row):
-                image = ax.imshow(maps[layer, head], cmap='RdBu_r', norm=norm,
-                                  extent=(-size / 2, size / 2, size / 2, -size / 2), interpolation='nearest')
-            fig.colorbar(image, cax=bars[layer]).ax.tick_params(labelsize=6)
+        _draw_rows(fig, panels, bars, maps, 'RdBu_r',
+                   lambda layer: _bias_norm(float(np.abs(layer).max()) or 1.0, log_scale),  # all 0: any scale
+                   extent=(-size / 2, size / 2, size / 2, -size / 2))
         _label_grid(panels, 'layer', 'head')
         bottom_left = panels[-1][0]
         radius = size // 2
@@ -421,6 +427,8 @@ def plot_key_maps(
     Returns:
         The path written.
     """
+    from matplotlib.colors import Normalize
+
     path = _check_out(path, force)
     keys = np.asarray(keys, dtype=np.float32)
     if keys.ndim != 4:
@@ -430,11 +438,7 @@ def plot_key_maps(
     band = 2.0 if top else 0.0
     fig = _figure(0.9 * num_maps + 1.2, 0.9 * num_layers + band + 0.8)
     panels, bars, band_ax = _grid_panels(fig, num_layers, num_maps, top=top, top_ratio=2.2)
-    for layer, row in enumerate(panels):
-        low, high = float(keys[layer].min()), float(keys[layer].max())
-        for index, ax in enumerate(row):
-            shown = ax.imshow(keys[layer, index], cmap='viridis', vmin=low, vmax=high, interpolation='nearest')
-        fig.colorbar(shown, cax=bars[layer]).ax.tick_params(labelsize=6)
+    _draw_rows(fig, panels, bars, keys, 'viridis', lambda layer: Normalize(float(layer.min()), float(layer.max())))
     _label_grid(panels, 'layer', map_label)
     if band_ax is not None:
         band_ax.imshow(image)

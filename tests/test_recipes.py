@@ -22,7 +22,8 @@ def test_there_is_a_recipe_per_table7_model_and_table8():
 def test_recipe_models_are_registered_and_follow_the_deit_recipe(recipe):
     config = yaml.safe_load(recipe.read_text())
     assert timm.is_model(config['model'])
-    assert (config['opt'], config['lr_base'], config['lr_base_size'], config['weight_decay']) == ('adamw', 5e-4, 512, 0.05)
+    recipe = (config['opt'], config['lr_base'], config['lr_base_size'], config['weight_decay'])
+    assert recipe == ('adamw', 5e-4, 512, 0.05)
     assert config['lr_base_scale'] == 'linear' and config['warmup_epochs'] == 5 and config['smoothing'] == 0.1
 
 

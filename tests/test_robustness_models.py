@@ -154,7 +154,8 @@ def test_repeated_inference_does_not_grow_memory(name):
     assert _rss_mb() - before < 20
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=20, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(name=st.sampled_from(sorted(TINY)), batch=st.integers(1, 3), height=st.integers(1, 40),
        width=st.integers(1, 40), chans=st.integers(1, 4),
        dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16, torch.int64]))

@@ -125,8 +125,8 @@ def test_ddp_two_processes_end_with_identical_weights(tmp_path):
     rank0, rank1 = results['rank_state_sha256']
     assert rank0 == rank1 == state_digest(load_weights(out / 'model.safetensors'))
     torch.manual_seed(0)  # the trainer's seed: the weights both ranks started from
-    initial = timm.create_model('aft_conv_test', num_classes=3, **{k: int(v) for k, v in
-                                                                  (a.split('=') for a in TINY_MODEL)})
+    tiny_kwargs = {key: int(value) for key, value in (arg.split('=') for arg in TINY_MODEL)}
+    initial = timm.create_model('aft_conv_test', num_classes=3, **tiny_kwargs)
     assert state_digest(initial.state_dict()) != rank0  # they trained
     assert results['top1_reloaded'] == results['top1']
 

@@ -341,3 +341,15 @@ def test_onehot_is_a_model_option_that_takes_dense_weights_and_publishes(tmp_pat
         assert torch.equal(reloaded(x), out)
     with pytest.raises(ValueError, match="unknown mixer_layer 'sparse'.*aft_conv_onehot"):
         timm.create_model('aft_conv_test', mixer_layer='sparse')
+
+
+@pytest.mark.parametrize('shapes, index, match', [
+    (((1, 4, 4, 6), (1, 4, 4, 4), (1, 4, 4, 6), (4, 3, 3)), 4, 'not divisible by h = 4'),
+    (((1, 4, 4, 8), (1, 4, 4, 4), (1, 4, 4, 8), (4, 2, 2)), 4, 'must be odd'),
+    (((1, 4, 4, 8), (1, 4, 4, 4), (1, 3, 4, 8), (4, 3, 3)), 4, 'v'),
+    (((1, 4, 4, 8), (1, 4, 4, 4), (1, 4, 4, 8), (4, 3, 3)), 3, r'index must be \(4,\)'),
+])
+def test_onehot_operator_names_bad_inputs(shapes, index, match):
+    q, k, v, w = (torch.randn(shape) for shape in shapes)
+    with pytest.raises(ValueError, match=match):
+        aft_conv2d_onehot(q, k, v, w, torch.zeros(index, dtype=torch.long))

@@ -16,7 +16,8 @@ from torch import nn
 
 from ._stable import TINY, any_flagged
 from .aft_conv import AFTConv2d
-from .functional import _CANCEL_TOL, _compute_dtype, _full_precision, _output_dtype, aft_conv2d, check_tokens
+from .functional import _CANCEL_TOL, _compute_dtype, _full_precision, _output_dtype, aft_conv2d, check_conv_inputs, \
+    check_tokens
 
 __all__ = ['AFTConv2dOneHot', 'aft_conv2d_onehot', 'onehot_bias', 'convert_to_onehot']
 
@@ -53,13 +54,8 @@ def aft_conv2d_onehot(
     Returns:
         Mixed tokens (B, H, W, C).
     """
-    check_tokens(q, '(B, H, W, C)', q.shape[-1])
-    if k.dim() != 4 or k.shape[:3] != q.shape[:3] or v.shape != q.shape:
-        raise ValueError(f'expected q, v (B, H, W, C) and k (B, H, W, h), got {list(q.shape)}, {list(k.shape)}, '
-                         f'{list(v.shape)}')
+    check_conv_inputs(q, k, v, w)
     num_heads = k.shape[-1]
-    if w.dim() != 3 or w.shape[0] != num_heads or w.shape[1] != w.shape[2] or w.shape[1] % 2 == 0:
-        raise ValueError(f'w must be (h, s, s) with h = {num_heads} and s odd, got {list(w.shape)}')
     if index.shape != (num_heads,):
         raise ValueError(f'index must be ({num_heads},), got {list(index.shape)}')
     if torch.jit.is_scripting():

@@ -241,6 +241,20 @@ def _conv_sums_dense(exp_kv: torch.Tensor, exp_k: torch.Tensor, log_bias: torch.
     ], dim=-1)
 
 
+def check_conv_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor) -> None:
+    """Check AFT-conv's q, v (B, H, W, C), k (B, H, W, h) with h dividing C, and w (h, s, s) with s odd."""
+    _check_qkv(q, k, v, 4, '(B, H, W, C)', '(B, H, W, h)')
+    _check('w', w, 3, '(h, s, s)')
+    channels, num_heads = q.shape[-1], k.shape[-1]
+    if channels % num_heads:
+        raise ValueError(f'C = {channels} (q {list(q.shape)}) is not divisible by h = {num_heads} '
+                         f'(k {list(k.shape)})')
+    if w.shape[0] != num_heads or w.shape[1] != w.shape[2]:
+        raise ValueError(f'w must have shape (h, s, s) with h = {num_heads}, got {list(w.shape)}')
+    if w.shape[1] % 2 == 0:
+        raise ValueError(f'kernel size s must be odd, got w of shape {list(w.shape)}')
+
+
 @register_notrace_function
 def aft_conv2d(
         q: torch.Tensor,
@@ -275,17 +289,7 @@ def aft_conv2d(
     Returns:
         Mixed tokens (B, H, W, C).
     """
-    _check_qkv(q, k, v, 4, '(B, H, W, C)', '(B, H, W, h)')
-    _check('w', w, 3, '(h, s, s)')
-    batch, height, width, channels = q.shape
-    num_heads = k.shape[-1]
-    if channels % num_heads:
-        raise ValueError(f'C = {channels} (q {list(q.shape)}) is not divisible by h = {num_heads} '
-                         f'(k {list(k.shape)})')
-    if w.shape[0] != num_heads or w.shape[1] != w.shape[2]:
-        raise ValueError(f'w must have shape (h, s, s) with h = {num_heads}, got {list(w.shape)}')
-    if w.shape[1] % 2 == 0:
-        raise ValueError(f'kernel size s must be odd, got w of shape {list(w.shape)}')
+    check_conv_inputs(q, k, v, w)
     if method not in ('auto', 'conv', 'dense'):
         raise ValueError(f"method must be 'auto', 'conv' or 'dense', got '{method}'")
     if torch.jit.is_scripting():

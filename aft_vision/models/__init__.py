@@ -2,7 +2,9 @@
 
 * ``aft_vit``: AFT-full and AFT-simple vision transformers (class token, position embedding, token output).
 * ``aft_conv``: AFT-conv, fully convolutional (no class token or position embedding, global average pooling).
+* ``_base``: what both share (``Block``, ``AFTTransformerBase``: the trunk and the timm interface built on it).
 """
+from ._base import AFTTransformerBase, Block
 from .aft_vit import *
 from .aft_conv import *
 
@@ -20,6 +22,7 @@ def create_aft_model(name: str, pretrained: bool = False, **kwargs):
     architecture = name.split('.')[0]
     if ':' not in name and not timm.is_model(architecture):
         close = difflib.get_close_matches(architecture, timm.list_models('aft_*'), n=3, cutoff=0.5)
-        hint = f'; did you mean {", ".join(close)}?' if close else f'; AFT models: {", ".join(timm.list_models("aft_*"))}'
+        known = ", ".join(timm.list_models('aft_*'))
+        hint = f'; did you mean {", ".join(close)}?' if close else f'; AFT models: {known}'
         raise ValueError(f'unknown model {name!r}{hint}')
     return timm.create_model(name, pretrained=pretrained, **kwargs)

@@ -15,26 +15,17 @@ Model names: ``aft_conv_<size>_<kernel>[_h<heads>]`` (heads = d when no ``_h`` s
 ``aft_conv_small`` and ``aft_conv_base`` are the recommended configurations.
 """
 from functools import partial
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Type, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Type, Union
 
 import torch
 from torch import nn
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import PatchEmbed, LayerNorm, calculate_drop_path_rates, get_act_layer, get_device_dtype, \
-    get_norm_layer
-from timm.models import (
-    build_model_with_cfg,
-    checkpoint,
-    checkpoint_seq,
-    generate_default_cfgs,
-    named_apply,
-    register_model,
-)
+from timm.layers import PatchEmbed, LayerNorm, get_act_layer, get_norm_layer
+from timm.models import build_model_with_cfg, checkpoint, checkpoint_seq, generate_default_cfgs, register_model
 
 from aft_vision.layers import AFTConv2d, AFTConv2dOneHot
-from .aft_vit import PAPER_ID, Block, adapt_vit_checkpoint, check_image, deit_init_cfg, init_weights_aft, \
-    block_indices, _record_input_size
+from ._base import PAPER_ID, AFTTransformerBase, Block, adapt_vit_checkpoint, block_indices, deit_init_cfg
 
 __all__ = ['AFTConvTransformer']  # register_model adds each entry point
 
@@ -43,7 +34,7 @@ GLOBAL_POOLS = ('', 'avg', 'max', 'avgmax')
 MIXER_LAYERS: Dict[str, Type[AFTConv2d]] = {'aft_conv': AFTConv2d, 'aft_conv_onehot': AFTConv2dOneHot}
 
 
-class AFTConvTransformer(nn.Module):
+class AFTConvTransformer(AFTTransformerBase):
     """Isotropic AFT-conv transformer: patch embedding, AFT-conv blocks on a (B, H, W, C) map, norm, pool, head.
 
     Args:
@@ -100,20 +91,12 @@ class AFTConvTransformer(nn.Module):
             device=None,
             dtype=None,
     ):
-        super().__init__()
+        super().__init__(num_classes, in_chans, global_pool, embed_dim, weight_init)
         dd = {'device': device, 'dtype': dtype}
-        _check_global_pool(global_pool)
-        if weight_init not in ('', 'skip'):
-            raise ValueError(f"unknown weight_init {weight_init!r}: choose '' or 'skip'")
+        self._check_global_pool(global_pool)
         norm_layer = get_norm_layer(norm_layer) or LayerNorm
         act_layer = get_act_layer(act_layer) or nn.GELU
-
-        self.num_classes = num_classes
-        self.in_chans = in_chans
-        self.global_pool = global_pool
-        self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
         self.output_fmt = 'NHWC'
-        self.grad_checkpointing = False
 
         self.patch_embed = PatchEmbed(
             img_size=img_size,
@@ -129,66 +112,16 @@ class AFTConvTransformer(nn.Module):
 
         mixer_layer = partial(_mixer_class(mixer_layer), num_heads=num_heads, kernel_size=kernel_size,
                               **(mixer_kwargs or {}))
-        dpr = calculate_drop_path_rates(drop_path_rate, depth)
-        self.blocks = nn.Sequential(*[
-            block_fn(
-                dim=embed_dim,
-                mixer_layer=mixer_layer,
-                mlp_ratio=mlp_ratio,
-                qkv_bias=qkv_bias,
-                proj_drop=proj_drop_rate,
-                init_values=init_values,
-                drop_path=dpr[i],
-                act_layer=act_layer,
-                norm_layer=norm_layer,
-                **dd,
-            )
-            for i in range(depth)])
-        self.feature_info = [dict(module=f'blocks.{i}', num_chs=embed_dim, reduction=reduction) for i in range(depth)]
-        self.norm = norm_layer(embed_dim, **dd)
-
-        self.head_drop = nn.Dropout(drop_rate)
-        self.head = nn.Linear(embed_dim, num_classes, **dd) if num_classes > 0 else nn.Identity()
-
+        self._build_trunk(
+            depth, mixer_layer, reduction, block_fn, norm_layer, drop_rate=drop_rate, drop_path_rate=drop_path_rate,
+            dd=dd, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, proj_drop=proj_drop_rate, init_values=init_values,
+            act_layer=act_layer)
         if weight_init != 'skip':
             self.init_weights()
 
-    def init_weights(self, mode: str = '') -> None:
-        """timm's ViT init (``mode`` accepted for API parity, only '' is supported)."""
-        if mode:
-            raise ValueError(f"unknown init mode {mode!r}: only '' is supported")
-        named_apply(init_weights_aft, self)
-
-    @torch.jit.ignore
-    def no_weight_decay(self) -> Set[str]:
-        """The raw AFT-conv position biases (like Swin's relative position tables) are not decayed."""
-        return {n for n, _ in self.named_parameters() if n.endswith('.attn.pos_weight')}
-
-    @torch.jit.ignore
-    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
-        """Parameter groups for layer-wise lr decay: stem, one group per block, final norm with the last block."""
-        return dict(
-            stem=r'^patch_embed',
-            blocks=[(r'^blocks\.(\d+)', None), (r'^norm', (99999,))],
-        )
-
-    @torch.jit.ignore
-    def set_grad_checkpointing(self, enable: bool = True) -> None:
-        self.grad_checkpointing = enable
-
-    @torch.jit.ignore
-    def get_classifier(self) -> nn.Module:
-        return self.head
-
-    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
-        """Replace the classifier (``num_classes=0`` removes it); ``global_pool`` None keeps the current pooling."""
-        dd = get_device_dtype(self)
-        self.num_classes = num_classes
-        if global_pool is not None:
-            _check_global_pool(global_pool)
-            self.global_pool = global_pool
-        self.head = nn.Linear(self.embed_dim, num_classes, **dd) if num_classes > 0 else nn.Identity()
-        self.head.train(self.training)
+    def _check_global_pool(self, global_pool: str) -> None:
+        if global_pool not in GLOBAL_POOLS:
+            raise ValueError(f'unknown global_pool {global_pool!r}: choose one of {GLOBAL_POOLS} ("" for no pooling)')
 
     @torch.jit.ignore
     def set_input_size(
@@ -201,11 +134,7 @@ class AFTConvTransformer(nn.Module):
         self.patch_embed.set_input_size(img_size=img_size, patch_size=patch_size)
         for info in self.feature_info:
             info['reduction'] = self.patch_embed.feat_ratio()
-        _record_input_size(self, self.patch_embed.img_size)
-
-    def _check_input(self, x: torch.Tensor) -> None:
-        check_image(x, self.in_chans, self.patch_embed.patch_size, None, self.patch_embed.dynamic_img_pad,
-                    self.patch_embed.proj.weight.dtype)
+        self._record_input_size(self.patch_embed.img_size)
 
     def forward_intermediates(
             self,
@@ -254,21 +183,6 @@ class AFTConvTransformer(nn.Module):
         x = self.norm(x)
         return x, intermediates
 
-    def prune_intermediate_layers(
-            self,
-            indices: Union[int, List[int]] = 1,
-            prune_norm: bool = False,
-            prune_head: bool = True,
-    ) -> List[int]:
-        """Drop the blocks after the last requested intermediate (and the norm / head if asked)."""
-        take_indices, max_index = block_indices(len(self.blocks), indices)
-        self.blocks = self.blocks[:max_index + 1]
-        if prune_norm:
-            self.norm = nn.Identity()
-        if prune_head:
-            self.reset_classifier(0, '')
-        return take_indices
-
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, C, H, W) -> normalised token map (B, H/p, W/p, C)."""
         self._check_input(x)
@@ -290,16 +204,6 @@ class AFTConvTransformer(nn.Module):
             return 0.5 * (x.mean(dim=(1, 2)) + x.amax(dim=(1, 2)))
         return x
 
-    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        x = self.pool(x)
-        x = self.head_drop(x)
-        return x if pre_logits else self.head(x)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.forward_features(x)
-        x = self.forward_head(x)
-        return x
-
 
 def _mixer_class(mixer_layer: Union[str, Callable[..., nn.Module]]) -> Callable[..., nn.Module]:
     if not isinstance(mixer_layer, str):
@@ -307,11 +211,6 @@ def _mixer_class(mixer_layer: Union[str, Callable[..., nn.Module]]) -> Callable[
     if mixer_layer not in MIXER_LAYERS:
         raise ValueError(f'unknown mixer_layer {mixer_layer!r}: choose one of {sorted(MIXER_LAYERS)} or pass a class')
     return MIXER_LAYERS[mixer_layer]
-
-
-def _check_global_pool(global_pool: str) -> None:
-    if global_pool not in GLOBAL_POOLS:
-        raise ValueError(f'unknown global_pool {global_pool!r}: choose one of {GLOBAL_POOLS} ("" for no pooling)')
 
 
 def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: AFTConvTransformer) -> Dict[str, torch.Tensor]:

@@ -18,46 +18,22 @@ AFT-full's position bias is tied to the token grid. A model built for one image 
 of the position embedding) are resampled over the 2-D patch grid, the class-token row kept as it is.
 """
 from functools import partial
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Type, Union
-
-import logging
+from typing import Any, Dict, List, Optional, Tuple, Type, Union
 
 import torch
 from torch import nn
 from torch.jit import Final
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import (
-    DropPath,
-    LayerNorm,
-    LayerScale,
-    Mlp,
-    PatchEmbed,
-    calculate_drop_path_rates,
-    get_act_layer,
-    get_device_dtype,
-    get_norm_layer,
-    resample_abs_pos_embed,
-    to_2tuple,
-    trunc_normal_,
-)
-from timm.models import (
-    build_model_with_cfg,
-    checkpoint,
-    generate_default_cfgs,
-    named_apply,
-    register_model,
-    register_notrace_function,
-)
+from timm.layers import LayerNorm, PatchEmbed, get_act_layer, get_norm_layer, resample_abs_pos_embed, to_2tuple, \
+    trunc_normal_
+from timm.models import build_model_with_cfg, checkpoint, generate_default_cfgs, register_model
 
 from aft_vision.layers import AFTFull, AFTSimple, aft_full
-from aft_vision.transfer import is_vit_state_dict, transfer_vit_weights, unwrap_state_dict
+from ._base import PAPER_ID, AFTTransformerBase, Block, adapt_vit_checkpoint, block_indices, deit_init_cfg
 
-_logger = logging.getLogger(__name__)
+__all__ = ['AFTVisionTransformer', 'GridAFTFull']  # register_model adds each entry point
 
-__all__ = ['AFTVisionTransformer', 'Block', 'GridAFTFull']  # register_model adds each entry point
-
-PAPER_ID = 'arXiv:2105.14103'
 MIXERS = ('full', 'simple')
 
 
@@ -96,92 +72,6 @@ def resample_pos_rows(
     ).squeeze(0)
 
 
-def block_indices(num_blocks: int, indices: Optional[Union[int, List[int]]] = None) -> Tuple[List[int], int]:
-    """Absolute block indices to take intermediates from (timm's ``forward_intermediates`` convention).
-
-    Args:
-        num_blocks: Number of blocks.
-        indices: None for all blocks, an int n for the last n, or a list of indices (negative from the end).
-
-    Returns:
-        The absolute indices, in the given order, and the largest one.
-    """
-    if indices is None:
-        indices = num_blocks
-    if isinstance(indices, int):
-        if indices < 1 or indices > num_blocks:
-            raise ValueError(f'cannot take the last {indices} blocks of {num_blocks}: use 1 to {num_blocks}')
-        taken = [num_blocks - indices + i for i in range(indices)]
-    else:
-        taken: List[int] = []
-        for i in indices:
-            idx = num_blocks + i if i < 0 else i
-            if idx < 0 or idx >= num_blocks:
-                raise ValueError(f'block index {i} is out of range for {num_blocks} blocks')
-            taken.append(idx)
-    return taken, max(taken)
-
-
-@register_notrace_function  # an fx leaf: the checks run on real shapes, not on proxies
-def check_image(
-        x: torch.Tensor,
-        in_chans: int,
-        patch_size: Tuple[int, int],
-        img_size: Optional[Tuple[int, int]] = None,
-        dynamic_img_pad: bool = False,
-        weight_dtype: Optional[torch.dtype] = None,
-) -> None:
-    """Check an image batch (B, C, H, W) against what a patch-embedding model accepts; raise ValueError otherwise.
-
-    Args:
-        x: Image batch.
-        in_chans: Channels the model was built for.
-        patch_size: Patch size (ph, pw).
-        img_size: The only accepted size, for a model whose positional parameters are tied to its grid; None when
-            any size is accepted that is a multiple of the patch size (or any size if ``dynamic_img_pad``).
-        dynamic_img_pad: The model zero-pads images to a multiple of the patch size.
-        weight_dtype: The model's parameter dtype; outside autocast, images must have it.
-    """
-    if not x.is_floating_point():
-        raise TypeError(f'expected a floating-point image batch, got dtype {x.dtype}: convert and normalise it first')
-    if weight_dtype is not None and x.dtype != weight_dtype:
-        if torch.jit.is_scripting():
-            autocast = False
-        else:
-            autocast = torch.is_autocast_enabled(x.device.type)
-        if not autocast:
-            raise TypeError(f'image dtype {x.dtype} does not match the model parameters ({weight_dtype}): cast the '
-                            f'images (x.to({weight_dtype})), the model (model.to({x.dtype})), or run under autocast')
-    if x.dim() != 4:
-        raise ValueError(f'expected an image batch of shape (B, {in_chans}, H, W), got shape {list(x.shape)}')
-    if x.shape[1] != in_chans:
-        raise ValueError(
-            f'expected {in_chans} input channels (in_chans={in_chans}), got {x.shape[1]} (input shape '
-            f'{list(x.shape)}); create the model with in_chans={x.shape[1]} to accept such images')
-    height, width = x.shape[2], x.shape[3]
-    ph, pw = patch_size[0], patch_size[1]
-    multiple = height % ph == 0 and width % pw == 0 and height > 0 and width > 0
-    up_h, up_w = max(1, (height + ph - 1) // ph) * ph, max(1, (width + pw - 1) // pw) * pw
-    if img_size is not None:
-        if height != img_size[0] or width != img_size[1]:
-            if multiple:
-                hint = (f'build it with img_size=({height}, {width}), call model.set_input_size(img_size=({height}, '
-                        f'{width})), or build it with dynamic_img_size=True to accept any multiple of {ph}x{pw}')
-            else:
-                hint = (f'other sizes must be multiples of the patch size {ph}x{pw} (e.g. {up_h}x{up_w}) and need '
-                        f'img_size=..., model.set_input_size(...) or dynamic_img_size=True (add dynamic_img_pad=True '
-                        f'to zero-pad any size)')
-            raise ValueError(
-                f'input size {height}x{width} does not match the {img_size[0]}x{img_size[1]} this model is built for '
-                f'(its position embedding and position biases are tied to that patch grid); {hint}')
-    elif not dynamic_img_pad and not multiple:
-        what = f'is smaller than one {ph}x{pw} patch' if height < ph or width < pw else \
-            f'is not a multiple of the patch size {ph}x{pw}'
-        raise ValueError(
-            f'input size {height}x{width} {what}: height and width must be positive multiples of the patch size '
-            f'(e.g. {up_h}x{up_w}), or build the model with dynamic_img_pad=True to zero-pad other sizes')
-
-
 class GridAFTFull(AFTFull):
     """AFT-full over [prefix tokens, H x W patch grid]: the position bias follows the grid when the image size changes.
 
@@ -215,6 +105,7 @@ class GridAFTFull(AFTFull):
             dim, seq_len, pos_dim=pos_dim, qkv_bias=qkv_bias, proj_drop=proj_drop, device=device, dtype=dtype)
         self.grid_size: Tuple[int, int] = (int(grid_size[0]), int(grid_size[1]))
         self.num_prefix_tokens = num_prefix_tokens
+        self.grid_aware = True  # Block passes it the patch grid
 
     def resampled_pos(self, feat_size: List[int]) -> Tuple[torch.Tensor, torch.Tensor]:
         """Factorised bias rows (u, v) for a (H', W') grid, each (num_prefix_tokens + H' * W', d')."""
@@ -252,82 +143,7 @@ class GridAFTFull(AFTFull):
         return f'{super().extra_repr()}, grid_size={self.grid_size}, num_prefix_tokens={self.num_prefix_tokens}'
 
 
-class Block(nn.Module):
-    """Pre-norm transformer block with an AFT token mixer as ``attn``: ``x + attn(norm1(x))``, ``x + mlp(norm2(x))``.
-
-    Works on any token layout the mixer takes: (B, T, C) for AFT-full/simple, (B, H, W, C) for AFT-conv (LayerNorm
-    and the MLP act on the last dim).
-
-    Args:
-        dim: Token width C.
-        mixer_layer: Token mixer class (or partial) called as ``mixer_layer(dim, qkv_bias=..., proj_drop=...,
-            device=..., dtype=...)``.
-        mlp_ratio: MLP hidden width over C.
-        qkv_bias: Bias in the mixer's q, k, v projection.
-        proj_drop: Dropout after the mixer's and the MLP's output projections.
-        init_values: LayerScale init value, no LayerScale if None.
-        drop_path: Stochastic depth rate.
-        act_layer: MLP activation.
-        norm_layer: Normalisation layer.
-        mlp_layer: MLP class.
-    """
-    grid_aware: Final[bool]
-
-    def __init__(
-            self,
-            dim: int,
-            mixer_layer: Callable[..., nn.Module],
-            mlp_ratio: float = 4.,
-            qkv_bias: bool = True,
-            proj_drop: float = 0.,
-            init_values: Optional[float] = None,
-            drop_path: float = 0.,
-            act_layer: Type[nn.Module] = nn.GELU,
-            norm_layer: Type[nn.Module] = LayerNorm,
-            mlp_layer: Type[nn.Module] = Mlp,
-            device=None,
-            dtype=None,
-    ):
-        super().__init__()
-        dd = {'device': device, 'dtype': dtype}
-        self.norm1 = norm_layer(dim, **dd)
-        self.attn = mixer_layer(dim, qkv_bias=qkv_bias, proj_drop=proj_drop, **dd)
-        self.grid_aware = isinstance(self.attn, GridAFTFull)
-        self.ls1 = LayerScale(dim, init_values=init_values, **dd) if init_values else nn.Identity()
-        self.drop_path1 = DropPath(drop_path) if drop_path > 0. else nn.Identity()
-
-        self.norm2 = norm_layer(dim, **dd)
-        self.mlp = mlp_layer(
-            in_features=dim,
-            hidden_features=int(dim * mlp_ratio),
-            act_layer=act_layer,
-            drop=proj_drop,
-            **dd,
-        )
-        self.ls2 = LayerScale(dim, init_values=init_values, **dd) if init_values else nn.Identity()
-        self.drop_path2 = DropPath(drop_path) if drop_path > 0. else nn.Identity()
-
-    def forward(self, x: torch.Tensor, feat_size: Optional[List[int]] = None) -> torch.Tensor:
-        if self.grid_aware:  # a TorchScript constant: the other branch is not compiled
-            y = self.attn(self.norm1(x), feat_size)
-        else:
-            y = self.attn(self.norm1(x))
-        x = x + self.drop_path1(self.ls1(y))
-        x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
-        return x
-
-
-def init_weights_aft(module: nn.Module, name: str = '') -> None:
-    """timm's ViT init: truncated-normal Linear weights (std .02), zero biases; AFT mixers re-init their biases."""
-    if isinstance(module, nn.Linear):
-        trunc_normal_(module.weight, std=.02)
-        if module.bias is not None:
-            nn.init.zeros_(module.bias)
-    elif hasattr(module, 'init_weights'):
-        module.init_weights()
-
-
-class AFTVisionTransformer(nn.Module):
+class AFTVisionTransformer(AFTTransformerBase):
     """DeiT/ViT with an AFT-full or AFT-simple token mixer, class token and learned position embedding.
 
     Token output like timm's ``VisionTransformer``: ``forward_features`` returns (B, 1 + H * W, C).
@@ -388,25 +204,17 @@ class AFTVisionTransformer(nn.Module):
             device=None,
             dtype=None,
     ):
-        super().__init__()
+        super().__init__(num_classes, in_chans, global_pool, embed_dim, weight_init)
         dd = {'device': device, 'dtype': dtype}
         if mixer not in MIXERS:
             raise ValueError(f'unknown mixer {mixer!r}: choose one of {MIXERS}')
-        _check_global_pool(global_pool, class_token)
-        if weight_init not in ('', 'skip'):
-            raise ValueError(f"unknown weight_init {weight_init!r}: choose '' or 'skip'")
-        norm_layer = get_norm_layer(norm_layer) or LayerNorm
-        act_layer = get_act_layer(act_layer) or nn.GELU
-
-        self.num_classes = num_classes
-        self.in_chans = in_chans
-        self.global_pool = global_pool
-        self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
         self.num_prefix_tokens = 1 if class_token else 0
         self.has_class_token = class_token
+        self._check_global_pool(global_pool)
         self.mixer = mixer
         self.dynamic_img_size = dynamic_img_size
-        self.grad_checkpointing = False
+        norm_layer = get_norm_layer(norm_layer) or LayerNorm
+        act_layer = get_act_layer(act_layer) or nn.GELU
 
         embed_args = dict(strict_img_size=False, output_fmt='NHWC') if dynamic_img_size else {}
         self.patch_embed = PatchEmbed(
@@ -431,71 +239,25 @@ class AFTVisionTransformer(nn.Module):
                 GridAFTFull, grid_size=grid_size, num_prefix_tokens=self.num_prefix_tokens, pos_dim=pos_dim)
         else:
             mixer_layer = AFTSimple
-        dpr = calculate_drop_path_rates(drop_path_rate, depth)
-        self.blocks = nn.Sequential(*[
-            block_fn(
-                dim=embed_dim,
-                mixer_layer=mixer_layer,
-                mlp_ratio=mlp_ratio,
-                qkv_bias=qkv_bias,
-                proj_drop=proj_drop_rate,
-                init_values=init_values,
-                drop_path=dpr[i],
-                act_layer=act_layer,
-                norm_layer=norm_layer,
-                **dd,
-            )
-            for i in range(depth)])
-        self.feature_info = [dict(module=f'blocks.{i}', num_chs=embed_dim, reduction=reduction) for i in range(depth)]
-        self.norm = norm_layer(embed_dim, **dd)
-
-        self.head_drop = nn.Dropout(drop_rate)
-        self.head = nn.Linear(embed_dim, num_classes, **dd) if num_classes > 0 else nn.Identity()
-
+        self._build_trunk(
+            depth, mixer_layer, reduction, block_fn, norm_layer, drop_rate=drop_rate, drop_path_rate=drop_path_rate,
+            dd=dd, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, proj_drop=proj_drop_rate, init_values=init_values,
+            act_layer=act_layer)
         if weight_init != 'skip':
             self.init_weights()
 
     def init_weights(self, mode: str = '') -> None:
         """timm's ViT init (``mode`` accepted for API parity, only '' is supported)."""
-        if mode:
-            raise ValueError(f"unknown init mode {mode!r}: only '' is supported")
         trunc_normal_(self.pos_embed, std=.02)
         if self.cls_token is not None:
             nn.init.normal_(self.cls_token, std=1e-6)
-        named_apply(init_weights_aft, self)
+        super().init_weights(mode)
 
-    @torch.jit.ignore
-    def no_weight_decay(self) -> Set[str]:
-        """Position embedding, class token and AFT position biases are not decayed."""
-        nwd = {'pos_embed', 'cls_token'} if self.cls_token is not None else {'pos_embed'}
-        nwd.update(n for n, _ in self.named_parameters() if n.endswith(('.attn.pos_u', '.attn.pos_v')))
-        return nwd
-
-    @torch.jit.ignore
-    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
-        """Parameter groups for layer-wise lr decay: stem, one group per block, final norm with the last block."""
-        return dict(
-            stem=r'^cls_token|pos_embed|patch_embed',
-            blocks=[(r'^blocks\.(\d+)', None), (r'^norm', (99999,))],
-        )
-
-    @torch.jit.ignore
-    def set_grad_checkpointing(self, enable: bool = True) -> None:
-        self.grad_checkpointing = enable
-
-    @torch.jit.ignore
-    def get_classifier(self) -> nn.Module:
-        return self.head
-
-    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
-        """Replace the classifier (``num_classes=0`` removes it); ``global_pool`` None keeps the current pooling."""
-        dd = get_device_dtype(self)
-        self.num_classes = num_classes
-        if global_pool is not None:
-            _check_global_pool(global_pool, self.has_class_token)
-            self.global_pool = global_pool
-        self.head = nn.Linear(self.embed_dim, num_classes, **dd) if num_classes > 0 else nn.Identity()
-        self.head.train(self.training)
+    def _check_global_pool(self, global_pool: str) -> None:
+        if global_pool not in ('', 'avg', 'token'):
+            raise ValueError(f"unknown global_pool {global_pool!r}: choose 'token', 'avg' or '' (no pooling)")
+        if global_pool == 'token' and not self.has_class_token:
+            raise ValueError("global_pool='token' needs the class token (class_token=True); use 'avg' without it")
 
     @torch.jit.ignore
     def set_input_size(
@@ -526,7 +288,7 @@ class AFTVisionTransformer(nn.Module):
                     blk.attn.set_grid_size(grid_size)
         for info in self.feature_info:
             info['reduction'] = self.patch_embed.feat_ratio()
-        _record_input_size(self, self.patch_embed.img_size)
+        self._record_input_size(self.patch_embed.img_size)
 
     def _pos_embed(self, x: torch.Tensor) -> Tuple[torch.Tensor, Optional[List[int]]]:
         """Add the position embedding and prepend the class token.
@@ -553,15 +315,9 @@ class AFTVisionTransformer(nn.Module):
         x = x + pos_embed
         return self.pos_drop(x), feat_size
 
-    def _check_input(self, x: torch.Tensor) -> None:
-        check_image(
-            x,
-            self.in_chans,
-            self.patch_embed.patch_size,
-            None if self.dynamic_img_size else self.patch_embed.img_size,
-            self.patch_embed.dynamic_img_pad,
-            self.patch_embed.proj.weight.dtype,
-        )
+    def _fixed_img_size(self) -> Optional[Tuple[int, int]]:
+        """Without ``dynamic_img_size``, the size the position embedding and AFT-full's biases are built for."""
+        return None if self.dynamic_img_size else self.patch_embed.img_size
 
     def forward_intermediates(
             self,
@@ -627,21 +383,6 @@ class AFTVisionTransformer(nn.Module):
         x = self.norm(x)
         return x, intermediates
 
-    def prune_intermediate_layers(
-            self,
-            indices: Union[int, List[int]] = 1,
-            prune_norm: bool = False,
-            prune_head: bool = True,
-    ) -> List[int]:
-        """Drop the blocks after the last requested intermediate (and the norm / head if asked)."""
-        take_indices, max_index = block_indices(len(self.blocks), indices)
-        self.blocks = self.blocks[:max_index + 1]
-        if prune_norm:
-            self.norm = nn.Identity()
-        if prune_head:
-            self.reset_classifier(0, '')
-        return take_indices
-
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, C, H, W) -> normalised tokens (B, prefix + H/p * W/p, C)."""
         self._check_input(x)
@@ -663,32 +404,6 @@ class AFTVisionTransformer(nn.Module):
             return x[:, self.num_prefix_tokens:].mean(dim=1)
         return x
 
-    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        x = self.pool(x)
-        x = self.head_drop(x)
-        return x if pre_logits else self.head(x)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.forward_features(x)
-        x = self.forward_head(x)
-        return x
-
-
-def _check_global_pool(global_pool: str, class_token: bool) -> None:
-    if global_pool not in ('', 'avg', 'token'):
-        raise ValueError(f"unknown global_pool {global_pool!r}: choose 'token', 'avg' or '' (no pooling)")
-    if global_pool == 'token' and not class_token:
-        raise ValueError("global_pool='token' needs the class token (class_token=True); use 'avg' without it")
-
-
-def _record_input_size(model: nn.Module, img_size: Tuple[int, int]) -> None:
-    """Keep timm's record of the model input size (read by ``timm.models.get_model_input_config`` and Hub export)
-    in step with ``set_input_size``."""
-    if hasattr(model, '_traits'):
-        model._traits = dict(model._traits, img_size=tuple(img_size))
-    if hasattr(model, '_model_args'):
-        model._model_args = dict(model._model_args, img_size=tuple(img_size))
-
 
 def _state_dict_grid(num_grid_tokens: int, name: str) -> Tuple[int, int]:
     side = int(round(num_grid_tokens ** 0.5))
@@ -697,15 +412,6 @@ def _state_dict_grid(num_grid_tokens: int, name: str) -> Tuple[int, int]:
             f'cannot infer the patch grid of checkpoint tensor {name!r}: {num_grid_tokens} grid rows is not a square; '
             f'build the model at the checkpoint image size, load it, then call set_input_size()')
     return side, side
-
-
-def adapt_vit_checkpoint(state_dict: Dict[str, torch.Tensor], model: nn.Module) -> Dict[str, torch.Tensor]:
-    """Unwrap a training checkpoint; map a DeiT / ViT one onto the AFT ``model`` (report logged at INFO)."""
-    state_dict = unwrap_state_dict(state_dict)
-    if is_vit_state_dict(state_dict):
-        state_dict, report = transfer_vit_weights(state_dict, model)
-        _logger.info('DeiT -> %s transfer: %s', type(model).__name__, report.summary())
-    return state_dict
 
 
 def checkpoint_filter_fn(
@@ -755,17 +461,6 @@ def _cfg(url: str = '', **kwargs) -> Dict[str, Any]:
         'license': 'apache-2.0', 'paper_ids': PAPER_ID, 'paper_name': 'An Attention Free Transformer',
         **kwargs,
     }
-
-
-DEIT_INIT_NOTE = (
-    'DeiT ImageNet-1k weights converted on load by the DeiT -> AFT transfer (Table 8 of the paper): an '
-    'initialisation for fine-tuning, not a trained AFT classifier. AFT-specific tensors start fresh.'
-)
-
-
-def deit_init_cfg(cfg_fn: Callable[..., Dict[str, Any]], deit_tag: str, **kwargs) -> Dict[str, Any]:
-    """A ``.deit_in1k`` tag: ``deit_tag``'s weights from timm's Hub repository, converted by the filter."""
-    return cfg_fn(hf_hub_id=f'timm/{deit_tag}', notes=(DEIT_INIT_NOTE,), **kwargs)
 
 
 default_cfgs = generate_default_cfgs({

@@ -1,0 +1,351 @@
+"""What the AFT model families share: the pre-norm block, timm's ViT init, input checks, the DeiT-initialised cfgs,
+and ``AFTTransformerBase``, the trunk (blocks, norm, head) with the timm model interface built on it.
+
+``aft_vit`` (AFT-full / AFT-simple, token sequences) and ``aft_conv`` (AFT-conv, token maps) subclass the base and
+add their patch embedding, position handling, ``forward_features`` and ``forward_intermediates``.
+"""
+import logging
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Type, Union
+
+import torch
+from torch import nn
+from torch.jit import Final
+
+from timm.layers import DropPath, LayerNorm, LayerScale, Mlp, calculate_drop_path_rates, get_device_dtype, \
+    trunc_normal_
+from timm.models import named_apply, register_notrace_function
+
+from aft_vision.transfer import is_vit_state_dict, transfer_vit_weights, unwrap_state_dict
+
+_logger = logging.getLogger(__name__)
+
+__all__ = ['AFTTransformerBase', 'Block']
+
+PAPER_ID = 'arXiv:2105.14103'
+# position parameters, kept out of weight decay like timm's position embeddings and relative position tables
+NO_DECAY_NAMES = ('pos_embed', 'cls_token')
+NO_DECAY_SUFFIXES = ('.attn.pos_u', '.attn.pos_v', '.attn.pos_weight')
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block with an AFT token mixer as ``attn``: ``x + attn(norm1(x))``, ``x + mlp(norm2(x))``.
+
+    Works on any token layout the mixer takes: (B, T, C) for AFT-full/simple, (B, H, W, C) for AFT-conv (LayerNorm
+    and the MLP act on the last dim). A mixer with ``grid_aware = True`` also receives the patch grid ``feat_size``.
+
+    Args:
+        dim: Token width C.
+        mixer_layer: Token mixer class (or partial) called as ``mixer_layer(dim, qkv_bias=..., proj_drop=...,
+            device=..., dtype=...)``.
+        mlp_ratio: MLP hidden width over C.
+        qkv_bias: Bias in the mixer's q, k, v projection.
+        proj_drop: Dropout after the mixer's and the MLP's output projections.
+        init_values: LayerScale init value, no LayerScale if None.
+        drop_path: Stochastic depth rate.
+        act_layer: MLP activation.
+        norm_layer: Normalisation layer.
+        mlp_layer: MLP class.
+    """
+    grid_aware: Final[bool]
+
+    def __init__(
+            self,
+            dim: int,
+            mixer_layer: Callable[..., nn.Module],
+            mlp_ratio: float = 4.,
+            qkv_bias: bool = True,
+            proj_drop: float = 0.,
+            init_values: Optional[float] = None,
+            drop_path: float = 0.,
+            act_layer: Type[nn.Module] = nn.GELU,
+            norm_layer: Type[nn.Module] = LayerNorm,
+            mlp_layer: Type[nn.Module] = Mlp,
+            device=None,
+            dtype=None,
+    ):
+        super().__init__()
+        dd = {'device': device, 'dtype': dtype}
+        self.norm1 = norm_layer(dim, **dd)
+        self.attn = mixer_layer(dim, qkv_bias=qkv_bias, proj_drop=proj_drop, **dd)
+        self.grid_aware = bool(getattr(self.attn, 'grid_aware', False))
+        self.ls1 = LayerScale(dim, init_values=init_values, **dd) if init_values else nn.Identity()
+        self.drop_path1 = DropPath(drop_path) if drop_path > 0. else nn.Identity()
+
+        self.norm2 = norm_layer(dim, **dd)
+        self.mlp = mlp_layer(
+            in_features=dim,
+            hidden_features=int(dim * mlp_ratio),
+            act_layer=act_layer,
+            drop=proj_drop,
+            **dd,
+        )
+        self.ls2 = LayerScale(dim, init_values=init_values, **dd) if init_values else nn.Identity()
+        self.drop_path2 = DropPath(drop_path) if drop_path > 0. else nn.Identity()
+
+    def forward(self, x: torch.Tensor, feat_size: Optional[List[int]] = None) -> torch.Tensor:
+        if self.grid_aware:  # a TorchScript constant: the other branch is not compiled
+            y = self.attn(self.norm1(x), feat_size)
+        else:
+            y = self.attn(self.norm1(x))
+        x = x + self.drop_path1(self.ls1(y))
+        x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+        return x
+
+
+def init_weights_aft(module: nn.Module, name: str = '') -> None:
+    """timm's ViT init: truncated-normal Linear weights (std .02), zero biases; AFT mixers re-init their biases."""
+    if isinstance(module, nn.Linear):
+        trunc_normal_(module.weight, std=.02)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif hasattr(module, 'init_weights'):
+        module.init_weights()
+
+
+class AFTTransformerBase(nn.Module):
+    """An isotropic AFT transformer's trunk (``blocks``, ``norm``, ``head_drop``, ``head``) and the timm interface that
+    only depends on it: init, weight-decay and layer-decay groups, gradient checkpointing, classifier reset, pruning,
+    ``forward_head`` and ``forward``.
+
+    Subclasses build ``patch_embed`` (and their position parameters), call ``_build_trunk``, and provide ``pool``,
+    ``forward_features``, ``forward_intermediates``, ``set_input_size`` and ``_check_global_pool`` (and
+    ``_fixed_img_size`` when their parameters tie them to one input size). Input checks and ``forward`` live here, so
+    that fx tracing, which wraps the notrace functions of the traced ``forward``'s module, treats ``check_image`` as
+    a leaf.
+
+    Args:
+        num_classes: Classifier classes, 0 for no classifier.
+        in_chans: Number of image channels.
+        global_pool: Pooling before the head (checked by the subclass).
+        embed_dim: Token width.
+        weight_init: '' for timm's ViT init, 'skip' to leave parameters uninitialised.
+    """
+
+    def __init__(self, num_classes: int, in_chans: int, global_pool: str, embed_dim: int, weight_init: str):
+        super().__init__()
+        if weight_init not in ('', 'skip'):
+            raise ValueError(f"unknown weight_init {weight_init!r}: choose '' or 'skip'")
+        self.num_classes = num_classes
+        self.in_chans = in_chans
+        self.global_pool = global_pool
+        self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
+        self.grad_checkpointing = False
+
+    def _build_trunk(
+            self,
+            depth: int,
+            mixer_layer: Callable[..., nn.Module],
+            reduction: int,
+            block_fn: Type[nn.Module],
+            norm_layer: Type[nn.Module],
+            drop_rate: float = 0.,
+            drop_path_rate: float = 0.,
+            dd: Optional[Dict[str, Any]] = None,
+            **block_kwargs,
+    ) -> None:
+        """``depth`` blocks (stochastic depth linear over them), their ``feature_info``, final norm and head."""
+        dd = dd or {}
+        dpr = calculate_drop_path_rates(drop_path_rate, depth)
+        self.blocks = nn.Sequential(*[
+            block_fn(
+                dim=self.embed_dim,
+                mixer_layer=mixer_layer,
+                drop_path=dpr[i],
+                norm_layer=norm_layer,
+                **block_kwargs,
+                **dd,
+            )
+            for i in range(depth)])
+        self.feature_info = [
+            dict(module=f'blocks.{i}', num_chs=self.embed_dim, reduction=reduction) for i in range(depth)]
+        self.norm = norm_layer(self.embed_dim, **dd)
+        self.head_drop = nn.Dropout(drop_rate)
+        self.head = nn.Linear(self.embed_dim, self.num_classes, **dd) if self.num_classes > 0 else nn.Identity()
+
+    def _check_global_pool(self, global_pool: str) -> None:
+        raise NotImplementedError
+
+    def init_weights(self, mode: str = '') -> None:
+        """timm's ViT init (``mode`` accepted for API parity, only '' is supported)."""
+        if mode:
+            raise ValueError(f"unknown init mode {mode!r}: only '' is supported")
+        named_apply(init_weights_aft, self)
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> Set[str]:
+        """Position parameters are not decayed: position embedding, class token, AFT-full's u and v, AFT-conv's raw
+        bias (like Swin's relative position tables)."""
+        return {n for n, _ in self.named_parameters() if n in NO_DECAY_NAMES or n.endswith(NO_DECAY_SUFFIXES)}
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
+        """Parameter groups for layer-wise lr decay: stem, one group per block, final norm with the last block."""
+        return dict(
+            stem=r'^cls_token|pos_embed|patch_embed',
+            blocks=[(r'^blocks\.(\d+)', None), (r'^norm', (99999,))],
+        )
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.grad_checkpointing = enable
+
+    @torch.jit.ignore
+    def get_classifier(self) -> nn.Module:
+        return self.head
+
+    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
+        """Replace the classifier (``num_classes=0`` removes it); ``global_pool`` None keeps the current pooling."""
+        dd = get_device_dtype(self)
+        self.num_classes = num_classes
+        if global_pool is not None:
+            self._check_global_pool(global_pool)
+            self.global_pool = global_pool
+        self.head = nn.Linear(self.embed_dim, num_classes, **dd) if num_classes > 0 else nn.Identity()
+        self.head.train(self.training)
+
+    def prune_intermediate_layers(
+            self,
+            indices: Union[int, List[int]] = 1,
+            prune_norm: bool = False,
+            prune_head: bool = True,
+    ) -> List[int]:
+        """Drop the blocks after the last requested intermediate (and the norm / head if asked)."""
+        take_indices, max_index = block_indices(len(self.blocks), indices)
+        self.blocks = self.blocks[:max_index + 1]
+        if prune_norm:
+            self.norm = nn.Identity()
+        if prune_head:
+            self.reset_classifier(0, '')
+        return take_indices
+
+    def _record_input_size(self, img_size: Tuple[int, int]) -> None:
+        """Keep timm's record of the model input size (read by ``timm.models.get_model_input_config`` and Hub
+        export) in step with ``set_input_size``."""
+        if hasattr(self, '_traits'):
+            self._traits = dict(self._traits, img_size=tuple(img_size))
+        if hasattr(self, '_model_args'):
+            self._model_args = dict(self._model_args, img_size=tuple(img_size))
+
+    def _fixed_img_size(self) -> Optional[Tuple[int, int]]:
+        """The only input size the model accepts, or None when any multiple of the patch size runs."""
+        return None
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        check_image(x, self.in_chans, self.patch_embed.patch_size, self._fixed_img_size(),
+                    self.patch_embed.dynamic_img_pad, self.patch_embed.proj.weight.dtype)
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        x = self.pool(x)
+        x = self.head_drop(x)
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.forward_features(x)
+        x = self.forward_head(x)
+        return x
+
+
+def block_indices(num_blocks: int, indices: Optional[Union[int, List[int]]] = None) -> Tuple[List[int], int]:
+    """Absolute block indices to take intermediates from (timm's ``forward_intermediates`` convention).
+
+    Args:
+        num_blocks: Number of blocks.
+        indices: None for all blocks, an int n for the last n, or a list of indices (negative from the end).
+
+    Returns:
+        The absolute indices, in the given order, and the largest one.
+    """
+    if indices is None:
+        indices = num_blocks
+    if isinstance(indices, int):
+        if indices < 1 or indices > num_blocks:
+            raise ValueError(f'cannot take the last {indices} blocks of {num_blocks}: use 1 to {num_blocks}')
+        taken = [num_blocks - indices + i for i in range(indices)]
+    else:
+        taken: List[int] = []
+        for i in indices:
+            idx = num_blocks + i if i < 0 else i
+            if idx < 0 or idx >= num_blocks:
+                raise ValueError(f'block index {i} is out of range for {num_blocks} blocks')
+            taken.append(idx)
+    return taken, max(taken)
+
+
+@register_notrace_function  # an fx leaf: the checks run on real shapes, not on proxies
+def check_image(
+        x: torch.Tensor,
+        in_chans: int,
+        patch_size: Tuple[int, int],
+        img_size: Optional[Tuple[int, int]] = None,
+        dynamic_img_pad: bool = False,
+        weight_dtype: Optional[torch.dtype] = None,
+) -> None:
+    """Check an image batch (B, C, H, W) against what a patch-embedding model accepts; raise ValueError otherwise.
+
+    Args:
+        x: Image batch.
+        in_chans: Channels the model was built for.
+        patch_size: Patch size (ph, pw).
+        img_size: The only accepted size, for a model whose positional parameters are tied to its grid; None when
+            any size is accepted that is a multiple of the patch size (or any size if ``dynamic_img_pad``).
+        dynamic_img_pad: The model zero-pads images to a multiple of the patch size.
+        weight_dtype: The model's parameter dtype; outside autocast, images must have it.
+    """
+    if not x.is_floating_point():
+        raise TypeError(f'expected a floating-point image batch, got dtype {x.dtype}: convert and normalise it first')
+    if weight_dtype is not None and x.dtype != weight_dtype:
+        if torch.jit.is_scripting():
+            autocast = False
+        else:
+            autocast = torch.is_autocast_enabled(x.device.type)
+        if not autocast:
+            raise TypeError(f'image dtype {x.dtype} does not match the model parameters ({weight_dtype}): cast the '
+                            f'images (x.to({weight_dtype})), the model (model.to({x.dtype})), or run under autocast')
+    if x.dim() != 4:
+        raise ValueError(f'expected an image batch of shape (B, {in_chans}, H, W), got shape {list(x.shape)}')
+    if x.shape[1] != in_chans:
+        raise ValueError(
+            f'expected {in_chans} input channels (in_chans={in_chans}), got {x.shape[1]} (input shape '
+            f'{list(x.shape)}); create the model with in_chans={x.shape[1]} to accept such images')
+    height, width = x.shape[2], x.shape[3]
+    ph, pw = patch_size[0], patch_size[1]
+    multiple = height % ph == 0 and width % pw == 0 and height > 0 and width > 0
+    up_h, up_w = max(1, (height + ph - 1) // ph) * ph, max(1, (width + pw - 1) // pw) * pw
+    if img_size is not None:
+        if height != img_size[0] or width != img_size[1]:
+            if multiple:
+                hint = (f'build it with img_size=({height}, {width}), call model.set_input_size(img_size=({height}, '
+                        f'{width})), or build it with dynamic_img_size=True to accept any multiple of {ph}x{pw}')
+            else:
+                hint = (f'other sizes must be multiples of the patch size {ph}x{pw} (e.g. {up_h}x{up_w}) and need '
+                        f'img_size=..., model.set_input_size(...) or dynamic_img_size=True (add dynamic_img_pad=True '
+                        f'to zero-pad any size)')
+            raise ValueError(
+                f'input size {height}x{width} does not match the {img_size[0]}x{img_size[1]} this model is built for '
+                f'(its position embedding and position biases are tied to that patch grid); {hint}')
+    elif not dynamic_img_pad and not multiple:
+        what = f'is smaller than one {ph}x{pw} patch' if height < ph or width < pw else \
+            f'is not a multiple of the patch size {ph}x{pw}'
+        raise ValueError(
+            f'input size {height}x{width} {what}: height and width must be positive multiples of the patch size '
+            f'(e.g. {up_h}x{up_w}), or build the model with dynamic_img_pad=True to zero-pad other sizes')
+
+
+def adapt_vit_checkpoint(state_dict: Dict[str, torch.Tensor], model: nn.Module) -> Dict[str, torch.Tensor]:
+    """Unwrap a training checkpoint; map a DeiT / ViT one onto the AFT ``model`` (report logged at INFO)."""
+    state_dict = unwrap_state_dict(state_dict)
+    if is_vit_state_dict(state_dict):
+        state_dict, report = transfer_vit_weights(state_dict, model)
+        _logger.info('DeiT -> %s transfer: %s', type(model).__name__, report.summary())
+    return state_dict
+
+
+DEIT_INIT_NOTE = (
+    'DeiT ImageNet-1k weights converted on load by the DeiT -> AFT transfer (Table 8 of the paper): an '
+    'initialisation for fine-tuning, not a trained AFT classifier. AFT-specific tensors start fresh.'
+)
+
+
+def deit_init_cfg(cfg_fn: Callable[..., Dict[str, Any]], deit_tag: str, **kwargs) -> Dict[str, Any]:
+    """A ``.deit_in1k`` tag: ``deit_tag``'s weights from timm's Hub repository, converted by the filter."""
+    return cfg_fn(hf_hub_id=f'timm/{deit_tag}', notes=(DEIT_INIT_NOTE,), **kwargs)
