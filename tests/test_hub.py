@@ -202,15 +202,18 @@ def test_failed_upload_says_what_failed_and_leaves_nothing(tmp_path, monkeypatch
     assert sorted(p.name for p in tmp_path.iterdir()) == ['w.safetensors']
 
 
-def test_source_architecture_reads_a_folder_and_names_a_missing_config(tmp_path):
+def test_source_architecture_reads_a_folder_or_hub_repo_and_names_a_missing_config(tmp_path, offline_hub):
     from aft_vision.hub import source_architecture
 
     assert source_architecture('aft_conv_small.deit_in1k', {'kernel_size': 3}) == ('aft_conv_small', {'kernel_size': 3})
     folder = tmp_path / 'published'
     folder.mkdir()
-    (folder / 'config.json').write_text(json.dumps(
-        {'architecture': 'aft_conv_test', 'model_args': {'patch_size': 4, 'num_classes': 10, 'kernel_size': 15}}))
+    (folder / 'config.json').write_text(json.dumps({  # the layout timm's save_config_for_hf writes
+        'architecture': 'aft_conv_test', 'num_classes': 10, 'pretrained_cfg': {'input_size': [3, 32, 32]},
+        'model_args': {'patch_size': 4, 'num_classes': 10, 'kernel_size': 15}}))
     assert source_architecture(f'local-dir:{folder}', {'kernel_size': 3}) == (
         'aft_conv_test', {'patch_size': 4, 'kernel_size': 3})  # the class count comes from the checkpoint's head
+    offline_hub('me/published', folder)
+    assert source_architecture('hf-hub:me/published') == ('aft_conv_test', {'patch_size': 4, 'kernel_size': 15})
     with pytest.raises(FileNotFoundError, match='no config.json'):
         source_architecture(f'local-dir:{tmp_path}')

@@ -248,10 +248,10 @@ class AFTVisionTransformer(AFTTransformerBase):
 
     def init_weights(self, mode: str = '') -> None:
         """timm's ViT init (``mode`` accepted for API parity, only '' is supported)."""
+        super().init_weights(mode)
         trunc_normal_(self.pos_embed, std=.02)
         if self.cls_token is not None:
             nn.init.normal_(self.cls_token, std=1e-6)
-        super().init_weights(mode)
 
     def _check_global_pool(self, global_pool: str) -> None:
         if global_pool not in ('', 'avg', 'token'):
