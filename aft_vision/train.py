@@ -210,8 +210,7 @@ def _check_pretrained(name: str) -> None:
     """``--pretrained`` needs weights: a pretrained tag of ``name`` or a ``hf-hub:`` / ``local-dir:`` source."""
     if ':' in name:
         return
-    tags = [n for n in timm.list_pretrained() if n == name or n.split('.')[0] == name]
-    if not tags:
+    if not any(n == name or n.split('.')[0] == name for n in timm.list_pretrained()):
         raise ValueError(f'{name} has no pretrained weights; models with weights: '
                          f'{", ".join(timm.list_pretrained("aft_*"))}')
 
@@ -296,7 +295,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--model-kwargs', nargs='*', default={}, action=ParseKwargs, metavar='KEY=VALUE',
                         help='model arguments, e.g. patch_size=8 depth=2 (for aft_conv_test on the digits: '
                              'changes to its small default)')
-    parser.add_argument('--pretrained', action='store_true', help='fine-tune from the model\'s pretrained tag')
+    parser.add_argument('--pretrained', action='store_true',
+                        help='fine-tune from the pretrained tag (or the weights of a local-dir: / hf-hub: --model)')
     parser.add_argument('--epochs', type=int, default=30)
     parser.add_argument('--img-size', type=int, default=32, help='training and evaluation resolution')
     parser.add_argument('--eval-img-size', type=int, default=48, help='the larger evaluation resolution')
