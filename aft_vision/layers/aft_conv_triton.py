@@ -1,0 +1,354 @@
+"""Fused windowed AFT-conv (Eq. 6 of Zhai et al., arXiv 2105.14103) in Triton, forward and backward.
+
+Per head i, AFT-conv applies one positive, image-independent (T, T) matrix ``E_i`` to the keys and values of every
+image of the batch (T = H * W token positions):
+
+    out = sigmoid(q) * N / D,    [N, D] = S = E_i @ X,    X = [exp(k - kmax) * v, exp(k - kmax)]
+
+with ``E_i[t, t'] = exp(w_i[t' - t] - m_i)`` when key t' lies in the s x s window of query t and ``exp(-m_i)``
+otherwise, ``kmax`` the maximum of the keys over positions (per image and head) and ``m_i = max(0, max w_i)``;
+both shifts are detached and cancel exactly between N and D. The kernel splits ``E_i`` into
+``exp(-m_i)`` everywhere (a column sum of X, one reduction per head done in torch) plus the windowed correction
+``K_i = exp(w_i - m_i) - exp(-m_i)`` inside the window, which one Triton program applies to a 2-D tile of
+queries by loading the halo of keys its windows reach and multiplying a tile of ``K_i``, built on the fly from the
+(h, s, s) bias, with that halo of X. The batch and the head's d + 1 channels form the N dimension of the product,
+so E is never materialised and memory stays O(B T C).
+
+The backward pass runs the transposed windowed product (for a tile of keys, the halo of queries that reach them)
+for ``dX`` and a per-offset reduction for the bias gradient, both in Triton; the element-wise ratio, gate and
+exponential derivatives are plain torch. The autograd function saves only q, k, v, w and the key maxima and
+recomputes ``S`` in the backward pass.
+
+Triton is imported on first use only. On the CPU the kernels run under Triton's interpreter, which needs the
+environment variable ``TRITON_INTERPRET=1`` (set before the kernels are first built); there the products are
+float32 and no block sizes are autotuned.
+"""
+import os
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from .functional import check_conv_inputs
+
+__all__ = ['aft_conv2d_triton', 'triton_available', 'triton_unavailable_reason']
+
+# Query (or key) tile of one program: TILE_Y x TILE_X positions (the M dimension of the products).
+TILE_Y = 8
+TILE_X = 8
+# Halo positions per step of the windowed product (its K dimension) and channels per program (its N dimension).
+BLOCK_K = 32
+BLOCK_N_MAX = 64
+MAX_KERNEL_SIZE = 31
+
+_KERNELS: Dict[bool, Tuple[object, object]] = {}
+
+
+def _interpret_requested() -> bool:
+    return os.environ.get('TRITON_INTERPRET', '0').lower() in ('1', 'true', 'yes', 'on')
+
+
+def triton_unavailable_reason() -> Optional[str]:
+    """Why the Triton kernel cannot run here, or None when it can.
+
+    It can run when ``triton`` imports and either a CUDA device is present or ``TRITON_INTERPRET=1`` is set.
+    """
+    try:
+        import triton  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken install
+        return f'triton could not be imported ({type(exc).__name__}: {exc})'
+    if torch.cuda.is_available() or _interpret_requested():
+        return None
+    return 'no CUDA device is available and TRITON_INTERPRET=1 is not set (the interpreter runs the kernel on CPU)'
+
+
+def triton_available() -> bool:
+    """True when triton imports and either a CUDA device is present or ``TRITON_INTERPRET=1`` is set."""
+    return triton_unavailable_reason() is None
+
+
+def _build_kernels():
+    """Define the Triton kernels (imports triton); called once per interpreter mode."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def window_product_kernel(
+            x_ptr,  # (h, T, N) operand: X (forward) or dS (transposed), input dtype or float32
+            kern_ptr,  # (h, s * s) float32: K = exp(w - m) - exp(-m)
+            glob_ptr,  # (h, N) float32: exp(-m) * column sums of the operand, added to every row
+            out_ptr,  # (h, T, N) float32
+            height, width, n_cols, ksize, radius, tiles_x,
+            TRANSPOSE: tl.constexpr, TY: tl.constexpr, TX: tl.constexpr, BLOCK_K: tl.constexpr,
+            BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    ):
+        """out[i, t, n] = glob[i, n] + sum over t' in the window of K_i[offset] * x[i, t', n].
+
+        Rows t are a TY x TX tile of the map; the halo of positions their windows reach (clipped to the map) is
+        walked BLOCK_K positions at a time. offset(t, t') = t' - t, or t - t' when TRANSPOSE (the adjoint).
+        """
+        pid_tile = tl.program_id(0)
+        head = tl.program_id(1).to(tl.int64)
+        pid_n = tl.program_id(2)
+        num_pos = height * width
+        y0 = (pid_tile // tiles_x) * TY
+        x0 = (pid_tile % tiles_x) * TX
+        rm = tl.arange(0, TY * TX)
+        ry = y0 + rm // TX  # (M,) row positions of the tile
+        rx = x0 + rm % TX
+        row_ok = (ry < height) & (rx < width)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = rn < n_cols
+        # halo of the tile, clipped to the map
+        hy_lo = tl.maximum(y0 - radius, 0)
+        hy_hi = tl.minimum(y0 + TY + radius, height)
+        hx_lo = tl.maximum(x0 - radius, 0)
+        hx_hi = tl.minimum(x0 + TX + radius, width)
+        halo_w = hx_hi - hx_lo
+        halo = (hy_hi - hy_lo) * halo_w
+        x_head = x_ptr + head * num_pos * n_cols
+        kern_head = kern_ptr + head * ksize * ksize
+        acc = tl.zeros((TY * TX, BLOCK_N), dtype=tl.float32)
+        for j0 in range(0, halo, BLOCK_K):
+            rj = j0 + tl.arange(0, BLOCK_K)
+            col_ok = rj < halo
+            cy = hy_lo + rj // halo_w  # (BLOCK_K,) halo positions
+            cx = hx_lo + rj % halo_w
+            if TRANSPOSE:
+                dy = ry[:, None] - cy[None, :]  # (M, BLOCK_K)
+                dx = rx[:, None] - cx[None, :]
+            else:
+                dy = cy[None, :] - ry[:, None]
+                dx = cx[None, :] - rx[:, None]
+            a = dy + radius
+            b = dx + radius
+            inside = (a >= 0) & (a < ksize) & (b >= 0) & (b < ksize) & col_ok[None, :] & row_ok[:, None]
+            e = tl.load(kern_head + a * ksize + b, mask=inside, other=0.0)  # (M, BLOCK_K) float32
+            xt = tl.load(x_head + (cy * width + cx)[:, None] * n_cols + rn[None, :],
+                         mask=col_ok[:, None] & n_ok[None, :], other=0.0)  # (BLOCK_K, BLOCK_N)
+            if IEEE:
+                acc = tl.dot(e, xt, acc, input_precision='ieee')
+            else:
+                acc = tl.dot(e.to(xt.dtype), xt, acc)
+        glob = tl.load(glob_ptr + head * n_cols + rn, mask=n_ok, other=0.0)  # (BLOCK_N,)
+        acc = acc + glob[None, :]
+        out_off = (ry * width + rx)[:, None] * n_cols + rn[None, :]
+        tl.store(out_ptr + head * num_pos * n_cols + out_off, acc, mask=row_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def bias_grad_kernel(
+            ds_ptr,  # (h, T, N) float32: dS
+            x_ptr,  # (h, T, N) operand dtype: X
+            dk_ptr,  # (h, s * s) float32, accumulated with one atomic add per (head, offset) per program
+            height, width, n_cols, ksize, radius, tiles_x,
+            TY: tl.constexpr, TX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+    ):
+        """dK[i, o] += sum over this tile's queries t and channels n of dS[i, t, n] * X[i, t + o, n]."""
+        pid_tile = tl.program_id(0)
+        head = tl.program_id(1).to(tl.int64)
+        pid_n = tl.program_id(2)
+        num_pos = height * width
+        y0 = (pid_tile // tiles_x) * TY
+        x0 = (pid_tile % tiles_x) * TX
+        rm = tl.arange(0, TY * TX)
+        ry = y0 + rm // TX
+        rx = x0 + rm % TX
+        row_ok = (ry < height) & (rx < width)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = rn < n_cols
+        base = head * num_pos * n_cols
+        ds = tl.load(ds_ptr + base + (ry * width + rx)[:, None] * n_cols + rn[None, :],
+                     mask=row_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)  # (M, BLOCK_N)
+        ro = tl.arange(0, BLOCK_S)
+        acc = tl.zeros((BLOCK_S,), dtype=tl.float32)
+        for o in range(0, ksize * ksize):
+            ky = ry + (o // ksize - radius)  # (M,) key row of offset o
+            kx = rx + (o % ksize - radius)
+            ok = row_ok & (ky >= 0) & (ky < height) & (kx >= 0) & (kx < width)
+            xt = tl.load(x_ptr + base + (ky * width + kx)[:, None] * n_cols + rn[None, :],
+                         mask=ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)  # (M, BLOCK_N)
+            val = tl.sum(tl.sum(ds * xt, axis=1), axis=0)
+            acc = tl.where(ro == o, acc + val, acc)
+        tl.atomic_add(dk_ptr + head * ksize * ksize + ro, acc, mask=ro < ksize * ksize)
+
+    return window_product_kernel, bias_grad_kernel
+
+
+def _kernels():
+    interpret = _interpret_requested()
+    if interpret not in _KERNELS:
+        _KERNELS[interpret] = _build_kernels()
+    return _KERNELS[interpret]
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _block_n(n_cols: int) -> int:
+    return min(BLOCK_N_MAX, max(16, _next_pow2(n_cols)))
+
+
+def _operand_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of the product operands: half types stay (tensor cores), everything else is float32."""
+    return dtype if dtype in (torch.float16, torch.bfloat16) else torch.float32
+
+
+def _window_product(x: torch.Tensor, kern: torch.Tensor, glob: torch.Tensor, height: int, width: int, ksize: int,
+                    transpose: bool) -> torch.Tensor:
+    """``glob + windowed K @ x`` per head (``K^T`` when ``transpose``) for x (h, T, N); returns float32 (h, T, N)."""
+    window_product_kernel, _ = _kernels()
+    num_heads, num_pos, n_cols = x.shape
+    out = torch.empty(num_heads, num_pos, n_cols, device=x.device, dtype=torch.float32)
+    tiles_x = -(-width // TILE_X)
+    block_n = _block_n(n_cols)
+    grid = (-(-height // TILE_Y) * tiles_x, num_heads, -(-n_cols // block_n))
+    window_product_kernel[grid](
+        x, kern, glob, out, height, width, n_cols, ksize, ksize // 2, tiles_x,
+        TRANSPOSE=transpose, TY=TILE_Y, TX=TILE_X, BLOCK_K=BLOCK_K, BLOCK_N=block_n,
+        IEEE=x.dtype == torch.float32,
+    )
+    return out
+
+
+def _bias_grad(ds: torch.Tensor, x: torch.Tensor, height: int, width: int, ksize: int) -> torch.Tensor:
+    """dK (h, s * s) float32: sum over images, channels and queries of dS[t] * X[t + offset]."""
+    _, bias_grad_kernel = _kernels()
+    num_heads, _, n_cols = x.shape
+    dk = torch.zeros(num_heads, ksize * ksize, device=x.device, dtype=torch.float32)
+    tiles_x = -(-width // TILE_X)
+    block_n = _block_n(n_cols)
+    grid = (-(-height // TILE_Y) * tiles_x, num_heads, -(-n_cols // block_n))
+    bias_grad_kernel[grid](
+        ds, x, dk, height, width, n_cols, ksize, ksize // 2, tiles_x,
+        TY=TILE_Y, TX=TILE_X, BLOCK_N=block_n, BLOCK_S=_next_pow2(ksize * ksize),
+    )
+    return dk
+
+
+def _prepare(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, op_dtype: torch.dtype):
+    """The float32 pieces shared by forward and backward.
+
+    Returns:
+        ek: exp(k - kmax) (B, H, W, h) float32.
+        x: X = [exp(k - kmax) v, exp(k - kmax)] laid out (h, T, B * (d + 1)) in ``op_dtype``.
+        kern: K = exp(w - m) - exp(-m) (h, s * s) float32.
+        floor: exp(-m) (h,) float32.
+        bias_scale: exp(w - m) (h, s, s) float32.
+    """
+    batch, height, width, num_heads = k.shape
+    channels = v.shape[-1]
+    d = channels // num_heads
+    kf = k.float()
+    kmax = kf.detach().amax(dim=(1, 2), keepdim=True)  # (B, 1, 1, h)
+    ek = torch.exp(kf - kmax)  # (B, H, W, h)
+    xv = ek.unsqueeze(-1) * v.float().view(batch, height, width, num_heads, d)  # (B, H, W, h, d)
+    x = torch.cat([xv, ek.unsqueeze(-1)], dim=-1)  # (B, H, W, h, d + 1)
+    x = x.permute(3, 1, 2, 0, 4).reshape(num_heads, height * width, batch * (d + 1)).to(op_dtype).contiguous()
+    wf = w.detach().float()
+    m = wf.amax(dim=(1, 2), keepdim=True).clamp_min(0.0)  # (h, 1, 1)
+    bias_scale = torch.exp(wf - m)  # (h, s, s)
+    floor = torch.exp(-m)  # (h, 1, 1)
+    kern = (bias_scale - floor).reshape(num_heads, -1).contiguous()  # (h, s * s)
+    return ek, x, kern, floor.view(num_heads), bias_scale
+
+
+def _split(s: torch.Tensor, batch: int, height: int, width: int, num_heads: int, d: int):
+    """S (h, T, B (d + 1)) -> numerator (B, H, W, h, d) and denominator (B, H, W, h, 1)."""
+    s = s.view(num_heads, height, width, batch, d + 1).permute(3, 1, 2, 0, 4)  # (B, H, W, h, d + 1)
+    return s[..., :d], s[..., d:]
+
+
+class _AFTConv2dTriton(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, q, k, v, w):
+        batch, height, width, channels = q.shape
+        num_heads = k.shape[-1]
+        d = channels // num_heads
+        ksize = w.shape[-1]
+        out_dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+        op_dtype = _operand_dtype(out_dtype)
+        ek, x, kern, floor, _ = _prepare(k, v, w, op_dtype)
+        glob = floor[:, None] * x.float().sum(dim=1)  # (h, N): the exp(-m) part of E, over all keys
+        s = _window_product(x, kern, glob, height, width, ksize, transpose=False)  # (h, T, N) float32
+        numer, denom = _split(s, batch, height, width, num_heads, d)
+        gate = torch.sigmoid(q.float()).view(batch, height, width, num_heads, d)
+        out = (gate * numer / denom).reshape(batch, height, width, channels)  # (B, H, W, C)
+        ctx.save_for_backward(q, k, v, w)
+        return out.to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, w = ctx.saved_tensors
+        batch, height, width, channels = q.shape
+        num_heads = k.shape[-1]
+        d = channels // num_heads
+        ksize = w.shape[-1]
+        out_dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+        op_dtype = _operand_dtype(out_dtype)
+        ek, x, kern, floor, bias_scale = _prepare(k, v, w, op_dtype)
+        glob = floor[:, None] * x.float().sum(dim=1)  # (h, N)
+        s = _window_product(x, kern, glob, height, width, ksize, transpose=False)  # recomputed S (h, T, N)
+        numer, denom = _split(s, batch, height, width, num_heads, d)  # (B, H, W, h, d), (B, H, W, h, 1)
+        shape5 = (batch, height, width, num_heads, d)
+        gate = torch.sigmoid(q.float()).view(shape5)
+        g = grad_out.float().reshape(shape5)
+        mixed = numer / denom  # (B, H, W, h, d)
+        dq = g * mixed * gate * (1.0 - gate)
+        g_gated = g * gate
+        d_numer = g_gated / denom
+        d_denom = -(g_gated * mixed).sum(dim=-1, keepdim=True) / denom  # (B, H, W, h, 1)
+        ds = torch.cat([d_numer, d_denom], dim=-1)  # (B, H, W, h, d + 1)
+        ds = ds.permute(3, 1, 2, 0, 4).reshape(num_heads, height * width, batch * (d + 1)).contiguous()  # (h, T, N)
+        dk = dv = dw = None
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            ds_op = ds.to(op_dtype)
+            glob_t = floor[:, None] * ds_op.float().sum(dim=1)  # (h, N)
+            dx = _window_product(ds_op, kern, glob_t, height, width, ksize, transpose=True)  # (h, T, N)
+            dxv, dxd = _split(dx, batch, height, width, num_heads, d)  # (B, H, W, h, d), (B, H, W, h, 1)
+            ek5 = ek.unsqueeze(-1)  # (B, H, W, h, 1)
+            dv = (dxv * ek5).reshape(q.shape).to(v.dtype)
+            vf = v.float().view(shape5)
+            dk = (ek5 * ((dxv * vf).sum(dim=-1, keepdim=True) + dxd)).reshape(k.shape).to(k.dtype)
+        if ctx.needs_input_grad[3]:
+            dkern = _bias_grad(ds, x, height, width, ksize).view(num_heads, ksize, ksize)  # (h, s, s)
+            dw = (dkern * bias_scale).to(w.dtype)
+        return dq.reshape(q.shape).to(q.dtype), dk, dv, dw
+
+
+def aft_conv2d_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """AFT-conv (Eq. 6) on a 2-D token grid with the fused windowed Triton kernel; differentiable in q, k, v, w.
+
+    Same contract as ``functional.aft_conv2d``. Numerics: keys are shifted by their maximum per image and head and
+    the bias by ``m = max(0, max w)`` per head (detached; the shifts cancel), so every term of the full sums is
+    positive and the denominator is at least ``exp(min(0, min w) - m)`` times the largest shifted key (1): nothing
+    overflows, and the result is finite for finite inputs while a head's bias range stays below ~87. The windowed
+    correction ``K = exp(w - m) - exp(-m)`` is negative where ``w < 0``: there it cancels part of the global
+    ``exp(-m)`` term, so the relative error of a denominator is about float32 eps times ``exp(max(0, -min w))``
+    (times the operand rounding, 2^-8, for bfloat16 inputs), e.g. 1e-7 for ``min w >= -1`` and ~1e-3 at
+    ``min w = -9.7``. Products accumulate in float32; operands are the input dtype for float16 / bfloat16 and
+    float32 otherwise (float64 inputs are computed in float32). No host synchronisation.
+
+    Args:
+        q: Queries (B, H, W, C), before the sigmoid.
+        k: Keys (B, H, W, h), one channel per head; channel c of q and v belongs to head ``c // (C // h)``.
+        v: Values (B, H, W, C).
+        w: Position bias (h, s, s), s odd and at most 31; ``w[i, a, b]`` links the query at (y, x) to the key at
+            (y + a - s//2, x + b - s//2). The window may be larger than the map.
+
+    Returns:
+        Mixed tokens (B, H, W, C) in the promoted dtype of q, k and v.
+
+    Raises:
+        RuntimeError: When Triton cannot run here (not installed, or neither CUDA nor ``TRITON_INTERPRET=1``), or
+            the tensors are on the CPU while the kernels are compiled for CUDA.
+    """
+    check_conv_inputs(q, k, v, w)
+    reason = None if triton_available() else (triton_unavailable_reason() or 'triton_available() is False')
+    if reason is None and q.device.type != 'cuda' and not _interpret_requested():
+        reason = f'tensors on {q.device} need the Triton interpreter (set TRITON_INTERPRET=1 before first use)'
+    if reason is not None:
+        raise RuntimeError(f"aft_conv2d(method='triton') cannot run: {reason}")
+    if w.shape[-1] > MAX_KERNEL_SIZE:
+        raise ValueError(f'the Triton kernel supports s <= {MAX_KERNEL_SIZE}, got w of shape {list(w.shape)}')
+    return _AFTConv2dTriton.apply(q, k, v, w.to(q.device))

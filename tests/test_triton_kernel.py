@@ -1,0 +1,128 @@
+"""The fused windowed AFT-conv Triton kernel (``aft_vision/layers/aft_conv_triton.py``) against a float64 reference.
+
+On a CPU-only machine the kernel runs under Triton's interpreter, which must be switched on (``TRITON_INTERPRET=1``)
+before triton builds the kernels: the cases below therefore run in one subprocess, started by a module fixture,
+that executes this file as a script and prints the maximum errors as JSON. The reference is written here, from
+Eq. 6 directly: a dense (h, T, T) bias (``w`` inside each query's s x s window, 0 outside) added to the keys, a
+softmax over all key positions, the values averaged and gated by ``sigmoid(q)``, all in float64 autograd.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+# name: (batch, height, width, channels, heads, kernel size, key scale, bias scale, seed)
+CASES = {
+    'borders_5x7_s3': (2, 5, 7, 4, 2, 3, 1.0, 1.0, 0),
+    'window_larger_than_map_s15_4x6': (2, 4, 6, 4, 2, 15, 1.0, 1.0, 1),
+    'one_head': (2, 5, 5, 3, 1, 3, 1.0, 1.0, 2),
+    'head_per_channel': (2, 6, 5, 4, 4, 5, 1.0, 1.0, 3),
+    'kernel_1_non_square': (2, 3, 9, 4, 2, 1, 1.0, 1.0, 4),
+    'tiles_and_channel_blocks_10x9': (3, 10, 9, 44, 1, 3, 1.0, 1.0, 5),
+    'map_1x1_s3': (2, 1, 1, 2, 1, 3, 1.0, 1.0, 6),
+    'key_scale_20_bias_scale_3': (2, 5, 6, 4, 2, 3, 20.0, 3.0, 7),
+}
+TOL = 1e-5
+# Relative error (to the largest entry of each reference tensor) allowed where the bias is large and negative: the
+# windowed correction exp(w - m) - exp(-m) cancels part of the global term (see the kernel's docstring), so the
+# error grows like float32 eps * exp(-min w).
+SCALED_TOL = {'key_scale_20_bias_scale_3': 1e-4}
+TIMEOUT_S = 300
+
+
+def reference(q, k, v, w):
+    """AFT-conv (Eq. 6) in float64 from the definition: softmax over all keys of ``k + bias``, bias 0 outside."""
+    batch, height, width, channels = q.shape
+    num_heads, ksize = w.shape[0], w.shape[-1]
+    radius = ksize // 2
+    d = channels // num_heads
+    num_pos = height * width
+    ys, xs = torch.meshgrid(torch.arange(height), torch.arange(width), indexing='ij')
+    ys, xs = ys.reshape(-1), xs.reshape(-1)
+    dy = ys[None, :] - ys[:, None]  # (T query, T key): key row minus query row
+    dx = xs[None, :] - xs[:, None]
+    inside = (dy.abs() <= radius) & (dx.abs() <= radius)
+    bias = _scatter_bias(w, inside, dy, dx, radius, num_heads, num_pos)
+    logits = k.reshape(batch, num_pos, num_heads).permute(0, 2, 1).unsqueeze(2) + bias  # (B, h, T, T)
+    weights = torch.softmax(logits, dim=-1)
+    values = v.reshape(batch, num_pos, num_heads, d).permute(0, 2, 1, 3)  # (B, h, T, d)
+    mixed = (weights @ values).permute(0, 2, 1, 3).reshape(batch, height, width, channels)
+    return torch.sigmoid(q) * mixed
+
+
+def _scatter_bias(w, inside, dy, dx, radius, num_heads, num_pos):
+    """Differentiable dense bias (h, T, T): ``w[i, dy + r, dx + r]`` inside the window, 0 outside."""
+    rows = []
+    for i in range(num_heads):
+        entries = []
+        for t in range(num_pos):
+            for u in range(num_pos):
+                if inside[t, u]:
+                    entries.append(w[i, dy[t, u] + radius, dx[t, u] + radius])
+                else:
+                    entries.append(torch.zeros((), dtype=w.dtype))
+        rows.append(torch.stack(entries).view(num_pos, num_pos))
+    return torch.stack(rows)
+
+
+def make_inputs(batch, height, width, channels, num_heads, ksize, key_scale, bias_scale, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, height, width, channels, generator=gen, dtype=torch.float64)
+    k = key_scale * torch.randn(batch, height, width, num_heads, generator=gen, dtype=torch.float64)
+    v = torch.randn(batch, height, width, channels, generator=gen, dtype=torch.float64)
+    w = bias_scale * torch.randn(num_heads, ksize, ksize, generator=gen, dtype=torch.float64)
+    return q, k, v, w
+
+
+def _errors(case):
+    """Maximum errors of the kernel's float32 forward and gradients, relative to each reference's largest entry."""
+    from aft_vision.layers.aft_conv_triton import aft_conv2d_triton
+    inputs = make_inputs(*case)
+    grad_gen = torch.Generator().manual_seed(123)
+    grad_out = torch.randn(inputs[0].shape, generator=grad_gen, dtype=torch.float64)
+    ref_in = [t.clone().requires_grad_(True) for t in inputs]
+    ref = reference(*ref_in)
+    ref_grads = torch.autograd.grad(ref, ref_in, grad_out)
+    tri_in = [t.float().requires_grad_(True) for t in inputs]
+    out = aft_conv2d_triton(*tri_in)
+    grads = torch.autograd.grad(out, tri_in, grad_out.float())
+    result = {'dtype': str(out.dtype), 'shape': list(out.shape)}
+    for name, got, want in zip(['out', 'dq', 'dk', 'dv', 'dw'], (out,) + grads, (ref,) + ref_grads):
+        scale = max(want.abs().max().item(), 1e-30)
+        result[name] = (got.double() - want).abs().max().item() / max(scale, 1.0)
+    return result
+
+
+def _main():
+    """Run every case (call with TRITON_INTERPRET=1 on CPU) and print their errors as one JSON line."""
+    torch.manual_seed(0)
+    results = {name: _errors(case) for name, case in CASES.items()}
+    print('RESULTS ' + json.dumps(results))
+
+
+@pytest.fixture(scope='module')
+def interpreter_results():
+    pytest.importorskip('triton')
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET='1', PYTHONPATH=root + os.pathsep + os.environ.get('PYTHONPATH', ''))
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=root, capture_output=True,
+                          text=True, timeout=TIMEOUT_S)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith('RESULTS ')]
+    assert proc.returncode == 0 and lines, f'interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}'
+    return json.loads(lines[-1][len('RESULTS '):])
+
+
+@pytest.mark.parametrize('name', list(CASES))
+def test_interpreter_matches_float64_reference(interpreter_results, name):
+    result = interpreter_results[name]
+    assert result['dtype'] == 'torch.float32'
+    tol = SCALED_TOL.get(name, TOL)
+    for key in ['out', 'dq', 'dk', 'dv', 'dw']:
+        assert result[key] < tol, f'{name}: {key} error {result[key]:.3g} > {tol:g} ({result})'
+
+
+if __name__ == '__main__':
+    _main()
