@@ -24,12 +24,15 @@ CASES = {
     'tiles_and_channel_blocks_10x9': (3, 10, 9, 44, 1, 3, 1.0, 1.0, 5),
     'map_1x1_s3': (2, 1, 1, 2, 1, 3, 1.0, 1.0, 6),
     'key_scale_20_bias_scale_3': (2, 5, 6, 4, 2, 3, 20.0, 3.0, 7),
+    'kernel_31_3x5': (1, 3, 5, 2, 1, 31, 1.0, 1.0, 8),
 }
+# Extreme keys and biases (a bias range below ~87, where the denominator cannot underflow): finite, not exact.
+EXTREME = (2, 6, 7, 4, 2, 5, 1e4, 40.0, 9)
 TOL = 1e-5
 # Relative error (to the largest entry of each reference tensor) allowed where the bias is large and negative: the
 # windowed correction exp(w - m) - exp(-m) cancels part of the global term (see the kernel's docstring), so the
 # error grows like float32 eps * exp(-min w).
-SCALED_TOL = {'key_scale_20_bias_scale_3': 1e-4}
+SCALED_TOL: dict = {}
 TIMEOUT_S = 300
 
 
@@ -96,10 +99,38 @@ def _errors(case):
     return result
 
 
+def _finite(case):
+    """Whether the kernel's output and gradients are finite for keys and biases of large magnitude."""
+    from aft_vision.layers.aft_conv_triton import aft_conv2d_triton
+    q, k, v, w = make_inputs(*case)
+    w = case[7] * (2.0 * torch.rand(w.shape, generator=torch.Generator().manual_seed(case[8]), dtype=w.dtype) - 1.0)
+    tri_in = [t.float().requires_grad_(True) for t in (q, k, v, w)]
+    out = aft_conv2d_triton(*tri_in)
+    grads = torch.autograd.grad(out.sum(), tri_in)
+    return all(bool(torch.isfinite(t).all()) for t in (out,) + grads)
+
+
+def _wiring(case):
+    """``aft_conv2d(..., method='triton')`` against this kernel called directly (None while not wired)."""
+    from aft_vision.layers import functional
+    from aft_vision.layers.aft_conv_triton import aft_conv2d_triton
+    inputs = [t.float() for t in make_inputs(*case)]
+    try:
+        routed = functional.aft_conv2d(*inputs, method='triton')
+    except ValueError:  # the method is not wired in yet
+        return None
+    return (routed - aft_conv2d_triton(*inputs)).abs().max().item()
+
+
 def _main():
-    """Run every case (call with TRITON_INTERPRET=1 on CPU) and print their errors as one JSON line."""
+    """Run every case (call with TRITON_INTERPRET=1 on CPU) and print the results as one JSON line."""
+    import aft_vision  # noqa: F401
+    lazy = 'aft_vision.layers.aft_conv_triton' not in sys.modules
     torch.manual_seed(0)
     results = {name: _errors(case) for name, case in CASES.items()}
+    results['_lazy_import'] = lazy
+    results['_extreme_finite'] = _finite(EXTREME)
+    results['_wiring'] = _wiring(CASES['borders_5x7_s3'])
     print('RESULTS ' + json.dumps(results))
 
 
@@ -122,6 +153,47 @@ def test_interpreter_matches_float64_reference(interpreter_results, name):
     tol = SCALED_TOL.get(name, TOL)
     for key in ['out', 'dq', 'dk', 'dv', 'dw']:
         assert result[key] < tol, f'{name}: {key} error {result[key]:.3g} > {tol:g} ({result})'
+
+
+def test_import_does_not_load_the_kernel_module(interpreter_results):
+    assert interpreter_results['_lazy_import'], 'import aft_vision imported aft_conv_triton (and so triton) eagerly'
+
+
+def test_extreme_inputs_stay_finite(interpreter_results):
+    assert interpreter_results['_extreme_finite']
+
+
+def test_functional_method_triton_routes_here(interpreter_results):
+    if interpreter_results['_wiring'] is None:
+        pytest.skip("aft_conv2d(method='triton') is not wired in yet")
+    assert interpreter_results['_wiring'] == 0.0
+
+
+def test_clear_error_when_triton_cannot_run(monkeypatch):
+    from aft_vision.layers import aft_conv_triton
+    monkeypatch.setattr(aft_conv_triton, 'triton_available', lambda: False)
+    monkeypatch.setattr(aft_conv_triton, 'triton_unavailable_reason', lambda: 'triton could not be imported (test)')
+    inputs = [t.float() for t in make_inputs(*CASES['borders_5x7_s3'])]
+    with pytest.raises(RuntimeError, match='triton could not be imported'):
+        aft_conv_triton.aft_conv2d_triton(*inputs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason='checks the CPU-only message: this machine has a CUDA device')
+def test_clear_error_on_cpu_without_interpreter(monkeypatch):
+    pytest.importorskip('triton')
+    from aft_vision.layers import aft_conv_triton
+    monkeypatch.delenv('TRITON_INTERPRET', raising=False)
+    assert not aft_conv_triton.triton_available()
+    inputs = [t.float() for t in make_inputs(*CASES['borders_5x7_s3'])]
+    with pytest.raises(RuntimeError, match='TRITON_INTERPRET=1'):
+        aft_conv_triton.aft_conv2d_triton(*inputs)
+
+
+def test_rejects_bad_inputs():
+    from aft_vision.layers.aft_conv_triton import aft_conv2d_triton
+    q, k, v, w = [t.float() for t in make_inputs(*CASES['borders_5x7_s3'])]
+    with pytest.raises(ValueError):
+        aft_conv2d_triton(q, k, v, w[:, :2, :2])  # even kernel size
 
 
 if __name__ == '__main__':

@@ -123,7 +123,7 @@ def _build_kernels():
             b = dx + radius
             inside = (a >= 0) & (a < ksize) & (b >= 0) & (b < ksize) & col_ok[None, :] & row_ok[:, None]
             e = tl.load(kern_head + a * ksize + b, mask=inside, other=0.0)  # (M, BLOCK_K) float32
-            xt = tl.load(x_head + (cy * width + cx)[:, None] * n_cols + rn[None, :],
+            xt = tl.load(x_head + (cy * width + cx).to(tl.int64)[:, None] * n_cols + rn[None, :],
                          mask=col_ok[:, None] & n_ok[None, :], other=0.0)  # (BLOCK_K, BLOCK_N)
             if IEEE:
                 acc = tl.dot(e, xt, acc, input_precision='ieee')
@@ -131,7 +131,7 @@ def _build_kernels():
                 acc = tl.dot(e.to(xt.dtype), xt, acc)
         glob = tl.load(glob_ptr + head * n_cols + rn, mask=n_ok, other=0.0)  # (BLOCK_N,)
         acc = acc + glob[None, :]
-        out_off = (ry * width + rx)[:, None] * n_cols + rn[None, :]
+        out_off = (ry * width + rx).to(tl.int64)[:, None] * n_cols + rn[None, :]
         tl.store(out_ptr + head * num_pos * n_cols + out_off, acc, mask=row_ok[:, None] & n_ok[None, :])
 
     @triton.jit
@@ -156,7 +156,7 @@ def _build_kernels():
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < n_cols
         base = head * num_pos * n_cols
-        ds = tl.load(ds_ptr + base + (ry * width + rx)[:, None] * n_cols + rn[None, :],
+        ds = tl.load(ds_ptr + base + (ry * width + rx).to(tl.int64)[:, None] * n_cols + rn[None, :],
                      mask=row_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)  # (M, BLOCK_N)
         ro = tl.arange(0, BLOCK_S)
         acc = tl.zeros((BLOCK_S,), dtype=tl.float32)
@@ -164,7 +164,7 @@ def _build_kernels():
             ky = ry + (o // ksize - radius)  # (M,) key row of offset o
             kx = rx + (o % ksize - radius)
             ok = row_ok & (ky >= 0) & (ky < height) & (kx >= 0) & (kx < width)
-            xt = tl.load(x_ptr + base + (ky * width + kx)[:, None] * n_cols + rn[None, :],
+            xt = tl.load(x_ptr + base + (ky * width + kx).to(tl.int64)[:, None] * n_cols + rn[None, :],
                          mask=ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)  # (M, BLOCK_N)
             val = tl.sum(tl.sum(ds * xt, axis=1), axis=0)
             acc = tl.where(ro == o, acc + val, acc)
@@ -225,37 +225,50 @@ def _bias_grad(ds: torch.Tensor, x: torch.Tensor, height: int, width: int, ksize
     return dk
 
 
-def _prepare(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, op_dtype: torch.dtype):
-    """The float32 pieces shared by forward and backward.
+def _mix(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, op_dtype: torch.dtype):
+    """Forward pieces shared by forward and backward, in float32: the windowed product and the guarded ratio.
+
+    The exact denominator is at least ``exp(min(0, min w) - m)`` times the column sum of ``exp(k - kmax)`` (every
+    entry of E is at least that), and the exact ratio N / D is a positive average of the values: the computed D is
+    raised to that bound and the ratio clamped to each image's value range, which changes nothing where the sums
+    are exact and keeps the result finite and bounded where the windowed correction cancelled to rounding noise.
 
     Returns:
-        ek: exp(k - kmax) (B, H, W, h) float32.
+        ek: exp(k - kmax) (B, H, W, h).
         x: X = [exp(k - kmax) v, exp(k - kmax)] laid out (h, T, B * (d + 1)) in ``op_dtype``.
-        kern: K = exp(w - m) - exp(-m) (h, s * s) float32.
-        floor: exp(-m) (h,) float32.
-        bias_scale: exp(w - m) (h, s, s) float32.
+        kern: K = exp(w - m) - exp(-m) (h, s * s).
+        floor: exp(-m) (h,).
+        bias_scale: exp(w - m) (h, s, s).
+        mixed: N / D (B, H, W, h, d).
+        denom: D (B, H, W, h, 1).
     """
     batch, height, width, num_heads = k.shape
     channels = v.shape[-1]
     d = channels // num_heads
+    ksize = w.shape[-1]
     kf = k.float()
+    vf = v.float().view(batch, height, width, num_heads, d)
     kmax = kf.detach().amax(dim=(1, 2), keepdim=True)  # (B, 1, 1, h)
     ek = torch.exp(kf - kmax)  # (B, H, W, h)
-    xv = ek.unsqueeze(-1) * v.float().view(batch, height, width, num_heads, d)  # (B, H, W, h, d)
-    x = torch.cat([xv, ek.unsqueeze(-1)], dim=-1)  # (B, H, W, h, d + 1)
+    x = torch.cat([ek.unsqueeze(-1) * vf, ek.unsqueeze(-1)], dim=-1)  # (B, H, W, h, d + 1)
     x = x.permute(3, 1, 2, 0, 4).reshape(num_heads, height * width, batch * (d + 1)).to(op_dtype).contiguous()
     wf = w.detach().float()
     m = wf.amax(dim=(1, 2), keepdim=True).clamp_min(0.0)  # (h, 1, 1)
     bias_scale = torch.exp(wf - m)  # (h, s, s)
     floor = torch.exp(-m)  # (h, 1, 1)
     kern = (bias_scale - floor).reshape(num_heads, -1).contiguous()  # (h, s * s)
-    return ek, x, kern, floor.view(num_heads), bias_scale
-
-
-def _split(s: torch.Tensor, batch: int, height: int, width: int, num_heads: int, d: int):
-    """S (h, T, B (d + 1)) -> numerator (B, H, W, h, d) and denominator (B, H, W, h, 1)."""
+    colsum = x.float().sum(dim=1)  # (h, N): the same rounded operand as the kernel's, so the split cancels alike
+    glob = floor.view(num_heads, 1) * colsum  # (h, N): the exp(-m) part of E, over all keys
+    s = _window_product(x, kern, glob, height, width, ksize, transpose=False)  # (h, T, N)
     s = s.view(num_heads, height, width, batch, d + 1).permute(3, 1, 2, 0, 4)  # (B, H, W, h, d + 1)
-    return s[..., :d], s[..., d:]
+    numer, denom = s[..., :d], s[..., d:]
+    lowest = torch.exp(wf.amin(dim=(1, 2)).clamp_max(0.0) - m.view(num_heads))  # (h,) smallest entry of E
+    bound = lowest[:, None] * colsum.view(num_heads, batch, d + 1)[..., d]  # (h, B)
+    denom = torch.maximum(denom, bound.t().reshape(batch, 1, 1, num_heads, 1))  # (B, H, W, h, 1)
+    v_lo = vf.detach().amin(dim=(1, 2), keepdim=True)  # (B, 1, 1, h, d)
+    v_hi = vf.detach().amax(dim=(1, 2), keepdim=True)
+    mixed = torch.minimum(torch.maximum(numer / denom, v_lo), v_hi)  # (B, H, W, h, d)
+    return ek, x, kern, floor.view(num_heads), bias_scale, mixed, denom
 
 
 class _AFTConv2dTriton(torch.autograd.Function):
@@ -265,15 +278,10 @@ class _AFTConv2dTriton(torch.autograd.Function):
         batch, height, width, channels = q.shape
         num_heads = k.shape[-1]
         d = channels // num_heads
-        ksize = w.shape[-1]
         out_dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
-        op_dtype = _operand_dtype(out_dtype)
-        ek, x, kern, floor, _ = _prepare(k, v, w, op_dtype)
-        glob = floor[:, None] * x.float().sum(dim=1)  # (h, N): the exp(-m) part of E, over all keys
-        s = _window_product(x, kern, glob, height, width, ksize, transpose=False)  # (h, T, N) float32
-        numer, denom = _split(s, batch, height, width, num_heads, d)
+        mixed = _mix(k, v, w, _operand_dtype(out_dtype))[5]  # (B, H, W, h, d)
         gate = torch.sigmoid(q.float()).view(batch, height, width, num_heads, d)
-        out = (gate * numer / denom).reshape(batch, height, width, channels)  # (B, H, W, C)
+        out = (gate * mixed).reshape(batch, height, width, channels)  # (B, H, W, C)
         ctx.save_for_backward(q, k, v, w)
         return out.to(out_dtype)
 
@@ -286,14 +294,10 @@ class _AFTConv2dTriton(torch.autograd.Function):
         ksize = w.shape[-1]
         out_dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
         op_dtype = _operand_dtype(out_dtype)
-        ek, x, kern, floor, bias_scale = _prepare(k, v, w, op_dtype)
-        glob = floor[:, None] * x.float().sum(dim=1)  # (h, N)
-        s = _window_product(x, kern, glob, height, width, ksize, transpose=False)  # recomputed S (h, T, N)
-        numer, denom = _split(s, batch, height, width, num_heads, d)  # (B, H, W, h, d), (B, H, W, h, 1)
+        ek, x, kern, floor, bias_scale, mixed, denom = _mix(k, v, w, op_dtype)  # recomputed forward
         shape5 = (batch, height, width, num_heads, d)
         gate = torch.sigmoid(q.float()).view(shape5)
         g = grad_out.float().reshape(shape5)
-        mixed = numer / denom  # (B, H, W, h, d)
         dq = g * mixed * gate * (1.0 - gate)
         g_gated = g * gate
         d_numer = g_gated / denom
@@ -305,7 +309,8 @@ class _AFTConv2dTriton(torch.autograd.Function):
             ds_op = ds.to(op_dtype)
             glob_t = floor[:, None] * ds_op.float().sum(dim=1)  # (h, N)
             dx = _window_product(ds_op, kern, glob_t, height, width, ksize, transpose=True)  # (h, T, N)
-            dxv, dxd = _split(dx, batch, height, width, num_heads, d)  # (B, H, W, h, d), (B, H, W, h, 1)
+            dx = dx.view(num_heads, height, width, batch, d + 1).permute(3, 1, 2, 0, 4)  # (B, H, W, h, d + 1)
+            dxv, dxd = dx[..., :d], dx[..., d:]
             ek5 = ek.unsqueeze(-1)  # (B, H, W, h, 1)
             dv = (dxv * ek5).reshape(q.shape).to(v.dtype)
             vf = v.float().view(shape5)
