@@ -127,8 +127,11 @@ def _build_kernels():
                          mask=col_ok[:, None] & n_ok[None, :], other=0.0)  # (BLOCK_K, BLOCK_N)
             if IEEE:
                 acc = tl.dot(e, xt, acc, input_precision='ieee')
-            else:
-                acc = tl.dot(e.to(xt.dtype), xt, acc)
+            else:  # half operands: K as a sum of two half-precision parts, so it cancels the global term alike
+                e_hi = e.to(xt.dtype)
+                e_lo = (e - e_hi.to(tl.float32)).to(xt.dtype)
+                acc = tl.dot(e_hi, xt, acc)
+                acc = tl.dot(e_lo, xt, acc)
         glob = tl.load(glob_ptr + head * n_cols + rn, mask=n_ok, other=0.0)  # (BLOCK_N,)
         acc = acc + glob[None, :]
         out_off = (ry * width + rx).to(tl.int64)[:, None] * n_cols + rn[None, :]
@@ -306,7 +309,7 @@ class _AFTConv2dTriton(torch.autograd.Function):
         ds = ds.permute(3, 1, 2, 0, 4).reshape(num_heads, height * width, batch * (d + 1)).contiguous()  # (h, T, N)
         dk = dv = dw = None
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-            ds_op = ds.to(op_dtype)
+            ds_op = ds.to(op_dtype if op_dtype == torch.bfloat16 else torch.float32)  # G / D may overflow float16
             glob_t = floor[:, None] * ds_op.float().sum(dim=1)  # (h, N)
             dx = _window_product(ds_op, kern, glob_t, height, width, ksize, transpose=True)  # (h, T, N)
             dx = dx.view(num_heads, height, width, batch, d + 1).permute(3, 1, 2, 0, 4)  # (B, H, W, h, d + 1)
