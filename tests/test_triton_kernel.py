@@ -192,6 +192,38 @@ def test_rejects_bad_inputs():
         aft_conv2d_triton(q, k, v, w[:, :2, :2])  # even kernel size
 
 
+def test_kernels_compile_for_sm90_without_a_gpu():
+    """The interpreter does not type-check like the compiler: build the kernels to cubin for an H100 (sm_90)."""
+    pytest.importorskip('triton')
+    if os.environ.get('TRITON_INTERPRET', '0') == '1':
+        pytest.skip('TRITON_INTERPRET=1: triton.jit returns interpreted functions')
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError as exc:
+        pytest.skip(f'this triton has no ASTSource / GPUTarget: {exc}')
+    from aft_vision.layers.aft_conv_triton import _build_kernels
+    window_kernel, bias_kernel = _build_kernels()
+
+    def build(fn, types, constexprs):
+        names = list(fn.arg_names)
+        signature = dict(zip(names, types))
+        signature.update({name: 'constexpr' for name in constexprs})
+        src = ASTSource(fn=fn, signature=signature,
+                        constexprs={(names.index(name),): value for name, value in constexprs.items()})
+        return triton.compile(src, target=GPUTarget('cuda', 90, 32))
+
+    ints = ['i32'] * 6
+    tiles = {'TY': 8, 'TX': 8}
+    for dtype, transpose in [('fp32', False), ('bf16', True), ('fp16', False)]:
+        kernel = build(window_kernel, [f'*{dtype}', '*fp32', '*fp32', '*fp32'] + ints,
+                       dict(tiles, TRANSPOSE=transpose, BLOCK_K=32, BLOCK_N=64, IEEE=dtype == 'fp32'))
+        assert 'cubin' in kernel.asm
+    kernel = build(bias_kernel, ['*fp32', '*bf16', '*fp32'] + ints, dict(tiles, BLOCK_N=64, BLOCK_S=256))
+    assert 'cubin' in kernel.asm
+
+
 CUDA_REASON = 'needs a CUDA device (the compiled Triton kernel; on CPU the interpreter tests above cover it)'
 CUDA_CASES = dict(CASES, small_14x14_s15=(4, 14, 14, 32, 8, 15, 1.0, 1.0, 10),
                   map_24x24_s11=(2, 24, 24, 48, 3, 11, 2.0, 1.0, 11))

@@ -14,14 +14,20 @@ queries by loading the halo of keys its windows reach and multiplying a tile of 
 (h, s, s) bias, with that halo of X. The batch and the head's d + 1 channels form the N dimension of the product,
 so E is never materialised and memory stays O(B T C).
 
-The backward pass runs the transposed windowed product (for a tile of keys, the halo of queries that reach them)
-for ``dX`` and a per-offset reduction for the bias gradient, both in Triton; the element-wise ratio, gate and
-exponential derivatives are plain torch. The autograd function saves only q, k, v, w and the key maxima and
-recomputes ``S`` in the backward pass.
+The backward pass runs the transposed windowed product (for a tile of keys, the halo of queries that reach them;
+the offsets flip sign) for ``dX``, plus ``exp(-m)`` times the column sums of ``dS``, and a per-offset reduction for
+the bias gradient (each program reduces its tile per offset and adds once per (head, offset) atomically), both in
+Triton; the element-wise ratio, gate and exponential derivatives are plain torch. The autograd function saves only
+q, k, v and w and recomputes ``S`` in the backward pass.
+
+Block sizes are fixed (no autotuning): 8 x 8 positions per program (M = 64), halo steps of 32 positions (K) and up to
+64 of the B (d + 1) columns (N), one head per program; the grid is (tiles, heads, column blocks). The bias-gradient
+reduction runs on CUDA cores (s^2 masked loads of the tile per program), not tensor cores: for large s it is the
+slowest of the three kernels.
 
 Triton is imported on first use only. On the CPU the kernels run under Triton's interpreter, which needs the
-environment variable ``TRITON_INTERPRET=1`` (set before the kernels are first built); there the products are
-float32 and no block sizes are autotuned.
+environment variable ``TRITON_INTERPRET=1`` (set before the kernels are first built); test them there in float32 or
+float16 (bfloat16 ``tl.dot`` is not faithful under the interpreter).
 """
 import os
 from typing import Dict, Optional, Tuple
@@ -327,15 +333,25 @@ class _AFTConv2dTriton(torch.autograd.Function):
 def aft_conv2d_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """AFT-conv (Eq. 6) on a 2-D token grid with the fused windowed Triton kernel; differentiable in q, k, v, w.
 
-    Same contract as ``functional.aft_conv2d``. Numerics: keys are shifted by their maximum per image and head and
-    the bias by ``m = max(0, max w)`` per head (detached; the shifts cancel), so every term of the full sums is
-    positive and the denominator is at least ``exp(min(0, min w) - m)`` times the largest shifted key (1): nothing
-    overflows, and the result is finite for finite inputs while a head's bias range stays below ~87. The windowed
-    correction ``K = exp(w - m) - exp(-m)`` is negative where ``w < 0``: there it cancels part of the global
-    ``exp(-m)`` term, so the relative error of a denominator is about float32 eps times ``exp(max(0, -min w))``
-    (times the operand rounding, 2^-8, for bfloat16 inputs), e.g. 1e-7 for ``min w >= -1`` and ~1e-3 at
-    ``min w = -9.7``. Products accumulate in float32; operands are the input dtype for float16 / bfloat16 and
-    float32 otherwise (float64 inputs are computed in float32). No host synchronisation.
+    Same contract as ``functional.aft_conv2d``. Numerics:
+
+    * Positive max-shifted form: keys are shifted by their maximum per image and head, the bias by
+      ``m = max(0, max w)`` per head (both detached; the shifts cancel), so every entry of E and of X's last column
+      is positive and at most 1, nothing overflows, and the exact denominator is at least ``exp(min(0, min w) - m)``
+      times the column sum of ``exp(k - kmax)`` (which is at least 1).
+    * The kernel adds the windowed correction ``K = exp(w - m) - exp(-m)`` to the global ``exp(-m)`` term. Where
+      ``w < 0``, K is negative and cancels part of that term, so the error relative to the value scale is about
+      float32 eps times ``exp(max(0, -min w))`` when a query's weight sits inside its window: measured 1e-7 for
+      ``min w >= -1``, 1e-5 at -5, 7e-4 at -10 and 0.2 at -15 on a map covered by the window; ~1e-7 for every
+      ``min w`` down to -15 when keys outside the window carry weight (s = 3 on 8x8). Beyond, the denominator is
+      raised to its exact lower bound and the ratio clamped to each image's value range: finite and bounded, not
+      exact, for any finite input whose per-head bias range stays below ~87.
+    * Products accumulate in float32. Operands are float32 (IEEE products) for float32 / float64 inputs (float64 is
+      computed in float32); float16 / bfloat16 inputs keep X in their dtype and split K into two half-precision
+      parts, so only X's rounding (2^-11 / 2^-8 relative) is added; the backward product takes dS in bfloat16
+      (bfloat16 inputs) or float32 (float16 inputs, where dS could overflow).
+    * No host synchronisation (no ``.item()``, no data-dependent branch); only q, k, v and w are saved for the
+      backward pass, which recomputes the product.
 
     Args:
         q: Queries (B, H, W, C), before the sigmoid.
