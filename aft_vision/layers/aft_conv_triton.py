@@ -169,14 +169,20 @@ def _build_kernels():
                      mask=row_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)  # (M, BLOCK_N)
         ro = tl.arange(0, BLOCK_S)
         acc = tl.zeros((BLOCK_S,), dtype=tl.float32)
-        for o in range(0, ksize * ksize):
-            ky = ry + (o // ksize - radius)  # (M,) key row of offset o
-            kx = rx + (o % ksize - radius)
-            ok = row_ok & (ky >= 0) & (ky < height) & (kx >= 0) & (kx < width)
-            xt = tl.load(x_ptr + base + (ky * width + kx).to(tl.int64)[:, None] * n_cols + rn[None, :],
-                         mask=ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)  # (M, BLOCK_N)
-            val = tl.sum(tl.sum(ds * xt, axis=1), axis=0)
-            acc = tl.where(ro == o, acc + val, acc)
+        # offsets whose keys can lie on the map for some query of the tile: dy in [-y_last, height - 1 - y0]
+        a_lo = tl.maximum(radius - (tl.minimum(y0 + TY, height) - 1), 0)
+        a_hi = tl.minimum(radius + height - y0, ksize)
+        b_lo = tl.maximum(radius - (tl.minimum(x0 + TX, width) - 1), 0)
+        b_hi = tl.minimum(radius + width - x0, ksize)
+        for a in range(a_lo, a_hi):
+            ky = ry + (a - radius)  # (M,) key row of offset row a
+            for b in range(b_lo, b_hi):
+                kx = rx + (b - radius)
+                ok = row_ok & (ky >= 0) & (ky < height) & (kx >= 0) & (kx < width)
+                xt = tl.load(x_ptr + base + (ky * width + kx).to(tl.int64)[:, None] * n_cols + rn[None, :],
+                             mask=ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)  # (M, BLOCK_N)
+                val = tl.sum(tl.sum(ds * xt, axis=1), axis=0)
+                acc = tl.where(ro == a * ksize + b, acc + val, acc)
         tl.atomic_add(dk_ptr + head * ksize * ksize + ro, acc, mask=ro < ksize * ksize)
 
     return window_product_kernel, bias_grad_kernel
