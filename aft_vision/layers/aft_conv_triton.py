@@ -22,8 +22,8 @@ q, k, v and w and recomputes ``S`` in the backward pass.
 
 Block sizes are fixed (no autotuning): 8 x 8 positions per program (M = 64), halo steps of 32 positions (K) and up to
 64 of the B (d + 1) columns (N), one head per program; the grid is (tiles, heads, column blocks). The bias-gradient
-reduction runs on CUDA cores (s^2 masked loads of the tile per program), not tensor cores: for large s it is the
-slowest of the three kernels.
+reduction runs on CUDA cores (up to s^2 masked loads of the tile per program, offsets that miss the map skipped),
+not tensor cores: for large s it is the slowest of the three kernels.
 
 Triton is imported on first use only. On the CPU the kernels run under Triton's interpreter, which needs the
 environment variable ``TRITON_INTERPRET=1`` (set before the kernels are first built); test them there in float32 or
