@@ -115,19 +115,40 @@ def _cmd_transfer(args: argparse.Namespace) -> int:
 
 
 def _add_publish(subparsers) -> None:
-    p = subparsers.add_parser('publish', help='publish an AFT checkpoint in timm\'s Hub layout (or --dry-run)')
+    from timm.utils import ParseKwargs
+
+    p = subparsers.add_parser(
+        'publish', help='publish an AFT checkpoint in timm\'s Hub layout (or --dry-run)',
+        description='How the weights were trained and evaluated (input size, crop, interpolation, mean, std) is read '
+                    'from the run that made the checkpoint: the main job\'s results.json (--results, or beside the '
+                    'checkpoint) or timm train.py\'s args.yaml beside it; the flags below override it. Without '
+                    'either, the architecture\'s default config is published and a warning (and the card) says so.')
     p.add_argument('checkpoint', help='AFT weights (.safetensors, or a weights-only PyTorch file)')
-    p.add_argument('--model', required=True, help='registered AFT model name the weights belong to')
+    p.add_argument('--model', default=None,
+                   help='registered AFT model name the weights belong to (default: the one the run record names)')
+    p.add_argument('--model-kwargs', nargs='*', default={}, action=ParseKwargs, metavar='KEY=VALUE',
+                   help='architecture arguments the weights were built with, e.g. patch_size=4 (over the record\'s)')
     p.add_argument('--repo-id', required=True, help='Hub repository, org/name')
     p.add_argument('--dry-run', action='store_true', help='write the folder locally (--out-dir); upload nothing')
     p.add_argument('--out-dir', default=None, help='output folder for --dry-run')
     p.add_argument('--force', action='store_true', help='replace --out-dir if it exists')
     p.add_argument('--labels', default=None, help='class names: a text file, one per line, or a JSON list')
-    p.add_argument('--results', default=None, help='JSON file of metric -> value for the model card')
+    p.add_argument('--results', default=None, help='JSON file of metric -> value for the model card (the main job\'s '
+                                                   'results.json also gives the data config)')
     p.add_argument('--dataset', action='append', default=[], help='dataset name for the card (repeatable)')
     p.add_argument('--base-model', default=None, help='Hub id the weights were initialised from')
     p.add_argument('--training', default=None, help='one paragraph on how the model was trained')
     p.add_argument('--private', action='store_true', help='create the Hub repository as private')
+    data = p.add_argument_group('data config (how the weights were trained and evaluated; overrides the run record)')
+    data.add_argument('--input-size', type=int, nargs='+', default=None, metavar='N',
+                      help='evaluation size: N, H W or C H W (timm\'s pretrained_cfg input_size)')
+    data.add_argument('--test-input-size', type=int, nargs='+', default=None, metavar='N',
+                      help='a larger size the model was evaluated at and does at least as well (validate.py uses it)')
+    data.add_argument('--crop-pct', type=float, default=None, help='centre-crop fraction at evaluation, in (0, 1]')
+    data.add_argument('--crop-mode', default=None, help='center, squash or border')
+    data.add_argument('--interpolation', default=None, help='bicubic, bilinear, nearest, ...')
+    data.add_argument('--mean', type=float, nargs='+', default=None, help='normalisation mean, 1 or C values')
+    data.add_argument('--std', type=float, nargs='+', default=None, help='normalisation std, 1 or C values')
 
 
 def _read_labels(path: Optional[str]) -> Optional[List[str]]:
@@ -142,13 +163,25 @@ def _read_labels(path: Optional[str]) -> Optional[List[str]]:
 
 
 def _cmd_publish(args: argparse.Namespace) -> int:
-    from .hub import publish
+    import warnings
 
-    result = publish(
-        args.checkpoint, args.model, args.repo_id, out_dir=args.out_dir, dry_run=args.dry_run, force=args.force,
-        label_names=_read_labels(args.labels), results_file=args.results, datasets=args.dataset,
-        base_model=args.base_model, training=args.training, private=args.private,
-    )
+    from .hub import DATA_CONFIG_KEYS, publish
+
+    overrides = {key: getattr(args, key) for key in DATA_CONFIG_KEYS if getattr(args, key) is not None}
+    with warnings.catch_warnings(record=True) as caught:  # printed below as one line, not as a Python warning
+        warnings.simplefilter('always', UserWarning)
+        result = publish(
+            args.checkpoint, args.model, args.repo_id, out_dir=args.out_dir, dry_run=args.dry_run, force=args.force,
+            label_names=_read_labels(args.labels), results_file=args.results, datasets=args.dataset,
+            base_model=args.base_model, training=args.training, private=args.private,
+            model_kwargs=args.model_kwargs, data_config=overrides,
+        )
+    for warning in caught:
+        if str(warning.message).startswith('publishing '):
+            print(f'warning: {warning.message}', file=sys.stderr)
+        else:
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+    print(f'data config: {result["data_config_source"]}')
     where = result.get('folder') or result.get('url')
     print(f'{"wrote" if args.dry_run else "uploaded"} {where}  model.safetensors sha256 {result["sha256"]}')
     return 0

@@ -4,21 +4,42 @@
 ``README.md`` model card. ``publish`` builds that folder in a temporary place and either moves it to ``out_dir``
 (dry run) or uploads it; nothing half-written is left behind when either fails. The Hub token is read by
 huggingface_hub from the user's login or ``HF_TOKEN`` and never printed or written.
+
+``config.json`` follows timm's convention so that every standard client rebuilds the model and its preprocessing:
+``model_args`` holds the architecture's own arguments only (no ``num_classes``, and ``in_chans`` / ``global_pool``
+only where they differ from the architecture's defaults: ``create_model``, transformers' ``TimmWrapper`` and timm's
+scripts give those separately), and ``pretrained_cfg`` says how the weights were trained and evaluated (input size,
+crop, interpolation, mean, std), read from the run that made the checkpoint (``read_training_record``): the main
+job's ``results.json`` or timm ``train.py``'s ``args.yaml``.
 """
+import inspect
 import json
 import tempfile
+import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import timm
 import torch
+from timm.data import resolve_data_config
 from timm.models import load_model_config_from_hf, parse_model_name, save_for_hf, split_model_name_tag
 
 from ._io import atomic_dir, load_weights, sha256sum
 from .transfer import unwrap_state_dict
 from .version import __version__
 
-__all__ = ['build_hub_folder', 'publish', 'load_checkpoint_into', 'source_architecture']
+__all__ = ['build_hub_folder', 'publish', 'load_checkpoint_into', 'source_architecture', 'read_training_record',
+           'resolve_publish_data_config', 'TrainingRecord', 'DATA_CONFIG_KEYS']
+
+# pretrained_cfg entries that say how weights were trained and evaluated (timm's resolve_data_config reads them)
+DATA_CONFIG_KEYS = ('input_size', 'test_input_size', 'crop_pct', 'crop_mode', 'interpolation', 'mean', 'std')
+_INTERPOLATIONS = ('nearest', 'bilinear', 'bicubic', 'box', 'hamming', 'lanczos')
+_CROP_MODES = ('center', 'squash', 'border')
+# create_model's own arguments: given separately by its callers (transformers' TimmWrapper passes num_classes)
+_CLIENT_ARGS = ('num_classes', 'in_chans', 'global_pool')
+# numeric entries of the main job's results.json that are settings of the run, not metrics for the model card
+_RUN_SETTINGS = ('epochs', 'img_size', 'eval_img_size', 'world_size', 'wall_seconds', 'seed')
 
 _CITATION = """@article{zhai2021attention,
   title={An Attention Free Transformer},
@@ -51,8 +72,189 @@ def source_architecture(name: str, model_kwargs: Optional[Dict[str, Any]] = None
             raise FileNotFoundError(f'{name}: no config.json in {model_id} (write one with aft-vision publish)')
         config = json.loads(config_file.read_text())
         architecture, saved = config['architecture'], config.get('model_args')
-    saved = {key: value for key, value in (saved or {}).items() if key != 'num_classes'}
+    saved = {key: value for key, value in (saved or {}).items() if key != 'num_classes'}  # folders before 0.x kept it
     return architecture, {**saved, **model_kwargs}
+
+
+@dataclass
+class TrainingRecord:
+    """How a checkpoint was trained and evaluated, read from the run that made it.
+
+    Attributes:
+        source: The file the record was read from (named in messages and the model card).
+        data_config: The ``DATA_CONFIG_KEYS`` the run fixed (the main job records them all).
+        architecture: The registered architecture (or ``local-dir:`` / ``hf-hub:`` source) the run trained.
+        model_kwargs: The architecture arguments the run built it with.
+        timm_args: timm ``train.py``'s arguments: its data config is resolved from them against the model, as
+            ``train.py`` itself does (``resolve_data_config(vars(args), model=model)``).
+    """
+    source: str
+    data_config: Dict[str, Any] = field(default_factory=dict)
+    architecture: Optional[str] = None
+    model_kwargs: Dict[str, Any] = field(default_factory=dict)
+    timm_args: Optional[Dict[str, Any]] = None
+
+
+def _read_json_object(path: Path) -> Dict[str, Any]:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f'cannot read results file {path}: {error}') from None
+    if not isinstance(value, dict):
+        raise ValueError(f'results file {path} must hold a JSON object of metric -> value')
+    return value
+
+
+def _record_from_results(results: Dict[str, Any], path: Path) -> Optional[TrainingRecord]:
+    """The main job's ``results.json``: its ``data_config``, or (written before it was recorded) its sizes."""
+    if isinstance(results.get('data_config'), dict):
+        data_config = {k: v for k, v in results['data_config'].items() if k in DATA_CONFIG_KEYS}
+        source = f'{path} (aft_vision.train)'
+    elif isinstance(results.get('img_size'), int) and 'architecture' in results:
+        # earlier versions of the main job always evaluated at img_size with crop_pct 1.0 and the model's defaults
+        data_config = {'input_size': (3, results['img_size'], results['img_size']), 'crop_pct': 1.0}
+        source = f'{path} (aft_vision.train: evaluated at img_size with crop_pct 1.0)'
+    else:
+        return None
+    return TrainingRecord(source, data_config, results.get('architecture'), dict(results.get('model_kwargs') or {}))
+
+
+def _record_from_timm_args(args: Dict[str, Any], source: str) -> TrainingRecord:
+    return TrainingRecord(source, architecture=args.get('model') or None,
+                          model_kwargs=dict(args.get('model_kwargs') or {}), timm_args=args)
+
+
+def read_training_record(checkpoint: str, results_file: Optional[str] = None) -> Optional[TrainingRecord]:
+    """Find the record of the run that made ``checkpoint``, or None when there is none.
+
+    Looked for in this order: ``results_file`` if it is the main job's ``results.json``; ``results.json`` beside the
+    checkpoint (the main job writes it there); ``args.yaml`` beside the checkpoint (timm ``train.py``'s output
+    folder); the ``args`` timm ``train.py`` stores inside its ``.pth.tar`` checkpoints.
+
+    Raises:
+        ValueError: A results file or ``args.yaml`` that is there cannot be read.
+    """
+    folder = Path(checkpoint).parent
+    candidates = [Path(results_file)] if results_file else []
+    if (folder / 'results.json').is_file() and folder / 'results.json' not in candidates:
+        candidates.append(folder / 'results.json')
+    for path in candidates:
+        record = _record_from_results(_read_json_object(path), path)
+        if record is not None:
+            return record
+    args_file = folder / 'args.yaml'
+    if args_file.is_file():
+        import yaml  # a timm dependency; train.py writes args.yaml with yaml.safe_dump(vars(args))
+        try:
+            args = yaml.safe_load(args_file.read_text())
+        except (OSError, yaml.YAMLError) as error:
+            raise ValueError(f'cannot read timm train.py arguments {args_file}: {error}') from None
+        if not isinstance(args, dict):
+            raise ValueError(f'{args_file} must hold train.py\'s arguments as a mapping, got {type(args).__name__}')
+        return _record_from_timm_args(args, f'{args_file} (timm train.py)')
+    if Path(checkpoint).suffix != '.safetensors' and Path(checkpoint).is_file():
+        embedded = load_weights(checkpoint).get('args')
+        if embedded is not None and hasattr(embedded, '__dict__'):  # argparse.Namespace
+            return _record_from_timm_args(dict(vars(embedded)), f'the train.py arguments inside {checkpoint}')
+    return None
+
+
+def _spatial(value: Any, in_chans: int, name: str) -> Tuple[int, int, int]:
+    """``N``, ``(N,)``, ``(H, W)`` or ``(C, H, W)`` as ``(C, H, W)``; C must be the model's channel count."""
+    size = [value] if isinstance(value, int) else list(value) if isinstance(value, (list, tuple)) else None
+    if not size or len(size) not in (1, 2, 3) or not all(isinstance(n, int) and n > 0 for n in size):
+        raise ValueError(f'{name} must be N, (H, W) or (C, H, W) of positive integers, got {value!r}')
+    if len(size) == 3 and size[0] != in_chans:
+        raise ValueError(f'{name} {tuple(size)} has {size[0]} channels, the model takes {in_chans}')
+    height, width = (size * 2)[:2] if len(size) == 1 else size[-2:]
+    return in_chans, height, width
+
+
+def _check_data_config(config: Dict[str, Any], in_chans: int) -> Dict[str, Any]:
+    """Normalise and check a data config: sizes as (C, H, W), 0 < crop_pct <= 1, known modes, positive std."""
+    checked = {}
+    for key, value in config.items():
+        if value is None:
+            continue
+        if key not in DATA_CONFIG_KEYS:
+            raise ValueError(f'unknown data config entry {key!r}; known: {", ".join(DATA_CONFIG_KEYS)}')
+        if key in ('input_size', 'test_input_size'):
+            value = _spatial(value, in_chans, key)
+        elif key == 'crop_pct':
+            if not isinstance(value, (int, float)) or not 0 < value <= 1:
+                raise ValueError(f'crop_pct must be in (0, 1], got {value!r}')
+            value = float(value)
+        elif key == 'crop_mode' and value not in _CROP_MODES:
+            raise ValueError(f'crop_mode must be one of {_CROP_MODES}, got {value!r}')
+        elif key == 'interpolation' and value not in _INTERPOLATIONS:
+            raise ValueError(f'interpolation must be one of {_INTERPOLATIONS}, got {value!r}')
+        elif key in ('mean', 'std'):
+            values = [value] if isinstance(value, (int, float)) else list(value)
+            if len(values) not in (1, in_chans) or not all(isinstance(v, (int, float)) for v in values):
+                raise ValueError(f'{key} must be 1 or {in_chans} numbers, got {value!r}')
+            if key == 'std' and not all(v > 0 for v in values):
+                raise ValueError(f'std must be positive, got {value!r}')
+            value = tuple(float(v) for v in values) * (in_chans if len(values) == 1 else 1)
+        checked[key] = value
+    return checked
+
+
+def resolve_publish_data_config(
+        model: torch.nn.Module,
+        record: Optional[TrainingRecord] = None,
+        overrides: Optional[Dict[str, Any]] = None,
+) -> Tuple[Optional[Dict[str, Any]], str]:
+    """The preprocessing to publish ``model`` with, and a sentence saying where it came from.
+
+    ``overrides`` (the publish flags) win over the run's ``record``. A timm ``train.py`` record is resolved the way
+    ``train.py`` resolved its own evaluation (``resolve_data_config(vars(args), model=model)``).
+
+    Returns:
+        ``(data_config, source)``; ``data_config`` is None when neither a record nor an override says anything:
+        the architecture's default config is published then, and ``source`` says so.
+
+    Raises:
+        ValueError: An entry is malformed or does not fit the model (e.g. another channel count).
+    """
+    in_chans = getattr(model, 'in_chans', 3)
+    overrides = _check_data_config(dict(overrides or {}), in_chans)
+    if record is None:
+        if not overrides:
+            return None, (f'no record of how the weights were trained or evaluated: the default config of '
+                          f'{model.pretrained_cfg.get("architecture")}, not measured with these weights')
+        unset = [key for key in DATA_CONFIG_KEYS if key not in overrides and key != 'test_input_size']
+        return overrides, (f'{", ".join(overrides)} from the command line; '
+                           f'{", ".join(unset) or "nothing"} from the architecture\'s default config')
+    if record.timm_args is not None:
+        resolved = resolve_data_config(dict(record.timm_args), model=model)
+    else:
+        resolved = dict(record.data_config)
+    config = {**_check_data_config(resolved, in_chans), **overrides}
+    source = record.source + (f'; {", ".join(overrides)} from the command line' if overrides else '')
+    return config, source
+
+
+def _strip_client_args(model: torch.nn.Module, config_file: Path) -> Dict[str, Any]:
+    """Rewrite ``config.json`` with ``model_args`` free of create_model's own arguments; return the config.
+
+    ``num_classes`` is the top-level entry (timm) and transformers passes it itself; ``in_chans`` and ``global_pool``
+    stay only where they differ from what the architecture builds without them (3 channels, its default pooling),
+    since a client given only ``model_args`` could not rebuild the model otherwise.
+    """
+    config = json.loads(config_file.read_text())
+    model_args = dict(config.get('model_args') or {})
+    signature = inspect.signature(type(model).__init__).parameters
+    default_pool = signature['global_pool'].default if 'global_pool' in signature else None
+    model_args.pop('num_classes', None)
+    if model_args.get('in_chans') == 3:
+        model_args.pop('in_chans')
+    if 'global_pool' in model_args and model_args['global_pool'] == default_pool:
+        model_args.pop('global_pool')
+    config['model_args'] = model_args
+    if not model_args:
+        config.pop('model_args')
+    config_file.write_text(json.dumps(config, indent=2))
+    return config
 
 
 def load_checkpoint_into(model_name: str, checkpoint: str, **model_kwargs) -> torch.nn.Module:
@@ -88,9 +290,11 @@ def _model_card(
         base_model: Optional[str],
         training: Optional[str],
         license_name: str,
+        pretrained_cfg: Dict[str, Any],
+        data_config_source: Optional[str],
 ) -> str:
     """The README.md model card: YAML metadata, then what the model is, its training, metrics, usage, citation."""
-    cfg = model.pretrained_cfg
+    cfg = pretrained_cfg
     num_params = sum(p.numel() for p in model.parameters())
     meta = ['---', 'library_name: timm', f'license: {license_name}', 'pipeline_tag: image-classification', 'tags:']
     meta += [f'- {tag}' for tag in ('image-classification', 'timm', 'aft_vision', 'attention-free-transformer')]
@@ -107,7 +311,11 @@ def _model_card(
         '',
         '## Model details',
         f'- **Architecture:** `{model_name}` ({num_params / 1e6:.2f}M parameters, {model.num_classes} classes)',
-        f'- **Input size:** {tuple(cfg.get("input_size", ()))}, crop_pct {cfg.get("crop_pct")}',
+        f'- **Input size:** {tuple(cfg.get("input_size", ()))}, crop_pct {cfg.get("crop_pct")}, crop_mode '
+        f'{cfg.get("crop_mode")}, {cfg.get("interpolation")} interpolation, mean {tuple(cfg.get("mean", ()))}, '
+        f'std {tuple(cfg.get("std", ()))}'
+        + (f'; test input size {tuple(cfg["test_input_size"])}' if cfg.get('test_input_size') else ''),
+        f'- **Preprocessing from:** {data_config_source or "the publisher"}',
         '- **Paper:** [An Attention Free Transformer](https://arxiv.org/abs/2105.14103)',
     ]
     if datasets:
@@ -116,21 +324,38 @@ def _model_card(
         lines.append(f'- **Initialised from:** {base_model}')
     lines += ['', '## Training', training or 'No training details were provided by the publisher.', '']
     lines += ['## Metrics']
-    if results:
+    metrics = {name: value for name, value in (results or {}).items()
+               if isinstance(value, (int, float)) and not isinstance(value, bool) and name not in _RUN_SETTINGS}
+    if metrics:
         lines += ['| metric | value |', '|---|---|']
-        lines += [f'| {name} | {value} |' for name, value in results.items()]
+        lines += [f'| {name} | {value} |' for name, value in metrics.items()]
     else:
         lines.append('No evaluation results were provided by the publisher.')
     lines += [
         '',
         '## Usage',
+        '`import aft_vision` first: it registers the AFT architectures with timm, which both clients below build '
+        'from `config.json`. With timm (its data config holds the preprocessing above):',
+        '',
         '```python',
         'import aft_vision  # registers the AFT architectures with timm',
         'import timm',
+        'from PIL import Image',
         '',
         f"model = timm.create_model('hf-hub:{repo_id}', pretrained=True).eval()",
         'config = timm.data.resolve_data_config({}, model=model)',
         'transform = timm.data.create_transform(**config)',
+        "logits = model(transform(Image.open('image.png').convert('RGB')).unsqueeze(0))",
+        '```',
+        '',
+        'With Hugging Face transformers (its timm wrapper reads the same `config.json`):',
+        '',
+        '```python',
+        'import aft_vision  # registers the AFT architectures with timm',
+        'from transformers import pipeline',
+        '',
+        f"classifier = pipeline('image-classification', model='{repo_id}')",
+        "print(classifier('image.png'))",
         '```',
         '',
         '## Citation',
@@ -153,19 +378,29 @@ def build_hub_folder(
         base_model: Optional[str] = None,
         training: Optional[str] = None,
         license_name: str = 'apache-2.0',
+        data_config: Optional[Dict[str, Any]] = None,
+        data_config_source: Optional[str] = None,
 ) -> None:
-    """Write ``config.json``, ``model.safetensors`` and ``README.md`` for ``model`` into ``folder``."""
+    """Write ``config.json``, ``model.safetensors`` and ``README.md`` for ``model`` into ``folder``.
+
+    Args:
+        data_config: How the weights were trained and evaluated (``DATA_CONFIG_KEYS``, see
+            ``resolve_publish_data_config``); None publishes the architecture's default config.
+        data_config_source: Where ``data_config`` came from, for the model card.
+    """
     if label_names is not None and len(label_names) != model.num_classes:
         raise ValueError(f'{len(label_names)} label names given for a model with {model.num_classes} classes')
     model_config = {'label_names': list(label_names)} if label_names else None
-    save_for_hf(model, str(folder), model_config=model_config, safe_serialization=True)
-    card = _model_card(model, model_name, repo_id, results, datasets, base_model, training, license_name)
+    save_for_hf(model, str(folder), model_config=model_config, safe_serialization=True, data_config=data_config)
+    config = _strip_client_args(model, folder / 'config.json')
+    card = _model_card(model, model_name, repo_id, results, datasets, base_model, training, license_name,
+                       config['pretrained_cfg'], data_config_source)
     (folder / 'README.md').write_text(card, encoding='utf-8')
 
 
 def publish(
         checkpoint: str,
-        model_name: str,
+        model_name: Optional[str],
         repo_id: str,
         out_dir: Optional[str] = None,
         dry_run: bool = False,
@@ -177,16 +412,28 @@ def publish(
         training: Optional[str] = None,
         private: bool = False,
         model_kwargs: Optional[Dict] = None,
+        data_config: Optional[Dict[str, Any]] = None,
 ) -> Dict[str, str]:
     """Publish an AFT checkpoint: a local folder (``dry_run``) or a Hub upload.
 
-    ``model_kwargs`` rebuild a non-default architecture (e.g. ``patch_size=4``); timm records them in config.json.
+    How the weights were trained and evaluated (the ``pretrained_cfg`` timm and transformers preprocess with) comes
+    from the run that made the checkpoint (``read_training_record``: the main job's results, timm ``train.py``'s
+    ``args.yaml``), overridden by ``data_config`` (the ``DATA_CONFIG_KEYS``). Without either, the architecture's
+    default config is published and a ``UserWarning`` (and the model card) says so.
+
+    Args:
+        model_name: The registered architecture; None takes the one the run record names.
+        model_kwargs: Rebuild a non-default architecture (e.g. ``patch_size=4``), over the run record's; timm records
+            them in config.json.
+        data_config: Overrides of the recorded preprocessing (``input_size``, ``test_input_size``, ``crop_pct``,
+            ``crop_mode``, ``interpolation``, ``mean``, ``std``).
 
     Returns:
-        ``{'folder' or 'url': ..., 'sha256': sha256 of model.safetensors}``.
+        ``{'folder' or 'url': ..., 'sha256': sha256 of model.safetensors, 'data_config_source': where the
+        preprocessing came from}``.
 
     Raises:
-        ValueError: Bad checkpoint, repo id, labels or results file.
+        ValueError: Bad checkpoint, repo id, labels, results file, run record or data config; no architecture.
         FileExistsError: ``out_dir`` exists and ``force`` is False.
         RuntimeError: The upload failed (the message says which step).
     """
@@ -194,21 +441,28 @@ def publish(
         raise ValueError(f"repo id must look like 'org/name', got {repo_id!r}")
     if dry_run and not out_dir:
         raise ValueError('a dry run needs an output folder (--out-dir)')
-    results = None
-    if results_file:
-        try:
-            results = json.loads(Path(results_file).read_text())
-        except (OSError, json.JSONDecodeError) as error:
-            raise ValueError(f'cannot read results file {results_file}: {error}') from None
-        if not isinstance(results, dict):
-            raise ValueError(f'results file {results_file} must hold a JSON object of metric -> value')
-    model = load_checkpoint_into(model_name, checkpoint, **(model_kwargs or {}))
+    results = _read_json_object(Path(results_file)) if results_file else None
+    record = read_training_record(checkpoint, results_file)
+    kwargs = dict(model_kwargs or {})
+    if model_name is None:
+        if record is None or not record.architecture:
+            raise ValueError(f'name the architecture of {checkpoint} (--model): no run record beside it names one')
+        model_name, kwargs = source_architecture(record.architecture, {**record.model_kwargs, **kwargs})
+    elif record is not None:
+        kwargs = {**record.model_kwargs, **kwargs}
+    model = load_checkpoint_into(model_name, checkpoint, **kwargs)
+    data_config, source = resolve_publish_data_config(model, record, data_config)
+    if data_config is None:
+        warnings.warn(f'publishing {checkpoint} with {source}; give the run record or --input-size / --crop-pct',
+                      UserWarning, stacklevel=2)
     folder_args = dict(model_name=model_name, repo_id=repo_id, label_names=label_names, results=results,
-                       datasets=datasets, base_model=base_model, training=training)
+                       datasets=datasets, base_model=base_model, training=training, data_config=data_config,
+                       data_config_source=source)
     if dry_run:
         with atomic_dir(out_dir, force=force) as staging:
             build_hub_folder(model, staging, **folder_args)
-        return {'folder': str(out_dir), 'sha256': sha256sum(Path(out_dir) / 'model.safetensors')}
+        return {'folder': str(out_dir), 'sha256': sha256sum(Path(out_dir) / 'model.safetensors'),
+                'data_config_source': source}
 
     from huggingface_hub import HfApi
     with tempfile.TemporaryDirectory(prefix='aft-publish-') as staging:
@@ -223,4 +477,4 @@ def publish(
             commit = api.upload_folder(repo_id=repo_id, folder_path=staging, commit_message='Add AFT model')
         except Exception as error:
             raise RuntimeError(f'uploading to {repo_id} failed: {type(error).__name__}: {error}') from None
-    return {'url': str(getattr(commit, 'commit_url', commit)), 'sha256': digest}
+    return {'url': str(getattr(commit, 'commit_url', commit)), 'sha256': digest, 'data_config_source': source}

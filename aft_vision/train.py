@@ -1,5 +1,6 @@
 """The main job: train an AFT-conv model on scikit-learn's handwritten digits (no download), evaluate it at the
-training resolution and a larger one, publish it as a Hub folder, reload it through timm and check it is identical.
+training resolution and a larger one, publish it as a Hub folder, reload it through timm and check it is identical,
+also through timm's standard data config (``resolve_data_config({}, model=...)``) that every timm client uses.
 
 ``python -m aft_vision.train`` (``bash scripts/run.sh``). ``--data-dir`` takes any ImageFolder with ``train/`` and
 ``val/``, ``--model`` any registered AFT model.
@@ -66,10 +67,17 @@ def write_digits(root: Path, size: int = 32, val_fraction: float = 0.2, seed: in
     return root
 
 
+def eval_data_config(model: torch.nn.Module, img_size: int) -> Dict:
+    """The job's evaluation preprocessing at ``img_size``: no crop (crop_pct 1.0), the model's interpolation and
+    normalisation. Training crops come from the same config; it is what the published folder records."""
+    return resolve_data_config({'input_size': (3, img_size, img_size), 'crop_pct': 1.0}, model=model)
+
+
 def _loader(folder: Path, model: torch.nn.Module, img_size: int, train: bool, batch_size: int, seed: int,
-            rank: int = 0, world_size: int = 1) -> DataLoader:
-    """timm's train (augmenting) or eval transforms at ``img_size`` over an ImageFolder; sharded under DDP."""
-    config = resolve_data_config({'input_size': (3, img_size, img_size), 'crop_pct': 1.0}, model=model)
+            rank: int = 0, world_size: int = 1, data_config: Optional[Dict] = None) -> DataLoader:
+    """timm's train (augmenting) or eval transforms at ``img_size`` (or as ``data_config`` says) over an ImageFolder;
+    sharded under DDP."""
+    config = data_config or eval_data_config(model, img_size)
     if train:
         # No flips (digits). Random crops of 40-100% of the area zoom in by up to 1.6x, so training sees digits larger
         # than evaluation at the same size does; a larger evaluation size (digits 1.5x larger at 48 px) then stays in
@@ -116,12 +124,21 @@ def state_digest(state_dict: Mapping[str, torch.Tensor]) -> str:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, folder: Path, img_size: int, batch_size: int = 256) -> float:
-    """Top-1 accuracy (%) on an ImageFolder at ``img_size``, on the device ``model`` lives on."""
+def evaluate(model: torch.nn.Module, folder: Path, img_size: Optional[int] = None, batch_size: int = 256,
+             data_config: Optional[Dict] = None) -> float:
+    """Top-1 accuracy (%) on an ImageFolder, on the device ``model`` lives on.
+
+    Args:
+        img_size: Evaluate with the job's own preprocessing at this size (``eval_data_config``).
+        data_config: Evaluate with timm's eval transform for this data config instead (e.g. the one
+            ``resolve_data_config({}, model=model)`` gives a client).
+    """
+    if (img_size is None) == (data_config is None):
+        raise ValueError('evaluate takes either img_size or data_config')
     model.eval()
     device = next(model.parameters()).device
     correct = total = 0
-    for images, labels in _loader(folder, model, img_size, False, batch_size, 0):
+    for images, labels in _loader(folder, model, img_size, False, batch_size, 0, data_config=data_config):
         correct += (model(images.to(device)).argmax(-1).cpu() == labels).sum().item()
         total += len(labels)
     return 100.0 * correct / total
@@ -254,11 +271,18 @@ def run(args: argparse.Namespace) -> Dict:
     top1_large = evaluate(model, data_dir / 'val', args.eval_img_size)
     weights = out / 'model.safetensors'
     sha256 = save_weights({k: v.cpu() for k, v in model.state_dict().items()}, weights, force=True)
-    results = {'top1': top1, f'top1_at_{args.eval_img_size}': top1_large}
+    architecture, architecture_kwargs = source_architecture(args.model, model_kwargs)  # a folder's saved arguments
+    # How the weights were evaluated, for the published pretrained_cfg. timm's test_input_size is the size a client
+    # should evaluate at for the best result (validate.py uses it by default): recorded only if the larger size did
+    # at least as well, else validate.py would report the lower figure.
+    data_config = eval_data_config(model, args.img_size)
+    if args.eval_img_size > args.img_size and top1_large >= top1:
+        data_config['test_input_size'] = (3, args.eval_img_size, args.eval_img_size)
+    results = {'top1': top1, f'top1_at_{args.eval_img_size}': top1_large, 'architecture': architecture,
+               'model_kwargs': architecture_kwargs, 'data_config': data_config}
     (out / 'results.json').write_text(json.dumps(results, indent=2))
     hub_dir = out / 'hub'
     start_from = 'scratch' if not args.pretrained else args.model if ':' in args.model else 'its pretrained weights'
-    architecture, architecture_kwargs = source_architecture(args.model, model_kwargs)  # a folder's saved arguments
     publish(str(weights), architecture, 'aft-vision/digits-demo', out_dir=str(hub_dir), dry_run=True, force=True,
             label_names=classes, results_file=str(out / 'results.json'),
             datasets=[] if args.data_dir else ['sklearn-digits'],
@@ -268,6 +292,19 @@ def run(args: argparse.Namespace) -> Dict:
     top1_reloaded = evaluate(reloaded, data_dir / 'val', args.img_size)
     if top1_reloaded != top1:
         raise RuntimeError(f'reloaded model scores {top1_reloaded:.2f}%, the trained one {top1:.2f}%')
+    # What every timm client does with the folder: the data config its pretrained_cfg gives (the train size), and
+    # validate.py's (the test size where one is recorded).
+    client_config = resolve_data_config({}, model=reloaded)
+    top1_data_config = evaluate(reloaded, data_dir / 'val', data_config=client_config)
+    if top1_data_config != top1:
+        raise RuntimeError(f'timm\'s data config for {hub_dir} ({client_config}) gives {top1_data_config:.2f}%, the '
+                           f'job {top1:.2f}%: the published pretrained_cfg does not say how the model was evaluated')
+    test_config = resolve_data_config({}, model=reloaded, use_test_size=True)
+    top1_test_config = evaluate(reloaded, data_dir / 'val', data_config=test_config)
+    expected = top1_large if 'test_input_size' in data_config else top1
+    if top1_test_config != expected:
+        raise RuntimeError(f'timm\'s test-size data config for {hub_dir} ({test_config}) gives '
+                           f'{top1_test_config:.2f}%, the job {expected:.2f}% at that size')
     try:
         plot_curves(history, out / 'training_curve.png')
     except ImportError:
@@ -275,12 +312,15 @@ def run(args: argparse.Namespace) -> Dict:
     results.update({
         'model': args.model, 'architecture': architecture, 'model_kwargs': architecture_kwargs, 'epochs': args.epochs,
         'img_size': args.img_size, 'eval_img_size': args.eval_img_size, 'top1_reloaded': top1_reloaded,
+        'top1_timm_data_config': top1_data_config, 'top1_timm_test_data_config': top1_test_config,
         'history': history, 'weights_sha256': sha256, 'world_size': world_size, 'rank_state_sha256': digests,
         'wall_seconds': round(time.perf_counter() - start, 1),
     })
     (out / 'results.json').write_text(json.dumps(results, indent=2))
     print(f'\n{args.model} on {data_dir}: top-1 {top1:.2f}% at {args.img_size}px, {top1_large:.2f}% at '
-          f'{args.eval_img_size}px; reloaded from {hub_dir}: {top1_reloaded:.2f}% (identical)')
+          f'{args.eval_img_size}px; reloaded from {hub_dir}: {top1_reloaded:.2f}% (identical), with timm\'s data '
+          f'config {top1_data_config:.2f}% ({client_config["input_size"][-1]}px, crop_pct '
+          f'{client_config["crop_pct"]}; test size: {top1_test_config:.2f}%)')
     if world_size > 1:
         agree = 'identical on every rank' if len(set(digests)) == 1 else 'DIFFER between ranks'
         print(f'{world_size} processes: final weights {agree}')

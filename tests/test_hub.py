@@ -153,10 +153,14 @@ def test_publish_dry_run_round_trips_through_local_dir_and_hf_hub(tmp_path, offl
     results.write_text(json.dumps({'top1': 97.5}))
     folder = tmp_path / 'hub-folder'
     publish(str(checkpoint), 'aft_conv_test', 'someone/aft-test', out_dir=str(folder), dry_run=True,
-            label_names=list('abcde'), results_file=str(results), datasets=['digits'])
+            label_names=list('abcde'), results_file=str(results), datasets=['digits'],
+            data_config={'input_size': 64, 'crop_pct': 1.0, 'interpolation': 'bilinear'})
     assert sorted(p.name for p in folder.iterdir()) == ['README.md', 'config.json', 'model.safetensors']
     config = json.loads((folder / 'config.json').read_text())
     assert config['architecture'] == 'aft_conv_test' and config['num_classes'] == 5
+    assert not {'num_classes', 'in_chans', 'global_pool'} & set(config.get('model_args', {}))
+    cfg = config['pretrained_cfg']
+    assert cfg['input_size'] == [3, 64, 64] and cfg['crop_pct'] == 1.0 and cfg['interpolation'] == 'bilinear'
     assert config['label_names'] == list('abcde')
     card = (folder / 'README.md').read_text()
     assert 'library_name: timm' in card and '| top1 | 97.5 |' in card and "hf-hub:someone/aft-test" in card
@@ -197,7 +201,7 @@ def test_failed_upload_says_what_failed_and_leaves_nothing(tmp_path, monkeypatch
 
     monkeypatch.setattr(huggingface_hub.HfApi, 'create_repo', refuse)
     with pytest.raises(RuntimeError, match='creating Hub repository me/x failed: ConnectionError') as error:
-        publish(str(checkpoint), 'aft_conv_test', 'me/x')
+        publish(str(checkpoint), 'aft_conv_test', 'me/x', data_config={'input_size': 64})
     assert 'hf_secret' not in str(error.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ['w.safetensors']
 
