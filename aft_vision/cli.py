@@ -125,7 +125,8 @@ def _add_publish(subparsers) -> None:
                     'either, the architecture\'s default config is published and a warning (and the card) says so.')
     p.add_argument('checkpoint', help='AFT weights (.safetensors, or a weights-only PyTorch file)')
     p.add_argument('--model', default=None,
-                   help='registered AFT model name the weights belong to (default: the one the run record names)')
+                   help='registered AFT model name the weights belong to, or a local-dir: / hf-hub: folder whose '
+                        'architecture they share (default: the one the run record names)')
     p.add_argument('--model-kwargs', nargs='*', default={}, action=ParseKwargs, metavar='KEY=VALUE',
                    help='architecture arguments the weights were built with, e.g. patch_size=4 (over the record\'s)')
     p.add_argument('--repo-id', required=True, help='Hub repository, org/name')

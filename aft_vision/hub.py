@@ -81,7 +81,7 @@ class TrainingRecord:
     """How a checkpoint was trained and evaluated, read from the run that made it.
 
     Attributes:
-        source: The file the record was read from (named in messages and the model card).
+        source: The file the record was read from, by name (for messages and the model card: no local paths).
         data_config: The ``DATA_CONFIG_KEYS`` the run fixed (the main job records them all).
         architecture: The registered architecture (or ``local-dir:`` / ``hf-hub:`` source) the run trained.
         model_kwargs: The architecture arguments the run built it with.
@@ -109,11 +109,11 @@ def _record_from_results(results: Dict[str, Any], path: Path) -> Optional[Traini
     """The main job's ``results.json``: its ``data_config``, or (written before it was recorded) its sizes."""
     if isinstance(results.get('data_config'), dict):
         data_config = {k: v for k, v in results['data_config'].items() if k in DATA_CONFIG_KEYS}
-        source = f'{path} (aft_vision.train)'
+        source = f'{path.name} (aft_vision.train)'
     elif isinstance(results.get('img_size'), int) and 'architecture' in results:
         # earlier versions of the main job always evaluated at img_size with crop_pct 1.0 and the model's defaults
         data_config = {'input_size': (3, results['img_size'], results['img_size']), 'crop_pct': 1.0}
-        source = f'{path} (aft_vision.train: evaluated at img_size with crop_pct 1.0)'
+        source = f'{path.name} (aft_vision.train: evaluated at img_size with crop_pct 1.0)'
     else:
         return None
     return TrainingRecord(source, data_config, results.get('architecture'), dict(results.get('model_kwargs') or {}))
@@ -151,11 +151,12 @@ def read_training_record(checkpoint: str, results_file: Optional[str] = None) ->
             raise ValueError(f'cannot read timm train.py arguments {args_file}: {error}') from None
         if not isinstance(args, dict):
             raise ValueError(f'{args_file} must hold train.py\'s arguments as a mapping, got {type(args).__name__}')
-        return _record_from_timm_args(args, f'{args_file} (timm train.py)')
+        return _record_from_timm_args(args, 'args.yaml (timm train.py)')
     if Path(checkpoint).suffix != '.safetensors' and Path(checkpoint).is_file():
         embedded = load_weights(checkpoint).get('args')
         if embedded is not None and hasattr(embedded, '__dict__'):  # argparse.Namespace
-            return _record_from_timm_args(dict(vars(embedded)), f'the train.py arguments inside {checkpoint}')
+            source = f'the train.py arguments inside {Path(checkpoint).name}'
+            return _record_from_timm_args(dict(vars(embedded)), source)
     return None
 
 
@@ -422,7 +423,8 @@ def publish(
     default config is published and a ``UserWarning`` (and the model card) says so.
 
     Args:
-        model_name: The registered architecture; None takes the one the run record names.
+        model_name: The registered architecture, or a ``local-dir:`` / ``hf-hub:`` folder whose architecture and
+            arguments the weights share; None takes the one the run record names.
         model_kwargs: Rebuild a non-default architecture (e.g. ``patch_size=4``), over the run record's; timm records
             them in config.json.
         data_config: Overrides of the recorded preprocessing (``input_size``, ``test_input_size``, ``crop_pct``,
@@ -448,8 +450,11 @@ def publish(
         if record is None or not record.architecture:
             raise ValueError(f'name the architecture of {checkpoint} (--model): no run record beside it names one')
         model_name, kwargs = source_architecture(record.architecture, {**record.model_kwargs, **kwargs})
-    elif record is not None:
-        kwargs = {**record.model_kwargs, **kwargs}
+    else:
+        if record is not None:
+            kwargs = {**record.model_kwargs, **kwargs}
+        if parse_model_name(model_name)[0]:  # a published folder or Hub repo: its architecture and saved arguments
+            model_name, kwargs = source_architecture(model_name, kwargs)
     model = load_checkpoint_into(model_name, checkpoint, **kwargs)
     data_config, source = resolve_publish_data_config(model, record, data_config)
     if data_config is None:

@@ -221,6 +221,14 @@ def test_folders_written_by_earlier_versions_still_load(job, tmp_path):
     architecture, kwargs = source_architecture(f'local-dir:{old}')
     assert architecture == 'aft_conv_test' and 'num_classes' not in kwargs and kwargs['patch_size'] == 4
 
+    # republished for the other clients: the architecture from the old folder, the preprocessing from the flags
+    new_folder = tmp_path / 'republished'
+    assert cli_main(['publish', str(old / 'model.safetensors'), '--model', f'local-dir:{old}', '--repo-id', 'me/x',
+                     '--dry-run', '--out-dir', str(new_folder), '--input-size', '32', '--crop-pct', '1']) == 0
+    config = json.loads((new_folder / 'config.json').read_text())
+    assert config['architecture'] == 'aft_conv_test' and 'num_classes' not in config['model_args']
+    assert _timm_client_top1(new_folder, out / 'data' / 'val') == results['top1']
+
 
 def test_results_of_earlier_main_jobs_give_their_evaluation_size(tmp_path):
     checkpoint = tmp_path / 'model.safetensors'
