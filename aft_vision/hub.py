@@ -72,7 +72,7 @@ def source_architecture(name: str, model_kwargs: Optional[Dict[str, Any]] = None
             raise FileNotFoundError(f'{name}: no config.json in {model_id} (write one with aft-vision publish)')
         config = json.loads(config_file.read_text())
         architecture, saved = config['architecture'], config.get('model_args')
-    saved = {key: value for key, value in (saved or {}).items() if key != 'num_classes'}  # folders before 0.x kept it
+    saved = {key: value for key, value in (saved or {}).items() if key != 'num_classes'}  # older folders kept it
     return architecture, {**saved, **model_kwargs}
 
 
