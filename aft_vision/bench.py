@@ -4,8 +4,10 @@ For each resolution, every AFT model and its DeiT baseline (timm's ``deit_*_patc
 timm's fused attention) are timed alternately after warm-up; the median of the repetitions is reported, so slow
 drifts of the machine hit both alike. Figures: inference and training-step throughput (forward + backward + AdamW
 step), peak memory (process RSS growth over a first call in a fresh process on CPU, ``max_memory_allocated`` on
-CUDA), parameters, GMACs (torch's flop
-counter) and achieved GFLOP/s, and each AFT / DeiT ratio.
+CUDA), the bytes autograd saves for the backward pass (parameters excluded, each storage once), parameters, GMACs
+(torch's flop counter) and achieved GFLOP/s, and each AFT / DeiT ratio. ``--compile`` times
+``torch.compile(model, fullgraph=True)`` for both; ``--ops`` times the AFT-conv methods per layer instead
+(``bench_ops.py``).
 """
 import argparse
 import contextlib
@@ -75,9 +77,11 @@ def _sync(device: torch.device):
 class _Case:
     """One model at one resolution: its inference and training-step closures."""
 
-    def __init__(self, name: str, img_size: int, batch_size: int, device: torch.device, precision: str):
+    def __init__(self, name: str, img_size: int, batch_size: int, device: torch.device, precision: str,
+                 compile_model: bool = False):
         self.name, self.device, self.precision = name, device, precision
-        self.model = timm.create_model(name, img_size=img_size, num_classes=1000).to(device)
+        self.eager = timm.create_model(name, img_size=img_size, num_classes=1000).to(device)
+        self.model = torch.compile(self.eager, fullgraph=True) if compile_model else self.eager
         self.images = torch.randn(batch_size, 3, img_size, img_size, device=device)
         self.labels = torch.randint(0, 1000, (batch_size,), device=device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-6)
@@ -97,11 +101,29 @@ class _Case:
         self.optimizer.zero_grad(set_to_none=True)
 
     def flops(self) -> int:
-        self.model.eval()
+        self.eager.eval()
         counter = FlopCounterMode(display=False)
         with torch.no_grad(), counter:
-            self.model(self.images)
+            self.eager(self.images)
         return counter.get_total_flops()
+
+    def saved_bytes(self) -> int:
+        """Bytes autograd saves for the backward pass over one training forward (parameters excluded): each storage
+        counted once, however many saved views share it. Measured on the eager model."""
+        self.eager.train()
+        params = {p.untyped_storage().data_ptr() for p in self.eager.parameters()}
+        storages = {}
+
+        def pack(tensor):
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in params:
+                storages[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), \
+                _autocast(self.device, self.precision):
+            self.eager(self.images)
+        return sum(storages.values())
 
     def seconds(self, fn: Callable[[], None]) -> float:
         _sync(self.device)
@@ -160,6 +182,7 @@ def run_benchmark(
         precision: str = 'fp32',
         train: bool = True,
         baselines: Optional[Dict[str, str]] = None,
+        compile_model: bool = False,
 ) -> List[Dict]:
     """Measure every model and its DeiT baseline at every resolution; one result row per (model, resolution)."""
     device = torch.device(device)
@@ -167,8 +190,8 @@ def run_benchmark(
     rows = []
     pairs = [(res, name) for res in resolutions for name in models]
     for res, name in tqdm(pairs, desc='bench', unit='pair'):
-        cases = {'aft': _Case(name, res, batch_size, device, precision),
-                 'deit': _Case(baselines[name], res, batch_size, device, precision)}
+        cases = {'aft': _Case(name, res, batch_size, device, precision, compile_model),
+                 'deit': _Case(baselines[name], res, batch_size, device, precision, compile_model)}
         tasks = {'infer': 'infer', 'train': 'train_step'} if train else {'infer': 'infer'}
         times = {(who, task): [] for who in cases for task in tasks}
         for task, method in tasks.items():
@@ -179,7 +202,7 @@ def run_benchmark(
                 for who, case in cases.items():
                     times[who, task].append(case.seconds(getattr(case, method)))
         row = {'resolution': res, 'batch_size': batch_size, 'device': str(device), 'precision': precision,
-               'threads': torch.get_num_threads()}
+               'threads': torch.get_num_threads(), 'compiled': compile_model}
         for who, case in cases.items():
             flops = case.flops()
             infer_s = statistics.median(times[who, 'infer'])
@@ -194,6 +217,7 @@ def run_benchmark(
             if train:
                 row[who]['train_img_s'] = batch_size / statistics.median(times[who, 'train'])
                 row[who]['train_peak_mb'] = case.peak_memory('train_step') / 2 ** 20
+                row[who]['train_saved_mb'] = case.saved_bytes() / 2 ** 20
         row['ratio'] = {key: row['aft'][key] / row['deit'][key] for key in row['aft']
                         if key not in ('model', 'params', 'gmacs') and row['deit'][key]}
         rows.append(row)
@@ -202,21 +226,27 @@ def run_benchmark(
     return rows
 
 
+def _figure(record: Dict, key: str, fmt: str, suffix: str = '') -> str:
+    """A formatted figure, or '-' where it was not measured (e.g. training figures under --no-train)."""
+    value = record.get(key)
+    return '-' if value is None else f'{value:{fmt}}{suffix}'
+
+
 def markdown_table(rows: List[Dict]) -> str:
     """The README table: one line per (resolution, model), AFT beside DeiT and their ratio."""
-    head = ('| res | model | params (M) | GMACs | infer img/s | train img/s | train peak MB | GFLOP/s '
-            '| vs DeiT: infer | train | train mem |')
+    head = ('| res | model | params (M) | GMACs | infer img/s | train img/s | train peak MB | saved MB | GFLOP/s '
+            '| vs DeiT: infer | train | train mem | saved |')
     lines = [head, '|' + '---|' * (head.count('|') - 1)]
     for row in rows:
         for who in ('aft', 'deit'):
-            r = row[who]
-            ratio = row['ratio']
-            tail = (f"{ratio['infer_img_s']:.2f}x | {ratio.get('train_img_s', float('nan')):.2f}x | "
-                    f"{ratio.get('train_peak_mb', float('nan')):.2f}x" if who == 'aft' else ' | | ')
+            r, ratio = row[who], row['ratio']
+            tail = ' | '.join(_figure(ratio, key, '.2f', 'x') for key in
+                              ('infer_img_s', 'train_img_s', 'train_peak_mb', 'train_saved_mb')) if who == 'aft' \
+                else ' | | | '
             lines.append(
                 f"| {row['resolution']} | {r['model']} | {r['params'] / 1e6:.1f} | {r['gmacs']:.2f} | "
-                f"{r['infer_img_s']:.1f} | {r.get('train_img_s', float('nan')):.1f} | "
-                f"{r.get('train_peak_mb', float('nan')):.0f} | {r['infer_gflop_s']:.1f} | {tail} |")
+                f"{r['infer_img_s']:.1f} | {_figure(r, 'train_img_s', '.1f')} | {_figure(r, 'train_peak_mb', '.0f')} | "
+                f"{_figure(r, 'train_saved_mb', '.0f')} | {r['infer_gflop_s']:.1f} | {tail} |")
     return '\n'.join(lines)
 
 
@@ -253,6 +283,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--device', default='cpu')
     parser.add_argument('--precision', choices=['fp32', 'bf16', 'fp16'], default='fp32', help='autocast dtype')
     parser.add_argument('--no-train', action='store_true', help='skip the training-step figures')
+    parser.add_argument('--compile', action='store_true',
+                        help='time torch.compile(model, fullgraph=True) for AFT and DeiT alike')
+    parser.add_argument('--ops', action='store_true',
+                        help='time every AFT-conv method on the layers of --models instead (the dispatch tables)')
     parser.add_argument('--quick', action='store_true', help='tiny run: aft_conv_test vs test_vit at 64 px')
     parser.add_argument('--out-dir', default='outputs/bench', help='where bench.json, bench.md and bench.png go')
 
@@ -271,8 +305,11 @@ def main(args: argparse.Namespace) -> int:
         if not timm.is_model(name):
             raise ValueError(f'unknown model {name!r}; AFT models: {", ".join(timm.list_models("aft_*"))}')
     torch.manual_seed(0)
+    if args.ops:
+        from .bench_ops import main as ops_main
+        return ops_main(args, models, resolutions)
     rows = run_benchmark(models, resolutions, args.batch_size, args.repeats, args.warmup, args.device,
-                         args.precision, train=not args.no_train, baselines=baselines)
+                         args.precision, train=not args.no_train, baselines=baselines, compile_model=args.compile)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     table = markdown_table(rows)

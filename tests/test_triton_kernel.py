@@ -98,15 +98,38 @@ def _finite(case):
 
 
 def _wiring(case):
-    """``aft_conv2d(..., method='triton')`` against this kernel called directly (None while not wired)."""
+    """``aft_conv2d(..., method='triton')`` against this kernel called directly."""
     from aft_vision.layers import functional
     from aft_vision.layers.aft_conv_triton import aft_conv2d_triton
     inputs = [t.float() for t in make_inputs(*case)]
-    try:
-        routed = functional.aft_conv2d(*inputs, method='triton')
-    except ValueError:  # the method is not wired in yet
-        return None
+    routed = functional.aft_conv2d(*inputs, method='triton')
     return (routed - aft_conv2d_triton(*inputs)).abs().max().item()
+
+
+def _whole_model():
+    """A small registered model with ``mixer_kwargs={'method': 'triton'}`` against the same weights on the dense
+    method: largest output and parameter-gradient errors, relative to each tensor's scale."""
+    import timm
+    torch.manual_seed(0)
+    kwargs = dict(img_size=48, num_classes=5, patch_size=8, kernel_size=5)
+    models = {method: timm.create_model('aft_conv_test', mixer_kwargs={'method': method}, **kwargs)
+              for method in ('triton', 'dense')}
+    for model in models.values():  # a trained-looking bias (Eq. 8's gamma and beta start at 0)
+        for name, param in model.named_parameters():
+            if 'pos_gamma' in name or 'pos_beta' in name:
+                torch.nn.init.normal_(param)
+    models['dense'].load_state_dict(models['triton'].state_dict())
+    images = torch.randn(2, 3, 48, 48)
+    errors = {}
+    outputs = {}
+    for method, model in models.items():
+        outputs[method] = model(images)
+        outputs[method].square().sum().backward()
+    errors['out'] = ((outputs['triton'] - outputs['dense']).abs().max() / outputs['dense'].abs().max()).item()
+    grads = {name: p.grad for name, p in models['dense'].named_parameters()}
+    errors['grad'] = max(((p.grad - grads[name]).abs().max() / grads[name].abs().max().clamp_min(1e-12)).item()
+                         for name, p in models['triton'].named_parameters())
+    return errors
 
 
 def _main():
@@ -120,6 +143,7 @@ def _main():
     results['_lazy_import'] = lazy
     results['_extreme_finite'] = _finite(EXTREME)
     results['_wiring'] = _wiring(CASES['borders_5x7_s3'])
+    results['_model'] = _whole_model()
     print('RESULTS ' + json.dumps(results))
 
 
@@ -160,9 +184,12 @@ def test_extreme_inputs_stay_finite(interpreter_results):
 
 
 def test_functional_method_triton_routes_here(interpreter_results):
-    if interpreter_results['_wiring'] is None:
-        pytest.skip("aft_conv2d(method='triton') is not wired in yet")
     assert interpreter_results['_wiring'] == 0.0
+
+
+def test_whole_model_on_the_triton_method_matches_the_dense_one(interpreter_results):
+    errors = interpreter_results['_model']
+    assert errors['out'] < TOL and errors['grad'] < 1e-4, errors
 
 
 def test_clear_error_when_triton_cannot_run(monkeypatch):

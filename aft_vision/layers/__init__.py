@@ -2,5 +2,7 @@
 from .aft_conv import AFTConv2d
 from .aft_full import AFTFull, AFTLocal
 from .aft_simple import AFTSimple
+from .dispatch import choose_conv_method
 from .functional import aft_conv2d, aft_full, aft_local, aft_simple
+from .policy import device_policy, get_device_policy
 from .aft_conv_onehot import AFTConv2dOneHot, aft_conv2d_onehot, convert_to_onehot

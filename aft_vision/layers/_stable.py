@@ -31,10 +31,19 @@ def exporting() -> bool:
         return torch.compiler.is_exporting() or torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()
 
 
-def any_flagged(bad: torch.Tensor) -> bool:
-    """Whether any entry needs the exact recomputation; always False on meta tensors and while exporting."""
-    if bad.device.type == 'meta' or exporting():
-        return False  # exported graphs keep the fast path only: no data-dependent branch
+def capturing() -> bool:
+    """True while a graph is recorded (export, tracing) or compiled: no host synchronisation is allowed."""
+    if torch.jit.is_scripting():
+        return False
+    else:
+        return exporting() or torch.compiler.is_compiling()
+
+
+def any_flagged(bad: torch.Tensor, policy: str = 'cpu') -> bool:
+    """Whether any entry needs the exact recomputation: asked on the host under the 'cpu' policy only; always False
+    under the 'cuda' policy, on meta tensors and while capturing a graph (no data-dependent branch there)."""
+    if policy != 'cpu' or bad.device.type == 'meta' or capturing():
+        return False
     return bool(bad.any())
 
 
@@ -78,6 +87,7 @@ def recompute_flagged(
         bias: Optional[torch.Tensor] = None,
         grid_w: int = 1,
         causal: bool = False,
+        gate: Optional[torch.Tensor] = None,
         chunk_elements: int = _CHUNK_ELEMENTS,
 ) -> torch.Tensor:
     """Replace flagged entries of ``out`` by the exact weighted average (call it when ``any_flagged(bad)``).
@@ -92,6 +102,7 @@ def recompute_flagged(
         bias: See ``bias_mode``.
         grid_w: Token-grid width for ``'conv'``.
         causal: Restrict the sums to t' <= t (``'none'`` mode; ``'pairwise'`` carries it in ``bias``).
+        gate: Queries (B, T, C): when given, recomputed entries are ``sigmoid(gate) * average``.
         chunk_elements: Bound on the logits held at once (entries per chunk times T).
 
     Returns:
@@ -118,6 +129,8 @@ def recompute_flagged(
             logits = logits.masked_fill(later, float('-inf'))
         weights = F.softmax(logits, dim=-1)  # (n, T)
         values = (weights * v[img, :, chan].double()).sum(-1).to(out.dtype)  # (n,)
+        if gate is not None:
+            values = torch.sigmoid(gate[img, pos, chan]) * values
         indices: List[Optional[torch.Tensor]] = [img, pos, chan]
         out = out.index_put(indices, values)
     return out

@@ -21,6 +21,8 @@ class AFTConv2d(nn.Module):
         qkv_bias: Bias in the q, k, v projection.
         proj_drop: Dropout after the output projection.
         eps: Added to the variance in Eq. 8, so a constant raw bias stays well defined.
+        method: How ``aft_conv2d`` evaluates Eq. 6 ('auto', 'dense', 'conv', 'triton'); a model takes it as
+            ``mixer_kwargs={'method': ...}``.
         device: Device of the parameters (timm factory kwarg).
         dtype: Dtype of the parameters (timm factory kwarg).
     """
@@ -33,6 +35,7 @@ class AFTConv2d(nn.Module):
             qkv_bias: bool = True,
             proj_drop: float = 0.0,
             eps: float = 1e-5,
+            method: str = 'auto',
             device=None,
             dtype=None,
     ):
@@ -42,6 +45,9 @@ class AFTConv2d(nn.Module):
             raise ValueError(f'dim = {dim} must be divisible by num_heads = {num_heads}')
         if kernel_size < 1 or kernel_size % 2 == 0:
             raise ValueError(f'kernel_size must be a positive odd number, got {kernel_size}')
+        if method not in ('auto', 'dense', 'conv', 'triton'):
+            raise ValueError(f"method must be 'auto', 'dense', 'conv' or 'triton', got {method!r}")
+        self.method = method
         self.dim = dim
         self.num_heads = num_heads
         self.kernel_size = kernel_size
@@ -65,8 +71,9 @@ class AFTConv2d(nn.Module):
         raw = self.pos_weight
         mean = raw.mean(dim=(1, 2), keepdim=True)
         var = raw.var(dim=(1, 2), unbiased=False, keepdim=True)
-        standardised = (raw - mean) * torch.rsqrt(var + self.eps)  # (h, s, s)
-        return self.pos_gamma.view(-1, 1, 1) * standardised + self.pos_beta.view(-1, 1, 1)
+        scale = self.pos_gamma.view(-1, 1, 1) * torch.rsqrt(var + self.eps)  # (h, 1, 1)
+        # gamma * (raw - mean) / std + beta as one scale and shift of the parameter: autograd keeps no (h, s, s) copy
+        return raw * scale + (self.pos_beta.view(-1, 1, 1) - mean * scale)
 
     def effective_bias(self) -> torch.Tensor:
         """The bias (h, s, s) that Eq. 6 uses: ``dense_bias()`` here; sparse subclasses select from it."""
@@ -76,8 +83,8 @@ class AFTConv2d(nn.Module):
         check_tokens(x, f'(B, H, W, {self.dim})', self.dim)
         qkv = self.qkv(x)  # (B, H, W, 2C + h)
         q, k, v = qkv.split([self.dim, self.num_heads, self.dim], dim=-1)
-        x = aft_conv2d(q, k, v, self.effective_bias())  # (B, H, W, C)
+        x = aft_conv2d(q, k, v, self.effective_bias(), method=self.method)  # (B, H, W, C)
         return self.proj_drop(self.proj(x))
 
     def extra_repr(self) -> str:
-        return f'dim={self.dim}, num_heads={self.num_heads}, kernel_size={self.kernel_size}'
+        return f'dim={self.dim}, num_heads={self.num_heads}, kernel_size={self.kernel_size}, method={self.method}'

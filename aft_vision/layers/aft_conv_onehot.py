@@ -15,6 +15,7 @@ from timm.layers import register_notrace_function
 from torch import nn
 
 from ._stable import TINY, any_flagged
+from .policy import get_device_policy
 from .aft_conv import AFTConv2d
 from .functional import _CANCEL_TOL, _compute_dtype, _full_precision, _output_dtype, aft_conv2d, check_conv_inputs, \
     check_tokens
@@ -116,7 +117,11 @@ def _aft_conv2d_onehot(
     sums = torch.addcmul(totals * floor, shifted, gain)  # (B, T, h, d + 1)
     numerator, denominator = sums[..., :head_dim], sums[..., head_dim:]  # (B, T, h, d), (B, T, h, 1)
     limit = (totals[..., head_dim:].detach() * floor * cancel_tol).clamp_min(tiny)  # (B, 1, h, 1)
-    if any_flagged(denominator < limit):
+    if torch.jit.is_scripting():
+        policy = 'cpu'
+    else:
+        policy = get_device_policy(q.device)
+    if any_flagged(denominator < limit, policy):
         return aft_conv2d(q, k, v, onehot_bias(w, index)).to(out_dtype)
     mixed = (numerator / denominator).reshape(batch, height, width, channels)
     out = torch.sigmoid(q) * mixed
@@ -145,7 +150,7 @@ class AFTConv2dOneHot(AFTConv2d):
         kernel_size: Odd window size s.
         tau: Gumbel-softmax temperature (the paper: 0.5).
         hard: Straight-through one-hot samples in training; False uses the soft sample (a dense bias).
-        **kwargs: ``AFTConv2d``'s other arguments (qkv_bias, proj_drop, eps, device, dtype).
+        **kwargs: ``AFTConv2d``'s other arguments (qkv_bias, proj_drop, eps, method, device, dtype).
     """
 
     def __init__(self, dim: int, num_heads: int, kernel_size: int, tau: float = 0.5, hard: bool = True, **kwargs):
@@ -161,7 +166,7 @@ class AFTConv2dOneHot(AFTConv2d):
         weight = layer.qkv.weight
         onehot = cls(layer.dim, layer.num_heads, layer.kernel_size, tau=tau, hard=hard,
                      qkv_bias=layer.qkv.bias is not None, proj_drop=layer.proj_drop.p, eps=layer.eps,
-                     device=weight.device, dtype=weight.dtype)
+                     method=layer.method, device=weight.device, dtype=weight.dtype)
         onehot.load_state_dict(layer.state_dict())
         return onehot.train(layer.training)
 
@@ -182,7 +187,7 @@ class AFTConv2dOneHot(AFTConv2d):
         check_tokens(x, f'(B, H, W, {self.dim})', self.dim)
         q, k, v = self.qkv(x).split([self.dim, self.num_heads, self.dim], dim=-1)  # (B, H, W, C / h / C)
         if self.training:  # Eq. 6 with the sampled bias: gradients reach every offset's logit
-            x = aft_conv2d(q, k, v, self.effective_bias())
+            x = aft_conv2d(q, k, v, self.effective_bias(), method=self.method)
         else:  # global pooling plus indexing
             w = self.dense_bias()
             x = aft_conv2d_onehot(q, k, v, w, w.detach().flatten(1).argmax(dim=1))  # (B, H, W, C)

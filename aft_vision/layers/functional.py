@@ -3,29 +3,34 @@
 Like ``torch.nn.functional.scaled_dot_product_attention``, these take projected queries, keys and values and return
 the mixed tokens. All of them:
 
-* subtract maxima before ``exp`` (keys per image and channel over positions, biases per query row), never across
-  the batch, and recompute exactly any entry whose shifted terms underflowed (see ``_stable.py``), so the result is
-  finite and accurate for any finite input;
-* run the exp-and-sum arithmetic in float32 (float64 for float64 inputs) with autocast disabled, and return the
-  promoted input dtype (bfloat16 in, bfloat16 out under autocast);
-* never build a (B, T, T, C) tensor.
+* subtract maxima before ``exp`` (keys per image and channel over positions, biases per query row or head), never
+  across the batch, and compute the sums in a positive form (``dense_mix.py``, ``depthwise_mix.py``);
+* save only their inputs for the backward pass and recompute the rest there (training memory of the order of the
+  inputs, like fused attention);
+* behave as the device policy says (``policy.py``): under 'cpu' (the default on CPU) the arithmetic runs in float32
+  (float64 for float64 inputs) and every entry whose shifted sums underflowed or cancelled is recomputed exactly
+  (``_stable.py``), so the result is exact for any finite input; under 'cuda' (the default on CUDA) nothing is copied
+  to the host, matrix products run in the autocast dtype with float32 accumulation, and the result is finite for any
+  finite input and exact to rounding within the bounds each function states;
+* return the promoted input dtype (bfloat16 in, bfloat16 out under autocast) and never build a (B, T, T, C) tensor.
 """
-import contextlib
 from typing import List
 
 import torch
-import torch.nn.functional as F
 from timm.layers import register_notrace_function
 
-from ._stable import TINY, any_flagged, conv_bias_rows, exporting, recompute_flagged, safe_ratio
+from ._stable import TINY, any_flagged, capturing, exporting, recompute_flagged
+from .dense_mix import dense_mix, log_weights
+from .depthwise_mix import depthwise_mix
+from .dispatch import choose_conv_method
+from .policy import get_device_policy, no_autocast, product_dtype
+from .simple_mix import simple_mix
 
 __all__ = ['aft_full', 'aft_local', 'aft_simple', 'aft_conv2d']
 
-# A shifted AFT-conv denominator below this fraction of its scale is dominated by the cancellation in
-# ``exp(w) - 1``: such entries are recomputed exactly.
+# A depthwise-path AFT-conv denominator below this fraction of its scale is dominated by the cancellation in
+# ``exp(w) - 1``: under the 'cpu' policy such entries are recomputed exactly.
 _CANCEL_TOL = 1e-2
-# aft_conv2d(method='auto') uses the dense per-head product while h * T * T stays below this many elements.
-_DENSE_MAX_ELEMENTS = 1 << 20
 
 
 def _check(name: str, tensor: torch.Tensor, ndim: int, layout: str):
@@ -80,32 +85,18 @@ def _output_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.dt
 
 
 def _full_precision(device: torch.device):
-    """Disable autocast so matmul and conv run in the dtype we cast to."""
-    if device.type in ('cpu', 'cuda', 'xpu', 'mps') and torch.is_autocast_enabled(device.type):
-        return torch.autocast(device_type=device.type, enabled=False)
-    return contextlib.nullcontext()
-
-
-def _pairwise_average(k: torch.Tensor, v: torch.Tensor, log_bias: torch.Tensor, tiny: float = TINY) -> torch.Tensor:
-    """Weighted average with a (T, T) log bias shared by all channels; k, v (B, T, C) -> (B, T, C)."""
-    num_channels = v.shape[-1]
-    bias_max = log_bias.amax(dim=-1, keepdim=True).detach()  # (T, 1), finite: the diagonal is never masked
-    weights = torch.exp(log_bias - bias_max)  # (T, T)
-    exp_k = torch.exp(k - k.amax(dim=1, keepdim=True).detach())  # (B, T, C)
-    tokens = torch.cat([exp_k * v, exp_k], dim=-1).transpose(0, 1)  # (T, B, 2C)
-    sums = torch.mm(weights, tokens.reshape(tokens.shape[0], -1)).view(tokens.shape).transpose(0, 1)  # (B, T, 2C)
-    numerator, denominator = sums[..., :num_channels], sums[..., num_channels:]
-    bad = denominator < tiny
-    if not any_flagged(bad):
-        return numerator / denominator
-    return recompute_flagged(safe_ratio(numerator, denominator, bad), bad, k, v, 'pairwise', bias=log_bias)
+    """Disable autocast so matmul and conv run in the dtype we cast to (kept for the one-hot operator)."""
+    return no_autocast(device)
 
 
 @register_notrace_function
 def aft_full(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, causal: bool = False) -> torch.Tensor:
     """AFT-full (Eq. 2): ``sigmoid(q_t) * sum_t' exp(k_t' + w_tt') v_t' / sum_t' exp(k_t' + w_tt')``.
 
-    Memory is O(B * T * C) plus the (T, T) bias: the bias is exponentiated once and applied with one matrix product.
+    One positive (T, T) weight matrix ``exp(w - rowmax w)`` times ``[exp(k - kmax) v, exp(k - kmax)]`` with the batch
+    and channels as the product's N dimension (``dense_mix.py``); memory O(B * T * C) plus the (T, T) bias. Under the
+    'cuda' policy the product runs in the autocast dtype and the result is exact to rounding while each row of ``w``
+    spans less than ~50 (beyond it the denominator is floored: finite, no longer exact); under 'cpu' it is exact.
 
     Args:
         q: Queries (B, T, C), before the sigmoid.
@@ -121,21 +112,26 @@ def aft_full(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor,
     if k.shape != q.shape:
         raise ValueError(f'k must have the shape of q (B, T, C), got q {list(q.shape)} and k {list(k.shape)}')
     _check_bias(w, q.shape[1])
-    if torch.jit.is_scripting():
-        return _aft_full(q, k, v, w, causal)
-    with _full_precision(q.device):
-        return _aft_full(q, k, v, w, causal)
-
-
-def _aft_full(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, causal: bool) -> torch.Tensor:
     out_dtype = _output_dtype(q, k, v)
     dtype = _compute_dtype([q, k, v, w])
-    q, k, v, w = q.to(dtype), k.to(dtype), v.to(dtype), w.to(device=q.device, dtype=dtype)
-    if causal:
-        later = torch.ones_like(w, dtype=torch.bool).triu(1)
-        w = w.masked_fill(later, float('-inf'))
-    out = torch.sigmoid(q) * _pairwise_average(k, v, w)
-    return out.to(out_dtype)
+    if torch.jit.is_scripting():
+        return _aft_full(q, k, v, w, causal, dtype, dtype, 'cpu').to(out_dtype)
+    else:
+        policy = get_device_policy(q.device)
+        mm_dtype = product_dtype(q.device, out_dtype, dtype, policy)
+        with no_autocast(q.device):
+            return _aft_full(q, k, v, w, causal, dtype, mm_dtype, policy).to(out_dtype)
+
+
+def _aft_full(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, causal: bool, dtype: torch.dtype,
+              mm_dtype: torch.dtype, policy: str, tiny: float = TINY) -> torch.Tensor:
+    w = w.to(q.device)
+    out, denominator = dense_mix(q, k, v, w, None, causal, dtype, mm_dtype)
+    bad = denominator < tiny  # (B, T, C): the largest joint term underflowed
+    if any_flagged(bad, policy):
+        log_bias = log_weights(w.to(dtype), None, causal)[0].t()  # (T queries, T keys)
+        out = recompute_flagged(out, bad, k.to(dtype), v.to(dtype), 'pairwise', bias=log_bias, gate=q.to(dtype))
+    return out
 
 
 @register_notrace_function
@@ -174,6 +170,10 @@ def aft_local(
 def aft_simple(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> torch.Tensor:
     """AFT-simple (Eq. 5): ``sigmoid(q_t) * sum_t' softmax(k)_t' v_t'``, linear in T.
 
+    Element-wise and reductions only, in float32 (float64 for float64 inputs) under every policy. The causal form
+    uses prefix sums of ``exp(k - kmax)``; under 'cpu' entries whose prefix underflowed are recomputed exactly, under
+    'cuda' their denominator is floored (finite; exact while a prefix's largest key is within ~50 of the maximum).
+
     Args:
         q: Queries (B, T, C), before the sigmoid.
         k: Keys (B, T, C).
@@ -187,58 +187,22 @@ def aft_simple(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool =
     if k.shape != q.shape:
         raise ValueError(f'k must have the shape of q (B, T, C), got q {list(q.shape)} and k {list(k.shape)}')
     if torch.jit.is_scripting():
-        return _aft_simple(q, k, v, causal)
-    with _full_precision(q.device):
-        return _aft_simple(q, k, v, causal)
+        return _aft_simple(q, k, v, causal, 'cpu')
+    else:
+        with no_autocast(q.device):
+            return _aft_simple(q, k, v, causal, get_device_policy(q.device))
 
 
-def _aft_simple(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, tiny: float = TINY) -> torch.Tensor:
+def _aft_simple(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, policy: str,
+                tiny: float = TINY) -> torch.Tensor:
     out_dtype = _output_dtype(q, k, v)
     dtype = _compute_dtype([q, k, v])
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    if causal:
-        exp_k = torch.exp(k - k.amax(dim=1, keepdim=True).detach())  # (B, T, C)
-        numerator = torch.cumsum(exp_k * v, dim=1)
-        denominator = torch.cumsum(exp_k, dim=1)
+    out, denominator = simple_mix(q, k, v, causal, dtype)
+    if causal:  # a prefix whose keys all lie far below the sequence's largest
         bad = denominator < tiny
-        if any_flagged(bad):
-            mixed = recompute_flagged(safe_ratio(numerator, denominator, bad), bad, k, v, 'none', causal=True)
-        else:
-            mixed = numerator / denominator
-    else:
-        mixed = (F.softmax(k, dim=1) * v).sum(dim=1, keepdim=True)  # (B, 1, C)
-    out = torch.sigmoid(q) * mixed
+        if any_flagged(bad, policy):
+            out = recompute_flagged(out, bad, k.to(dtype), v.to(dtype), 'none', causal=True, gate=q.to(dtype))
     return out.to(out_dtype)
-
-
-def _conv_sums_depthwise(exp_kv: torch.Tensor, exp_k: torch.Tensor, w: torch.Tensor, bias_max: torch.Tensor):
-    """Numerator and denominator of Eq. 6 by one depthwise convolution, and sum(exp(k)); NHWC in, NHWC out."""
-    num_heads, s = w.shape[0], w.shape[-1]
-    head_dim = exp_kv.shape[-1] // num_heads
-    floor = torch.exp(-bias_max)  # (h,) weight of a key outside the window
-    kernel = torch.exp(w - bias_max.view(-1, 1, 1)) - floor.view(-1, 1, 1)  # (h, s, s): exp(w) - 1, shifted
-    kernel = torch.cat([kernel.repeat_interleave(head_dim, dim=0), kernel])  # (C + h, s, s)
-    floor = torch.cat([floor.repeat_interleave(head_dim), floor])  # (C + h,)
-    tokens = torch.cat([exp_kv, exp_k], dim=-1)  # (B, H, W, C + h)
-    # NHWC tokens are a channels-last NCHW view: the depthwise convolution reads them without a copy
-    local = F.conv2d(tokens.permute(0, 3, 1, 2), kernel.unsqueeze(1), padding=s // 2, groups=kernel.shape[0])
-    totals = tokens.sum(dim=(1, 2), keepdim=True)  # (B, 1, 1, C + h)
-    return local.permute(0, 2, 3, 1) + totals * floor, totals[..., -num_heads:]
-
-
-def _conv_sums_dense(exp_kv: torch.Tensor, exp_k: torch.Tensor, log_bias: torch.Tensor):
-    """Numerator and denominator of Eq. 6 by a per-head (h, T, T) product; NHWC in, NHWC out."""
-    batch, height, width, num_heads = exp_k.shape
-    num_keys = height * width
-    tokens = torch.cat([exp_kv.view(batch, num_keys, num_heads, -1), exp_k.view(batch, num_keys, num_heads, 1)], dim=-1)
-    tokens = tokens.permute(2, 1, 0, 3)  # (h, T, B, d + 1)
-    weights = torch.exp(log_bias - log_bias.amax(dim=-1, keepdim=True).detach())  # (h, T, T)
-    sums = torch.bmm(weights, tokens.reshape(num_heads, num_keys, -1)).view(tokens.shape)  # (h, T, B, d + 1)
-    sums = sums.permute(2, 1, 0, 3)  # (B, T, h, d + 1)
-    return torch.cat([
-        sums[..., :-1].reshape(batch, height, width, -1),
-        sums[..., -1].reshape(batch, height, width, num_heads),
-    ], dim=-1)
 
 
 def check_conv_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor) -> None:
@@ -268,15 +232,20 @@ def aft_conv2d(
     ``sigmoid(q) * (conv(exp(k) v, exp(w) - 1) + sum exp(k) v) / (conv(exp(k), exp(w) - 1) + sum exp(k))``: every key
     of the image contributes, keys inside the s x s window around the query with the extra bias ``w``.
 
-    Two exact evaluations, chosen by ``method``:
+    Evaluations, chosen by ``method`` (every one selectable on every device):
 
-    * ``'conv'``: one depthwise (``groups``) convolution over the NHWC tokens plus a global sum, O(T s^2 C).
-    * ``'dense'``: the (h, T, T) per-head bias matrix times the tokens, O(T^2 C), faster for small maps.
-    * ``'auto'`` (default): ``'dense'`` while h * T * T <= 2**20 elements, else ``'conv'``; always ``'conv'``
-      while exporting (torch.export / ONNX), so the graph works at any input size.
+    * ``'dense'``: the (h, T, T) positive per-head weight matrix times ``[exp(k - kmax) v, exp(k - kmax)]``, the batch
+      as the product's N dimension (``dense_mix.py``), O(T^2 C); its denominator cannot cancel.
+    * ``'conv'``: one depthwise convolution plus a global sum (``depthwise_mix.py``), O(T s^2 C), in float32 (a
+      contiguous NCHW input under the 'cuda' policy, where cuDNN's channels-last depthwise path is slow).
+    * ``'triton'``: the fused windowed kernel (``aft_conv_triton.py``), where Triton can run.
+    * ``'auto'`` (default): ``dispatch.choose_conv_method`` from the tables measured per device type; always
+      ``'conv'`` while exporting (torch.export / ONNX) or scripted, so the graph works at any input size.
 
-    Exported graphs also leave out the exact recomputation of underflowed entries (``_stable.py``), which needs a
-    data-dependent branch; it matters only for extreme inputs (key or bias gaps beyond ~50).
+    Exactness: under the 'cpu' policy every entry whose denominator underflowed (dense) or cancelled (conv) is
+    recomputed exactly on the host. Under 'cuda' (and in exported or compiled graphs) nothing is recomputed: the
+    dense form is exact to rounding while a head's bias spans less than ~50, the conv form to a relative
+    ``6e-8 * exp(max(0, -min w))`` of its denominator (1e-3 at min w = -9.7); beyond, the result stays finite.
 
     Args:
         q: Queries (B, H, W, C), before the sigmoid.
@@ -284,63 +253,61 @@ def aft_conv2d(
         v: Values (B, H, W, C).
         w: Position bias (h, s, s), s odd; ``w[i, a, b]`` links the query at (y, x) to the key at
             (y + a - s//2, x + b - s//2). The window may be larger than the map.
-        method: ``'auto'``, ``'conv'`` or ``'dense'``.
+        method: ``'auto'``, ``'dense'``, ``'conv'`` or ``'triton'``.
 
     Returns:
         Mixed tokens (B, H, W, C).
     """
     check_conv_inputs(q, k, v, w)
-    if method not in ('auto', 'conv', 'dense'):
-        raise ValueError(f"method must be 'auto', 'conv' or 'dense', got '{method}'")
-    if torch.jit.is_scripting():
-        return _aft_conv2d(q, k, v, w, method)
-    with _full_precision(q.device):
-        return _aft_conv2d(q, k, v, w, method)
+    if method not in ('auto', 'dense', 'conv', 'triton'):
+        raise ValueError(f"method must be 'auto', 'dense', 'conv' or 'triton', got '{method}'")
+    out_dtype = _output_dtype(q, k, v)
+    dtype = _compute_dtype([q, k, v, w])
+    if torch.jit.is_scripting():  # TorchScript, like export, takes the convolution for 'auto' and 'triton'
+        return _aft_conv2d(q, k, v, w, 'dense' if method == 'dense' else 'conv', dtype, dtype, 'cpu').to(out_dtype)
+    else:
+        policy = get_device_policy(q.device)
+        if method == 'auto':  # exported graphs take the convolution: it holds for every input size
+            method = 'conv' if exporting() else choose_conv_method(
+                policy, out_dtype, q.shape[0], q.shape[1], q.shape[2], q.shape[3], k.shape[-1], w.shape[-1])
+        if method == 'triton':
+            return _aft_conv2d_triton(q, k, v, w)
+        mm_dtype = product_dtype(q.device, out_dtype, dtype, policy)
+        with no_autocast(q.device):
+            return _aft_conv2d(q, k, v, w, method, dtype, mm_dtype, policy).to(out_dtype)
 
 
-def _aft_conv2d(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        w: torch.Tensor,
-        method: str,
-        tiny: float = TINY,
-        cancel_tol: float = _CANCEL_TOL,
-        dense_max_elements: int = _DENSE_MAX_ELEMENTS,
-) -> torch.Tensor:
+@torch.jit.unused
+def _aft_conv2d_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    from .aft_conv_triton import aft_conv2d_triton  # imports triton on first use only
+    return aft_conv2d_triton(q, k, v, w)
+
+
+def _aft_conv2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, method: str, dtype: torch.dtype,
+                mm_dtype: torch.dtype, policy: str, tiny: float = TINY,
+                cancel_tol: float = _CANCEL_TOL) -> torch.Tensor:
     batch, height, width, channels = q.shape
     num_heads = k.shape[-1]
     num_keys = height * width
-    if method == 'auto':  # exported graphs take the convolution: it holds for every input size
-        small = num_heads * num_keys * num_keys <= dense_max_elements
-        method = 'dense' if small and not exporting() else 'conv'
-    head_dim = channels // num_heads
-    out_dtype = _output_dtype(q, k, v)
-    dtype = _compute_dtype([q, k, v, w])
-    q, k, v, w = q.to(dtype), k.to(dtype), v.to(dtype), w.to(device=q.device, dtype=dtype)
-    exp_k = torch.exp(k - k.amax(dim=(1, 2), keepdim=True).detach())  # (B, H, W, h)
-    exp_kv = (exp_k.unsqueeze(-1) * v.view(batch, height, width, num_heads, head_dim)).flatten(3)  # (B, H, W, C)
+    w = w.to(q.device)
     if method == 'dense':
-        pos = torch.arange(num_keys, device=q.device)
-        heads = torch.arange(num_heads, device=q.device)
-        log_bias = conv_bias_rows(w, width, num_keys, heads.unsqueeze(1), pos.unsqueeze(0))  # (h, T, T)
-        sums = _conv_sums_dense(exp_kv, exp_k, log_bias)
-        limit = torch.full([1, 1, 1, num_heads], tiny, dtype=dtype, device=q.device)
+        out, denominator = dense_mix(q.reshape(batch, num_keys, channels), k.reshape(batch, num_keys, num_heads),
+                                     v.reshape(batch, num_keys, channels), w, (height, width), False, dtype, mm_dtype)
+        out, denominator = out.view(q.shape), denominator.view(k.shape)
+        bad = denominator < tiny  # (B, H, W, h): the largest joint term underflowed
     else:
-        bias_max = w.detach().amax(dim=(1, 2)).clamp_min(0.0)  # (h,)
-        sums, key_totals = _conv_sums_depthwise(exp_kv, exp_k, w, bias_max)
-        limit = (key_totals.detach() * torch.exp(-bias_max) * cancel_tol).clamp_min(tiny)  # (B, 1, 1, h)
-    numerator = sums[..., :channels].view(batch, height, width, num_heads, head_dim)
-    denominator = sums[..., channels:].unsqueeze(-1)  # (B, H, W, h, 1), broadcast over each head's channels
-    bad = denominator < limit.unsqueeze(-1)
-    if any_flagged(bad):
-        flags = bad.expand(numerator.shape).reshape(batch, num_keys, channels)
-        mixed = safe_ratio(numerator, denominator, bad).reshape(batch, num_keys, channels)
-        mixed = recompute_flagged(
-            mixed, flags, k.reshape(batch, num_keys, num_heads), v.reshape(batch, num_keys, channels),
-            'conv', bias=w, grid_w=width,
-        ).view(batch, height, width, num_heads, head_dim)
-    else:
-        mixed = numerator / denominator
-    out = (torch.sigmoid(q).reshape(mixed.shape) * mixed).view(batch, height, width, channels)
-    return out.to(out_dtype)
+        out, denominator = depthwise_mix(q, k, v, w, policy == 'cuda', dtype)
+        bad = denominator < tiny
+        if policy == 'cpu' and not capturing():  # the scale below which a denominator is mostly cancellation
+            keys = k.detach().to(dtype)
+            totals = torch.exp(keys - keys.amax(dim=(1, 2), keepdim=True)).sum(dim=(1, 2), keepdim=True)  # (B,1,1,h)
+            floor = torch.exp(-w.detach().to(dtype).amax(dim=(1, 2)).clamp_min(0.0))  # (h,)
+            bad = denominator < (totals * floor * cancel_tol).clamp_min(tiny)
+    if any_flagged(bad, policy):
+        flags = bad.unsqueeze(-1).expand(batch, height, width, num_heads, channels // num_heads)
+        out = recompute_flagged(
+            out.reshape(batch, num_keys, channels), flags.reshape(batch, num_keys, channels),
+            k.to(dtype).reshape(batch, num_keys, num_heads), v.to(dtype).reshape(batch, num_keys, channels),
+            'conv', bias=w.to(dtype), grid_w=width, gate=q.to(dtype).reshape(batch, num_keys, channels),
+        ).view(q.shape)
+    return out

@@ -1,0 +1,105 @@
+"""``aft-vision bench --ops``: every AFT-conv method on the mixer layer of each model, the measurements behind the
+dispatch tables (``aft_vision/layers/dispatch.py``).
+
+For each model and resolution: one layer's q, k, v, w at the model's token grid, width, heads and window, timed
+forward + backward (median of the repetitions, methods interleaved) under the device's default policy and the
+chosen precision; the fastest method is set beside the one ``method='auto'`` picks.
+"""
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Dict, List
+
+import timm
+import torch
+from tqdm import tqdm
+
+from .layers import AFTConv2d, aft_conv2d, choose_conv_method
+
+__all__ = ['layer_shape', 'time_methods', 'main']
+
+
+def layer_shape(name: str, img_size: int) -> Dict[str, int]:
+    """The first AFT-conv layer of a registered model at ``img_size``: grid, width, heads, window (on meta)."""
+    model = timm.create_model(name, img_size=img_size, device='meta')
+    layer = next((m for m in model.modules() if isinstance(m, AFTConv2d)), None)
+    if layer is None:
+        raise ValueError(f'{name} has no AFT-conv layer; --ops times the AFT-conv methods')
+    patch = model.patch_embed.patch_size
+    return {'height': img_size // patch[0], 'width': img_size // patch[1], 'channels': layer.dim,
+            'num_heads': layer.num_heads, 'kernel_size': layer.kernel_size}
+
+
+def _methods(device: torch.device) -> List[str]:
+    methods = ['dense', 'conv']
+    try:
+        from .layers.aft_conv_triton import triton_available
+        if triton_available() and device.type == 'cuda':
+            methods.append('triton')
+    except ImportError:
+        pass
+    return methods
+
+
+def time_methods(shape: Dict[str, int], batch_size: int, device: torch.device, precision: str, repeats: int,
+                 warmup: int) -> Dict[str, float]:
+    """Median forward + backward milliseconds of ``aft_conv2d`` per method for one layer shape."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    grid = (batch_size, shape['height'], shape['width'])
+    q, v = (torch.randn(*grid, shape['channels'], device=device, generator=gen, requires_grad=True) for _ in 'qv')
+    k = torch.randn(*grid, shape['num_heads'], device=device, generator=gen, requires_grad=True)
+    w = torch.randn(shape['num_heads'], shape['kernel_size'], shape['kernel_size'], device=device, generator=gen,
+                    requires_grad=True)
+    dtype = {'fp32': None, 'bf16': torch.bfloat16, 'fp16': torch.float16}[precision]
+
+    def step(method):
+        inputs = [x.to(dtype) if dtype else x for x in (q, k, v)]
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            out = aft_conv2d(*inputs, w, method=method)
+        out.float().sum().backward()
+        if device.type == 'cuda':
+            torch.cuda.synchronize(device)
+
+    methods = _methods(device)
+    times = {method: [] for method in methods}
+    for method in methods:
+        for _ in range(warmup):
+            step(method)
+    for _ in range(repeats):
+        for method in methods:
+            start = time.perf_counter()
+            step(method)
+            times[method].append((time.perf_counter() - start) * 1e3)
+    return {method: statistics.median(values) for method, values in times.items()}
+
+
+def main(args: argparse.Namespace, models: List[str], resolutions: List[int]) -> int:
+    device = torch.device(args.device)
+    dtype = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}[args.precision]
+    rows = []
+    pairs = [(res, name) for res in resolutions for name in models]
+    for res, name in tqdm(pairs, desc='bench --ops', unit='layer'):
+        shape = layer_shape(name, res)
+        ms = time_methods(shape, args.batch_size, device, args.precision, args.repeats, args.warmup)
+        auto = choose_conv_method(device.type, dtype, args.batch_size, shape['height'], shape['width'],
+                                  shape['channels'], shape['num_heads'], shape['kernel_size'])
+        rows.append({'model': name, 'resolution': res, **shape, 'batch_size': args.batch_size,
+                     'device': str(device), 'precision': args.precision, 'threads': torch.get_num_threads(),
+                     'ms': ms, 'fastest': min(ms, key=ms.get), 'auto': auto})
+    head = '| model | res | grid | C | h | s | ' + ' | '.join(f'{m} ms' for m in rows[0]['ms']) + ' | fastest | auto |'
+    lines = [head, '|' + '---|' * (head.count('|') - 1)]
+    for row in rows:
+        lines.append(f"| {row['model']} | {row['resolution']} | {row['height']}x{row['width']} | {row['channels']} | "
+                     f"{row['num_heads']} | {row['kernel_size']} | "
+                     + ' | '.join(f'{value:.2f}' for value in row['ms'].values())
+                     + f" | {row['fastest']} | {row['auto']} |")
+    table = '\n'.join(lines)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / 'ops.json').write_text(json.dumps({'command': vars(args), 'rows': rows}, indent=2))
+    (out / 'ops.md').write_text(table + '\n')
+    print(table)
+    print(f'wrote {out}/ops.json, ops.md')
+    return 0

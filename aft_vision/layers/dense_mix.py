@@ -1,0 +1,183 @@
+"""AFT's sums as one positive matrix per bias head applied to max-shifted keys and values (AFT-full, -local, -conv).
+
+For bias head g with log weights ``L_g`` (query t, key t'), every AFT operator computes
+
+    out = sigmoid(q) * N / D,  [N | D] = E_g @ X,  E_g = exp(L_g - rowmax L_g),  X = [exp(k - kmax) v | exp(k - kmax)]
+
+with kmax the maximum of each key channel over positions, per image. Both shifts cancel in N / D and carry no
+gradient. Every entry of E and of X's key columns lies in [0, 1] and each row of E holds a 1, so D cannot cancel: it is
+at least ``exp(L[t, t*] - rowmax L[t])`` for the position t* of the largest key, i.e. it underflows only when a bias row
+spans more than ~87 (float32 / bfloat16 exponent range; ~17 in float16). The image does not enter E, so the batch and
+the head's channels form the N dimension of one matrix product per head, which can run in a 16-bit dtype with float32
+accumulation (``mm_dtype``).
+
+The weights are held key-major, ``(G, T keys, T queries)``. An AFT-conv bias (h, s, s) becomes a table of relative
+offsets (h, 2H - 1, 2W - 1), zero outside the window, and ``F.unfold`` lays it out with the queries in reverse order
+(``L[i, key, H*W - 1 - query]``); its gradient is the adjoint, ``F.fold``, which sums each offset's band. No index
+tensors, no gather or scatter over h T^2 entries.
+
+``DenseMix`` is the autograd Function: it saves only its inputs (q, k, v and the compact bias) and recomputes E and X
+in the backward pass.
+"""
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from ._gate import gate, gate_backward
+from .policy import no_autocast
+
+__all__ = ['DenseMix', 'dense_mix', 'log_weights', 'dense_sums']
+
+
+def _offset_table(w: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """(h, s, s) -> (h, 2H - 1, 2W - 1): ``w[i, dy + s//2, dx + s//2]`` at ``[i, dy + H - 1, dx + W - 1]``, 0 outside
+    the window (offsets a map cannot hold are cropped)."""
+    radius = w.shape[-1] // 2
+    ry, rx = min(radius, height - 1), min(radius, width - 1)
+    crop = w[:, radius - ry:radius + ry + 1, radius - rx:radius + rx + 1]
+    return F.pad(crop, [width - 1 - rx, width - 1 - rx, height - 1 - ry, height - 1 - ry])
+
+
+def log_weights(w: torch.Tensor, grid: Optional[Tuple[int, int]], causal: bool) -> torch.Tensor:
+    """Key-major log weights (G, T keys, T queries).
+
+    ``grid`` None: ``w`` is a (T, T) bias ``w[query, key]``, one head (-inf for keys after the query if ``causal``).
+    ``grid`` (H, W): ``w`` is an AFT-conv bias (h, s, s) on an H x W token grid, 0 outside each query's window, less
+    ``m = max(0, max w)`` per head (a shift that cancels), with the queries in reverse order (module docstring).
+    """
+    if grid is None:
+        if causal:
+            w = w.masked_fill(torch.ones_like(w, dtype=torch.bool).triu(1), float('-inf'))
+        return w.t().unsqueeze(0)  # (1, T, T)
+    height, width = grid
+    shift = w.detach().amax(dim=(1, 2), keepdim=True).clamp_min(0.0)  # (h, 1, 1): every column's maximum or more
+    table = _offset_table(w, height, width) - shift  # (h, 2H - 1, 2W - 1)
+    columns = F.unfold(table.unsqueeze(0), kernel_size=(height, width))  # (1, h * T, T): [i, key, reversed query]
+    return columns.view(w.shape[0], height * width, height * width)
+
+
+def _bias_grad(grad_log_w: torch.Tensor, w: torch.Tensor, grid: Optional[Tuple[int, int]]) -> torch.Tensor:
+    """The adjoint of ``log_weights``: (G, T, T) -> the shape of ``w``."""
+    if grid is None:
+        return grad_log_w[0].t()  # zero after the diagonal when causal: the weights are 0 there
+    height, width = grid
+    num_heads, s = w.shape[0], w.shape[-1]
+    table = F.fold(grad_log_w.reshape(1, num_heads * height * width, -1), output_size=(2 * height - 1, 2 * width - 1),
+                   kernel_size=(height, width))[0]  # (h, 2H - 1, 2W - 1): the sum over each offset's band
+    radius = s // 2
+    ry, rx = min(radius, height - 1), min(radius, width - 1)
+    grad_w = table.new_zeros(w.shape)
+    grad_w[:, radius - ry:radius + ry + 1, radius - rx:radius + rx + 1] = \
+        table[:, height - 1 - ry:height + ry, width - 1 - rx:width + rx]
+    return grad_w
+
+
+def _tokens(k: torch.Tensor, v: torch.Tensor, heads: int, reverse: bool):
+    """X per head (G, T, B * n) with n = (C + Ck) / G columns per image (positions reversed if ``reverse``), and
+    exp(k - kmax) (B, T, Ck), exp(k - kmax) v (B, T, Ck, C / Ck)."""
+    batch, num_keys, channels = v.shape
+    key_channels = k.shape[-1]
+    exp_k = torch.exp(k - k.amax(dim=1, keepdim=True).detach())  # (B, T, Ck), max 1 per image and channel
+    exp_kv = exp_k.unsqueeze(-1) * v.view(batch, num_keys, key_channels, -1)  # (B, T, Ck, C / Ck)
+    tokens = torch.cat([exp_kv.reshape(batch, num_keys, heads, -1), exp_k.view(batch, num_keys, heads, -1)], dim=-1)
+    return tokens.permute(2, 1, 0, 3).reshape(heads, num_keys, -1), exp_k, exp_kv  # (G, T, B * n)
+
+
+def _split(sums: torch.Tensor, batch: int, channels: int, key_channels: int, reverse: bool):
+    """Per-query sums (G, T, B * n) -> N (B, T, C) and D (B, T, Ck), the queries put back in order if ``reverse``."""
+    heads, num_queries = sums.shape[:2]
+    if reverse:
+        sums = sums.flip(1)
+    sums = sums.view(heads, num_queries, batch, -1).permute(2, 1, 0, 3)  # (B, T, G, n)
+    per_head = channels // heads
+    numerator = sums[..., :per_head].reshape(batch, num_queries, channels)
+    return numerator, sums[..., per_head:].reshape(batch, num_queries, key_channels)
+
+
+def _join(numerator: torch.Tensor, denominator: torch.Tensor, heads: int, reverse: bool) -> torch.Tensor:
+    """N (B, T, C) and D (B, T, Ck) -> (G, T, B * n), the inverse of ``_split``."""
+    batch, num_queries = numerator.shape[:2]
+    joined = torch.cat([numerator.view(batch, num_queries, heads, -1), denominator.view(batch, num_queries, heads, -1)],
+                       dim=-1).permute(2, 1, 0, 3).reshape(heads, num_queries, -1)
+    return joined.flip(1) if reverse else joined
+
+
+def _weights(log_w: torch.Tensor, shifted: bool) -> torch.Tensor:
+    """E (G, T keys, T queries): exp of the log weights, less each query's maximum unless ``shifted`` already (an
+    AFT-conv head's m): every entry at most 1, and each query's largest at least exp(-(its bias range))."""
+    return torch.exp(log_w if shifted else log_w - log_w.amax(dim=1, keepdim=True).detach())
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, mm_dtype: torch.dtype) -> torch.Tensor:
+    return torch.bmm(a.to(mm_dtype), b.to(mm_dtype)).to(a.dtype)
+
+
+def dense_sums(k: torch.Tensor, v: torch.Tensor, log_w: torch.Tensor, reverse: bool, mm_dtype: torch.dtype):
+    """N (B, T, C) and D (B, T, Ck) for key-major log weights (G, T, T) from ``log_weights`` (``reverse``: an AFT-conv
+    layout); plain autograd (TorchScript)."""
+    tokens, _, _ = _tokens(k, v, log_w.shape[0], reverse)
+    sums = _mm(_weights(log_w, reverse).transpose(1, 2), tokens, mm_dtype)  # (G, T queries, B * n)
+    return _split(sums, v.shape[0], v.shape[-1], k.shape[-1], reverse)
+
+
+class DenseMix(torch.autograd.Function):
+    """``sigmoid(q) * N / D`` for the dense positive form; saves q, k, v, w and recomputes the rest in backward.
+
+    Inputs: q, v (B, T, C); k (B, T, Ck); w: a (T, T) bias (``grid`` None) or an AFT-conv bias (h, s, s) on a
+    ``grid`` = (H, W) with h = Ck; any float dtypes, cast to ``dtype`` for the element-wise arithmetic and to
+    ``mm_dtype`` for the products. Returns the output (B, T, C) in ``dtype`` and, not differentiable, D (B, T, Ck) for
+    the caller's exactness check.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, w, grid, causal, dtype, mm_dtype):
+        ctx.save_for_backward(q, k, v, w)  # as given: under autocast, 16-bit views of the projection's output
+        ctx.grid, ctx.causal, ctx.dtype, ctx.mm_dtype = grid, causal, dtype, mm_dtype
+        q, k, v, w = (x.to(dtype) for x in (q, k, v, w))
+        numerator, denominator = dense_sums(k, v, log_weights(w, grid, causal), grid is not None, mm_dtype)
+        ctx.mark_non_differentiable(denominator)
+        return gate(q, numerator, denominator), denominator
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_denominator):
+        inputs = ctx.saved_tensors
+        q, k, v, w = (x.to(ctx.dtype) for x in inputs)
+        batch, channels, key_channels = q.shape[0], q.shape[-1], k.shape[-1]
+        reverse = ctx.grid is not None
+        with no_autocast(q.device):
+            weights = _weights(log_weights(w, ctx.grid, ctx.causal), reverse)  # (G, T keys, T queries), recomputed
+            heads = weights.shape[0]
+            tokens, exp_k, exp_kv = _tokens(k, v, heads, reverse)  # (G, T, B * n)
+            sums = _mm(weights.transpose(1, 2), tokens, ctx.mm_dtype)
+            numerator, denominator = _split(sums, batch, channels, key_channels, reverse)
+            grad_q, grad_num, grad_den = gate_backward(grad_out.to(ctx.dtype), q, numerator, denominator)
+            grad_sums = _join(grad_num, grad_den, heads, reverse)  # (G, T queries, B * n)
+            grad_tokens = _mm(weights, grad_sums, ctx.mm_dtype)  # (G, T keys, B * n)
+            grad_log_w = _mm(tokens, grad_sums.transpose(1, 2), ctx.mm_dtype) * weights  # (G, T keys, T queries)
+            grad_w = _bias_grad(grad_log_w, w, ctx.grid)
+        grad_kv, grad_k = _split(grad_tokens, batch, channels, key_channels, False)  # keys are in order
+        grad_kv = grad_kv.view(exp_kv.shape)  # (B, T, Ck, C / Ck)
+        grad_v = grad_kv * exp_k.unsqueeze(-1)
+        grad_k = (grad_kv * exp_kv).sum(-1) + grad_k * exp_k
+        grads = (grad_q, grad_k, grad_v, grad_w)
+        return tuple(g.reshape(x.shape).to(x.dtype) for g, x in zip(grads, inputs)) + (None, None, None, None)
+
+
+def dense_mix(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        w: torch.Tensor,
+        grid: Optional[Tuple[int, int]],
+        causal: bool,
+        dtype: torch.dtype,
+        mm_dtype: torch.dtype,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``sigmoid(q) * N / D`` and D by ``DenseMix`` (plain autograd while scripting). See ``DenseMix``."""
+    if torch.jit.is_scripting():
+        q, k, v, w = q.to(dtype), k.to(dtype), v.to(dtype), w.to(dtype)
+        numerator, denominator = dense_sums(k, v, log_weights(w, grid, causal), grid is not None, mm_dtype)
+        return gate(q, numerator, denominator), denominator
+    else:
+        return DenseMix.apply(q, k, v, w, grid, causal, dtype, mm_dtype)

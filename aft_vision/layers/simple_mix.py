@@ -1,0 +1,64 @@
+"""AFT-simple's sums (Eq. 5): one softmax over positions per channel, or its prefix sums for the causal form.
+
+``SimpleMix`` saves only q, k, v and recomputes ``exp(k - kmax)`` and the sums in the backward pass; the gradient of
+a (prefix) sum is a (reversed prefix) sum.
+"""
+from typing import Tuple
+
+import torch
+
+from ._gate import gate, gate_backward
+
+__all__ = ['SimpleMix', 'simple_mix']
+
+
+def simple_sums(k: torch.Tensor, v: torch.Tensor, causal: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """N, D ((B, T, C) causal, else (B, 1, C)) and exp(k - kmax) (B, T, C)."""
+    exp_k = torch.exp(k - k.amax(dim=1, keepdim=True).detach())  # (B, T, C), max 1 per image and channel
+    if causal:
+        return torch.cumsum(exp_k * v, dim=1), torch.cumsum(exp_k, dim=1), exp_k
+    return (exp_k * v).sum(dim=1, keepdim=True), exp_k.sum(dim=1, keepdim=True), exp_k
+
+
+def _sum_back(grad: torch.Tensor, causal: bool) -> torch.Tensor:
+    """The gradient of the (prefix) sums with respect to their terms: reversed prefix sums, or a broadcast."""
+    if causal:
+        return torch.flip(torch.cumsum(torch.flip(grad, [1]), dim=1), [1])
+    return grad.sum(dim=1, keepdim=True)
+
+
+class SimpleMix(torch.autograd.Function):
+    """``sigmoid(q) * N / D`` for AFT-simple; q, k, v (B, T, C) of any float dtype, computed in ``dtype``. Returns
+    the output (B, T, C) and, not differentiable, D."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, dtype):
+        ctx.save_for_backward(q, k, v)
+        ctx.causal, ctx.dtype = causal, dtype
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        numerator, denominator, _ = simple_sums(k, v, causal)
+        ctx.mark_non_differentiable(denominator)
+        return gate(q, numerator, denominator), denominator
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_denominator):
+        inputs = ctx.saved_tensors
+        q, k, v = (x.to(ctx.dtype) for x in inputs)
+        numerator, denominator, exp_k = simple_sums(k, v, ctx.causal)
+        grad_q, grad_num, grad_den = gate_backward(grad_out.to(ctx.dtype), q, numerator, denominator)
+        grad_kv = _sum_back(grad_num, ctx.causal)  # (B, T or 1, C), the gradient of exp(k) v
+        grad_v = grad_kv * exp_k
+        grad_k = (grad_kv * v + _sum_back(grad_den, ctx.causal)) * exp_k
+        grads = (grad_q, grad_k, grad_v)
+        return tuple(g.to(x.dtype) for g, x in zip(grads, inputs)) + (None, None)
+
+
+def simple_mix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+               dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``sigmoid(q) * N / D`` and D by ``SimpleMix`` (plain autograd while scripting)."""
+    if torch.jit.is_scripting():
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        numerator, denominator, _ = simple_sums(k, v, causal)
+        return gate(q, numerator, denominator), denominator
+    else:
+        return SimpleMix.apply(q, k, v, causal, dtype)

@@ -1,0 +1,312 @@
+"""The CUDA behaviour of the AFT operators, proved on the CPU with ``device_policy('cuda')``.
+
+Under the 'cuda' policy the operators copy nothing to the host, run their matrix products in the autocast dtype and
+save only their inputs for the backward pass. Accuracy is held to a plain float64 softmax over the joint logits
+``k + w`` (written here from Eqs. 2, 4, 5 and 6, independent of the package), gradients included; host syncs are
+counted at the dispatcher over whole models; graph capture is checked with ``torch.compile(fullgraph=True)``.
+"""
+import pytest
+import timm
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import aft_vision  # noqa: F401  (registers the models)
+from aft_vision.layers import aft_conv2d, aft_full, aft_local, aft_simple, choose_conv_method, device_policy
+from aft_vision.layers.policy import get_device_policy
+
+ALL_MODELS = timm.list_models('aft_*')
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The reference: softmax over k_t' + w_tt' per (image, query, channel), float64, differentiable.
+
+def joint_softmax(q, k, v, bias):
+    """``sigmoid(q) * softmax_t'(k + bias) @ v``; q, k, v (B, T, C) float64, bias (C or 1, T, T) log weights."""
+    logits = k.transpose(1, 2).unsqueeze(2) + bias  # (B, C, T, T): [b, c, t, t'] = k[b, t', c] + bias[c, t, t']
+    weights = torch.softmax(logits, dim=-1)
+    return torch.sigmoid(q) * torch.einsum('bctu,buc->btc', weights, v)
+
+
+def conv_bias(w, height, width):
+    """AFT-conv's per-head dense bias (h, T, T): w inside each query's window, 0 outside, built by plain loops."""
+    num_heads, s = w.shape[0], w.shape[-1]
+    radius = s // 2
+    dense = torch.zeros(num_heads, height * width, height * width, dtype=w.dtype)
+    for y in range(height):
+        for x in range(width):
+            for y2 in range(height):
+                for x2 in range(width):
+                    a, b = y2 - y + radius, x2 - x + radius
+                    if 0 <= a < s and 0 <= b < s:
+                        dense[:, y * width + x, y2 * width + x2] = w[:, a, b]
+    return dense
+
+
+def reference(op, q, k, v, w, window=3):
+    """The float64 result of ``op`` ('full', 'local', 'causal', 'simple', 'simple_causal', 'dense', 'conv')."""
+    q, k, v, w = (x.double() for x in (q, k, v, w))
+    if op in ('dense', 'conv'):
+        batch, height, width, channels = q.shape
+        num_heads = k.shape[-1]
+        head_dim = channels // num_heads
+        bias = conv_bias(w, height, width).repeat_interleave(head_dim, dim=0)  # (C, T, T)
+        keys = k.repeat_interleave(head_dim, dim=-1).reshape(batch, -1, channels)
+        out = joint_softmax(q.reshape(batch, -1, channels), keys, v.reshape(batch, -1, channels), bias)
+        return out.reshape(q.shape)
+    seq_len = q.shape[1]
+    pos = torch.arange(seq_len)
+    bias = {'full': w, 'causal': w, 'local': torch.where((pos[:, None] - pos).abs() < window, w, 0.0)}.get(
+        op, torch.zeros_like(w))
+    if op in ('causal', 'simple_causal'):
+        bias = bias.masked_fill(pos[None, :] > pos[:, None], float('-inf'))
+    return joint_softmax(q, k, v, bias.unsqueeze(0))
+
+
+def call(op, q, k, v, w, window=3):
+    return {
+        'full': lambda: aft_full(q, k, v, w),
+        'causal': lambda: aft_full(q, k, v, w, causal=True),
+        'local': lambda: aft_local(q, k, v, w, window),
+        'simple': lambda: aft_simple(q, k, v),
+        'simple_causal': lambda: aft_simple(q, k, v, causal=True),
+        'dense': lambda: aft_conv2d(q, k, v, w, method='dense'),
+        'conv': lambda: aft_conv2d(q, k, v, w, method='conv'),
+    }[op]()
+
+
+OPS = ['full', 'causal', 'local', 'simple', 'simple_causal', 'dense', 'conv']
+CAUSAL = ('causal', 'simple_causal')
+
+
+def inputs(op, key_scale, bias_scale, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    if op in ('dense', 'conv'):
+        batch, height, width, channels, num_heads, s = 2, 5, 6, 8, 4, 5
+        q, v = torch.randn(2, batch, height, width, channels, generator=gen)
+        k = torch.randn(batch, height, width, num_heads, generator=gen)
+        w = torch.randn(num_heads, s, s, generator=gen)
+    else:
+        q, k, v = torch.randn(3, 2, 9, 6, generator=gen)
+        w = torch.randn(9, 9, generator=gen)
+    return q, k * key_scale, v, w * bias_scale
+
+
+def run_with_grads(op, q, k, v, w, autocast_dtype=None, fn=call):
+    """Output and gradients (q, k, v, w) of a fixed random projection of the output of ``fn(op, q, k, v, w)``."""
+    leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, w)]
+    if autocast_dtype is None:
+        out = fn(op, *leaves)
+    else:
+        with torch.autocast('cpu', dtype=autocast_dtype):
+            out = fn(op, *(x.to(autocast_dtype) for x in leaves[:3]), leaves[3])
+    probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    (out.double() * probe).sum().backward()
+    grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in leaves]
+    return out.double(), grads
+
+
+def assert_relative(actual, expected, tol):
+    """``|actual - expected| <= tol * (|expected| + max |expected|)``: relative, with the tensor's scale as floor."""
+    assert torch.isfinite(actual).all()
+    scale = expected.abs().max().clamp_min(1e-12)
+    excess = (actual - expected).abs() - tol * (expected.abs() + scale)
+    assert excess.max() <= 0, f'error {((actual - expected).abs() / (expected.abs() + scale)).max():.2e} > {tol}'
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Accuracy under the 'cuda' policy: keys up to scale 20, biases up to scale 3 (what Eq. 8 gives a trained model).
+
+@pytest.mark.parametrize('op', OPS)
+@pytest.mark.parametrize('key_scale,bias_scale', [(1.0, 1.0), (20.0, 3.0)])
+@pytest.mark.parametrize('precision,tol', [('fp32', 1e-3), ('bf16', 5e-2)])
+def test_cuda_policy_output_and_gradients_match_reference(op, key_scale, bias_scale, precision, tol):
+    if op in CAUSAL:  # a prefix's keys must lie within ~50 of the sequence's largest (README, limits)
+        key_scale = min(key_scale, 5.0)
+    q, k, v, w = inputs(op, key_scale, bias_scale)
+    expected, expected_grads = run_with_grads(op, q.double(), k.double(), v.double(), w.double(), fn=reference)
+    with device_policy('cuda'):
+        assert get_device_policy(q.device) == 'cuda'
+        out, grads = run_with_grads(op, q, k, v, w, None if precision == 'fp32' else torch.bfloat16)
+    assert_relative(out, expected, tol)
+    for name, grad, ref in zip('qkvw', grads, expected_grads):
+        assert torch.isfinite(grad).all(), name
+        assert_relative(grad.double(), ref, tol)
+
+
+@pytest.mark.parametrize('op', OPS)
+@pytest.mark.parametrize('policy', ['cpu', 'cuda'])
+def test_float64_gradients_match_the_reference_exactly(op, policy):
+    key_scale = 5.0 if policy == 'cuda' and op in CAUSAL else 20.0  # 'cpu' repairs any prefix; 'cuda' has a bound
+    q, k, v, w = (x.double() for x in inputs(op, key_scale, 3.0))
+    expected, expected_grads = run_with_grads(op, q, k, v, w, fn=reference)
+    with device_policy(policy):
+        out, grads = run_with_grads(op, q, k, v, w)
+    torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-8)
+    for grad, ref in zip(grads, expected_grads):
+        torch.testing.assert_close(grad, ref, atol=1e-9, rtol=1e-7)
+
+
+@pytest.mark.parametrize('op', OPS)
+@pytest.mark.parametrize('precision', ['fp32', 'bf16'])
+def test_cuda_policy_is_finite_for_extreme_inputs(op, precision):
+    q, k, v, w = inputs(op, 1e4, 1e4)
+    with device_policy('cuda'):
+        out, grads = run_with_grads(op, q, k, v, w, None if precision == 'fp32' else torch.bfloat16)
+    assert torch.isfinite(out).all()
+    for grad in grads:
+        assert torch.isfinite(grad).all()
+
+
+def test_cuda_policy_products_run_in_the_autocast_dtype():
+    q, k, v, w = inputs('dense', 1.0, 1.0)
+    seen = []
+
+    class Products(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.bmm.default, torch.ops.aten.mm.default):
+                seen.append(args[0].dtype)
+            return func(*args, **(kwargs or {}))
+
+    for policy, expected in (('cuda', torch.bfloat16), ('cpu', torch.float32)):
+        seen.clear()
+        with device_policy(policy), torch.autocast('cpu', dtype=torch.bfloat16), Products():
+            out = aft_conv2d(q.bfloat16(), k.bfloat16(), v.bfloat16(), w, method='dense')
+        assert out.dtype == torch.bfloat16
+        assert seen and set(seen) == {expected}, (policy, seen)
+
+
+def test_device_policy_restores_and_rejects_unknown_names():
+    device = torch.device('cpu')
+    assert get_device_policy(device) == 'cpu'
+    with device_policy('cuda'):
+        with device_policy('cpu'):
+            assert get_device_policy(device) == 'cpu'
+        assert get_device_policy(device) == 'cuda'
+    assert get_device_policy(device) == 'cpu'
+    with pytest.raises(ValueError, match="device_policy must be one of cpu, cuda"):
+        with device_policy('tpu'):
+            pass
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Training memory: the operators save their inputs for the backward pass, nothing else.
+
+@pytest.mark.parametrize('op', OPS)
+@pytest.mark.parametrize('policy', ['cpu', 'cuda'])
+def test_operators_save_only_their_inputs(op, policy):
+    q, k, v, w = (x.requires_grad_(True) for x in inputs(op, 1.0, 1.0))
+    storages = set()
+
+    def pack(tensor):
+        storages.add((tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes()))
+        return tensor
+
+    with device_policy(policy), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        call(op, q, k, v, w)
+    allowed = q[..., :1].numel() * 8  # at most a per-row statistic beside the inputs
+    if op == 'local':  # aft_local zeroes the bias outside the window first: the windowed (T, T) bias and its mask
+        allowed += w.numel() * (w.element_size() + 1)
+    inputs_bytes = sum(x.untyped_storage().nbytes() for x in (q, k, v, w))
+    saved_bytes = sum(nbytes for _, nbytes in storages)
+    own = {x.untyped_storage().data_ptr() for x in (q, k, v, w)}
+    extra = sum(nbytes for ptr, nbytes in storages if ptr not in own)
+    assert saved_bytes <= inputs_bytes + allowed
+    assert extra <= allowed
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# No host synchronisation over whole models, and graph capture.
+
+SYNC_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+            torch.ops.aten.is_nonzero.default, torch.ops.aten.item.default}
+
+
+class HostSyncs(TorchDispatchMode):
+    """Counts the operators that copy a value to the host."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in SYNC_OPS:
+            self.calls.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def small_model(name):
+    """A registered model with its architecture kept but only two blocks, at a 64 px input (CPU time)."""
+    torch.manual_seed(0)
+    return timm.create_model(name, depth=2, img_size=64, num_classes=10), torch.randn(2, 3, 64, 64)
+
+
+def test_the_sync_counter_sees_a_host_sync():
+    x = torch.randn(4)
+    with HostSyncs() as counter:
+        bool(x.any())
+        x.nonzero()
+    assert len(counter.calls) == 2
+
+
+@pytest.mark.parametrize('name', ALL_MODELS)
+def test_no_host_sync_in_forward_and_backward(name):
+    model, images = small_model(name)
+    for mode in ('train', 'eval'):
+        getattr(model, mode)()
+        model.zero_grad()
+        with device_policy('cuda'), HostSyncs() as counter:
+            model(images).square().mean().backward()
+        assert counter.calls == [], f'{name} ({mode}): {counter.calls}'
+    if not name.startswith('aft_simple'):  # non-causal AFT-simple cannot underflow: nothing to check on any policy
+        with HostSyncs() as counter:  # the 'cpu' policy checks on the host: the counter sees it
+            model(images).sum().backward()
+        assert counter.calls
+
+
+@pytest.mark.parametrize('name', ALL_MODELS)
+def test_fullgraph_compile_forward_and_backward(name):
+    torch._dynamo.reset()
+    model, images = small_model(name)
+    expected = model(images)
+    compiled = torch.compile(model, fullgraph=True, backend='aot_eager')
+    with device_policy('cuda'):
+        out = compiled(images)
+        out.square().mean().backward()
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Dispatch: a pure function of the device type and the shapes, one table per device type.
+
+@pytest.mark.parametrize('device_type', ['cpu', 'cuda'])
+def test_dispatch_tables_follow_the_cost_model(device_type):
+    f32 = torch.float32
+    choose = lambda b=8, n=14, c=384, h=384, s=15: choose_conv_method(device_type, f32, b, n, n, c, h, s)  # noqa: E731
+    assert choose(n=2) == 'dense'  # a window covering a tiny map
+    assert choose(n=96, s=3) == 'conv'  # T = 9216 against a 3 x 3 window
+    for side in range(2, 64):  # once the convolution wins, it wins on every larger map
+        assert [choose(n=side), choose(n=side + 1)] != ['conv', 'dense']
+    for n in (8, 14, 24, 32, 48):  # a larger window, more images or fewer heads never turn dense into conv
+        if choose(n=n) == 'dense':
+            assert choose(n=n, s=25) == choose(n=n, b=64) == choose(n=n, h=16) == 'dense'
+    assert choose(n=64, s=31, c=64, h=64, b=256) == 'conv'  # the size limit: h T^2 = 2^30 weights
+
+
+def test_dispatch_differs_where_the_tables_do():
+    f32 = torch.float32
+    # aft_conv_small's layer at 384 px (24 x 24 tokens, h = 384, s = 15)
+    assert choose_conv_method('cpu', f32, 8, 24, 24, 384, 384, 15) == 'conv'
+    assert choose_conv_method('cuda', torch.bfloat16, 64, 24, 24, 384, 384, 15) == 'dense'
+    assert choose_conv_method('cuda', torch.bfloat16, 64, 48, 48, 384, 384, 15) == 'conv'  # 768 px: E would be 4 GB
+    shape = (8, 24, 24, 384, 384, 15)
+    assert choose_conv_method('mps', f32, *shape) == choose_conv_method('cpu', f32, *shape)
+
+
+@pytest.mark.parametrize('method', ['dense', 'conv'])
+def test_every_method_stays_selectable_under_both_policies(method):
+    q, k, v, w = inputs('dense', 1.0, 1.0)
+    expected = reference('dense', q, k, v, w)
+    for policy in ('cpu', 'cuda'):
+        with device_policy(policy):
+            assert_relative(aft_conv2d(q, k, v, w, method=method).double(), expected, 1e-5)
