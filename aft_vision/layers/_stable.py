@@ -47,11 +47,6 @@ def any_flagged(bad: torch.Tensor, policy: str = 'cpu') -> bool:
     return bool(bad.any())
 
 
-def safe_ratio(numerator: torch.Tensor, denominator: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
-    """``numerator / denominator`` with flagged entries divided by one, so their gradients stay finite."""
-    return numerator / torch.where(bad, torch.ones_like(denominator), denominator)
-
-
 def conv_bias_rows(w: torch.Tensor, grid_w: int, num_keys: int, head: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """Dense log-space AFT-conv bias rows: ``w`` inside each query's window, 0 outside.
 
