@@ -5,6 +5,10 @@ save only their inputs for the backward pass. Accuracy is held to a plain float6
 ``k + w`` (written here from Eqs. 2, 4, 5 and 6, independent of the package), gradients included; host syncs are
 counted at the dispatcher over whole models; graph capture is checked with ``torch.compile(fullgraph=True)``.
 """
+import os
+import subprocess
+import sys
+
 import pytest
 import timm
 import torch
@@ -310,3 +314,13 @@ def test_every_method_stays_selectable_under_both_policies(method):
     for policy in ('cpu', 'cuda'):
         with device_policy(policy):
             assert_relative(aft_conv2d(q, k, v, w, method=method).double(), expected, 1e-5)
+
+
+def test_environment_variable_sets_the_process_default():
+    code = 'import torch, aft_vision.layers as L; print(L.get_device_policy(torch.device("cpu")))'
+    env = {**os.environ, 'AFT_DEVICE_POLICY': 'cuda'}
+    out = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == 'cuda', out.stderr[-2000:]
+    env['AFT_DEVICE_POLICY'] = 'gpu'
+    out = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and 'AFT_DEVICE_POLICY must be one of cpu, cuda' in out.stderr
