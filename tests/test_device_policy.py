@@ -287,9 +287,9 @@ def test_fullgraph_compile_forward_and_backward(name):
 def test_dispatch_tables_follow_the_cost_model(device_type):
     f32 = torch.float32
     choose = lambda b=8, n=14, c=384, h=384, s=15: choose_conv_method(device_type, f32, b, n, n, c, h, s)  # noqa: E731
-    assert choose(n=2) == 'dense'  # a window covering a tiny map
+    assert choose(n=4, c=64, h=8, b=64) == 'dense'  # the digits model: a window covering a small map
     assert choose(n=96, s=3) == 'conv'  # T = 9216 against a 3 x 3 window
-    for side in range(2, 64):  # once the convolution wins, it wins on every larger map
+    for side in range(8, 64):  # once the whole 15 x 15 window fits the map, the convolution's lead only grows
         assert [choose(n=side), choose(n=side + 1)] != ['conv', 'dense']
     for n in (8, 14, 24, 32, 48):  # a larger window, more images or fewer heads never turn dense into conv
         if choose(n=n) == 'dense':
