@@ -33,14 +33,8 @@ def layer_shape(name: str, img_size: int) -> Dict[str, int]:
 
 
 def _methods(device: torch.device) -> List[str]:
-    methods = ['dense', 'conv']
-    try:
-        from .layers.aft_conv_triton import triton_available
-        if triton_available() and device.type == 'cuda':
-            methods.append('triton')
-    except ImportError:
-        pass
-    return methods
+    from .layers.aft_conv_triton import triton_available  # imports triton only when it checks for it
+    return ['dense', 'conv'] + (['triton'] if device.type == 'cuda' and triton_available() else [])
 
 
 def time_methods(shape: Dict[str, int], batch_size: int, device: torch.device, precision: str, repeats: int,

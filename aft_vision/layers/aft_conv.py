@@ -2,6 +2,7 @@
 import torch
 from torch import nn
 
+from .dispatch import CONV_METHODS
 from .functional import aft_conv2d, check_tokens
 
 __all__ = ['AFTConv2d']
@@ -45,8 +46,8 @@ class AFTConv2d(nn.Module):
             raise ValueError(f'dim = {dim} must be divisible by num_heads = {num_heads}')
         if kernel_size < 1 or kernel_size % 2 == 0:
             raise ValueError(f'kernel_size must be a positive odd number, got {kernel_size}')
-        if method not in ('auto', 'dense', 'conv', 'triton'):
-            raise ValueError(f"method must be 'auto', 'dense', 'conv' or 'triton', got {method!r}")
+        if method != 'auto' and method not in CONV_METHODS:
+            raise ValueError(f"method must be 'auto' or one of {', '.join(CONV_METHODS)}, got {method!r}")
         self.method = method
         self.dim = dim
         self.num_heads = num_heads

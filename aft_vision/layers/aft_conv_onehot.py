@@ -15,9 +15,9 @@ from timm.layers import register_notrace_function
 from torch import nn
 
 from ._stable import TINY, any_flagged
-from .policy import get_device_policy
+from .policy import get_device_policy, no_autocast
 from .aft_conv import AFTConv2d
-from .functional import _CANCEL_TOL, _compute_dtype, _full_precision, _output_dtype, aft_conv2d, check_conv_inputs, \
+from .functional import _CANCEL_TOL, _compute_dtype, _output_dtype, aft_conv2d, check_conv_inputs, \
     check_tokens
 
 __all__ = ['AFTConv2dOneHot', 'aft_conv2d_onehot', 'onehot_bias', 'convert_to_onehot']
@@ -61,7 +61,7 @@ def aft_conv2d_onehot(
         raise ValueError(f'index must be ({num_heads},), got {list(index.shape)}')
     if torch.jit.is_scripting():
         return _aft_conv2d_onehot(q, k, v, w, index)
-    with _full_precision(q.device):
+    with no_autocast(q.device):
         return _aft_conv2d_onehot(q, k, v, w, index)
 
 

@@ -48,20 +48,23 @@ def _nchw(tokens: torch.Tensor, contiguous: bool) -> torch.Tensor:
     return x.contiguous() if contiguous else x
 
 
-def depthwise_sums(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, contiguous: bool) -> torch.Tensor:
-    """[N | D] (B, H, W, C + h) by the depthwise convolution; plain autograd (TorchScript, recomputation)."""
+def depthwise_sums(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor,
+                   contiguous: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """[N | D] (B, H, W, C + h) by the depthwise convolution; plain autograd (TorchScript, recomputation). Also the
+    scale of D, ``exp(-m) * sum exp(k - kmax)`` (B, 1, 1, h), detached: the global term D's cancellation eats into."""
     tokens, _, _ = _tokens(k, v)
     kernel, floor, _ = _kernel(w, v.shape[-1] // k.shape[-1])
     s = w.shape[-1]
     local = F.conv2d(_nchw(tokens, contiguous), kernel, padding=s // 2, groups=kernel.shape[0])
-    return local.permute(0, 2, 3, 1) + tokens.sum(dim=(1, 2), keepdim=True) * floor
+    global_term = tokens.sum(dim=(1, 2), keepdim=True) * floor  # (B, 1, 1, C + h)
+    return local.permute(0, 2, 3, 1) + global_term, global_term[..., v.shape[-1]:].detach()
 
 
 class DepthwiseMix(torch.autograd.Function):
     """``sigmoid(q) * N / D`` by the depthwise convolution; saves q, k, v, w and recomputes the rest in backward.
 
     Inputs: q, v (B, H, W, C), k (B, H, W, h), w (h, s, s), any float dtypes, computed in ``dtype``. Returns the output
-    (B, H, W, C) and, not differentiable, D (B, H, W, h).
+    (B, H, W, C) and, not differentiable, D (B, H, W, h) and its scale (B, 1, 1, h) for the caller's exactness check.
     """
 
     @staticmethod
@@ -69,14 +72,14 @@ class DepthwiseMix(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, w)
         ctx.contiguous, ctx.dtype = contiguous, dtype
         q, k, v, w = (x.to(dtype) for x in (q, k, v, w))
-        sums = depthwise_sums(k, v, w, contiguous)
+        sums, scale = depthwise_sums(k, v, w, contiguous)
         channels = q.shape[-1]
         denominator = sums[..., channels:]
-        ctx.mark_non_differentiable(denominator)
-        return gate(q, sums[..., :channels], denominator), denominator
+        ctx.mark_non_differentiable(denominator, scale)
+        return gate(q, sums[..., :channels], denominator), denominator, scale
 
     @staticmethod
-    def backward(ctx, grad_out, _grad_denominator):
+    def backward(ctx, grad_out, _grad_denominator, _grad_scale):
         inputs = ctx.saved_tensors
         q, k, v, w = (x.to(ctx.dtype) for x in inputs)
         channels, num_heads, s = q.shape[-1], k.shape[-1], w.shape[-1]
@@ -109,12 +112,13 @@ def depthwise_mix(
         w: torch.Tensor,
         contiguous: bool,
         dtype: torch.dtype,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``sigmoid(q) * N / D`` and D by ``DepthwiseMix`` (plain autograd while scripting). See ``DepthwiseMix``."""
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``sigmoid(q) * N / D``, D and its scale by ``DepthwiseMix`` (plain autograd while scripting). See
+    ``DepthwiseMix``."""
     if torch.jit.is_scripting():
         q, k, v, w = q.to(dtype), k.to(dtype), v.to(dtype), w.to(dtype)
-        sums = depthwise_sums(k, v, w, contiguous)
+        sums, scale = depthwise_sums(k, v, w, contiguous)
         channels = q.shape[-1]
-        return gate(q, sums[..., :channels], sums[..., channels:]), sums[..., channels:]
+        return gate(q, sums[..., :channels], sums[..., channels:]), sums[..., channels:], scale
     else:
         return DepthwiseMix.apply(q, k, v, w, contiguous, dtype)

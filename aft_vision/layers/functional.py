@@ -19,7 +19,7 @@ from typing import List
 import torch
 from timm.layers import register_notrace_function
 
-from ._stable import TINY, any_flagged, capturing, exporting, recompute_flagged
+from ._stable import TINY, any_flagged, exporting, recompute_flagged
 from .dense_mix import dense_mix, log_weights
 from .depthwise_mix import depthwise_mix
 from .dispatch import choose_conv_method
@@ -82,11 +82,6 @@ def _compute_dtype(tensors: List[torch.Tensor]) -> torch.dtype:
 
 def _output_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.dtype:
     return torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
-
-
-def _full_precision(device: torch.device):
-    """Disable autocast so matmul and conv run in the dtype we cast to (kept for the one-hot operator)."""
-    return no_autocast(device)
 
 
 @register_notrace_function
@@ -296,13 +291,8 @@ def _aft_conv2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tens
         out, denominator = out.view(q.shape), denominator.view(k.shape)
         bad = denominator < tiny  # (B, H, W, h): the largest joint term underflowed
     else:
-        out, denominator = depthwise_mix(q, k, v, w, policy == 'cuda', dtype)
-        bad = denominator < tiny
-        if policy == 'cpu' and not capturing():  # the scale below which a denominator is mostly cancellation
-            keys = k.detach().to(dtype)
-            totals = torch.exp(keys - keys.amax(dim=(1, 2), keepdim=True)).sum(dim=(1, 2), keepdim=True)  # (B,1,1,h)
-            floor = torch.exp(-w.detach().to(dtype).amax(dim=(1, 2)).clamp_min(0.0))  # (h,)
-            bad = denominator < (totals * floor * cancel_tol).clamp_min(tiny)
+        out, denominator, scale = depthwise_mix(q, k, v, w, policy == 'cuda', dtype)
+        bad = denominator < (scale * cancel_tol).clamp_min(tiny)  # mostly cancellation (or underflow)
     if any_flagged(bad, policy):
         flags = bad.unsqueeze(-1).expand(batch, height, width, num_heads, channels // num_heads)
         out = recompute_flagged(
