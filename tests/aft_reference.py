@@ -335,3 +335,20 @@ def assert_output(out: torch.Tensor, problem: Problem, terms: str = 'positive', 
     bounds = bound(problem, torch.zeros(problem.shapes['q'], dtype=torch.float64), terms, dtype, operand_dtype)
     assert out.shape == problem.shapes['q'], f'{label}: shape {list(out.shape)}, expected {list(problem.shapes["q"])}'
     return assert_within({'out': out}, {'out': expected}, bounds, label)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Whole models: no closed-form bound, so the conditioning is measured. The eager float32 model's deviation from the
+# same model in float64 is this case's conditioning times float32 rounding; another evaluation of the same function
+# in float32 (batched, compiled, exported, on another method) differs from float64 by a small multiple of it.
+
+def assert_model_agrees(got: torch.Tensor, exact: torch.Tensor, eager: torch.Tensor,
+                        operand_dtype: torch.dtype = torch.float32, label: str = ''):
+    """``got`` within ``8 |eager - exact| + 8 u |exact|`` (maxima over the tensor) of the float64 result ``exact``;
+    ``eager`` is the float32 eager result, ``u`` the unit roundoff of the dtype ``got`` was computed in."""
+    got, exact, eager = got.detach().double(), exact.detach().double(), eager.detach().double()
+    assert torch.isfinite(got).all(), f'{label}: not finite'
+    scale = exact.abs().max().item()
+    tolerance = 8 * (eager - exact).abs().max().item() + 8 * UNIT_ROUNDOFF[operand_dtype] * scale
+    error = (got - exact).abs().max().item()
+    assert error <= tolerance, f'{label}: error {error:.3g} > {tolerance:.3g} (float32 eager {error / scale:.3g})'

@@ -13,6 +13,7 @@ import torch
 
 import timm
 import timm.optim
+import aft_reference
 import aft_vision.models  # noqa: F401  registers the aft_* models
 from aft_vision.models.aft_conv import AFTConvTransformer
 from aft_vision.models.aft_vit import AFTVisionTransformer, checkpoint_filter_fn, resample_pos_rows
@@ -367,11 +368,12 @@ def test_autocast(name):
     model = _create(name).eval()
     x = _input(model)
     with torch.no_grad():
-        ref = model(x)
+        eager = model(x)
+        exact = copy.deepcopy(model).double()(x.double())
         with torch.autocast('cpu', dtype=torch.bfloat16):
             out = model(x)
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
-    torch.testing.assert_close(out.float(), ref, rtol=0.05, atol=0.05)
+    aft_reference.assert_model_agrees(out, exact, eager, torch.bfloat16, name)
 
 
 @pytest.mark.parametrize('name', TEST_MODELS)
@@ -397,7 +399,8 @@ def test_onnx_export(name, tmp_path):
         x = torch.randn(b, 3, h, w)
         out = session.run(None, {session.get_inputs()[0].name: x.numpy()})[0]
         with torch.no_grad():
-            torch.testing.assert_close(torch.from_numpy(out), model(x), rtol=1e-4, atol=1e-4)
+            exact = copy.deepcopy(model).double()(x.double())
+            aft_reference.assert_model_agrees(torch.from_numpy(out), exact, model(x), label=f'{name} {h}x{w}')
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Position-bias and key maps (``aft_vision.visualize``, ``aft-vision show-bias / show-keys``) and the one-hot AFT-conv
 of Sec. 8 (``aft_vision.layers.aft_conv_onehot``) against the plain operator."""
+import copy
 import sys
 
 import numpy as np
@@ -8,6 +9,7 @@ import timm
 import torch
 from PIL import Image
 
+import aft_reference
 import aft_vision  # noqa: F401  registers the models
 from aft_vision import visualize
 from aft_vision._io import save_weights
@@ -305,9 +307,11 @@ def test_onehot_model_and_its_bias_maps():
         fast = onehot(x)  # global pooling plus indexing in every block
         reference = timm.create_model('aft_conv_test').eval()  # plain AFTConv2d (Eq. 6) with the same one-hot biases
         reference.load_state_dict(onehot.state_dict())
-        for ref_block, block in zip(reference.blocks, onehot.blocks):
+        exact = copy.deepcopy(reference).double()
+        for ref_block, exact_block, block in zip(reference.blocks, exact.blocks, onehot.blocks):
             ref_block.attn.effective_bias = lambda bias=block.attn.effective_bias(): bias
-        torch.testing.assert_close(fast, reference(x), rtol=1e-4, atol=1e-5)
+            exact_block.attn.effective_bias = lambda bias=block.attn.effective_bias().double(): bias
+        aft_reference.assert_model_agrees(fast, exact(x.double()), reference(x))
     maps = visualize.position_bias_maps(onehot)
     assert maps.shape == (4, 8, 5, 5)
     assert (np.count_nonzero(maps.reshape(4, 8, -1), axis=-1) <= 1).all()  # Figure 8: one offset per head
