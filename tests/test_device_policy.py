@@ -106,7 +106,7 @@ def test_the_bound_rejects_a_wrong_operator(op, mutation, key_scale, bias_scale)
     wrong = {name: t.float() for name, t in ref.evaluate(problem, grad_out, mutation).items()}
     bounds = ref.bound(problem, grad_out, ref.terms_for(op, 'cuda'))
     with pytest.raises(AssertionError, match='its rounding bound'):
-        ref.assert_within(wrong, ref.evaluate(problem, grad_out), bounds)
+        ref.assert_within(wrong, ref.evaluate(problem, grad_out), bounds, f'{op} {mutation} (must fail)')
 
 
 @pytest.mark.parametrize('op', OPS)
