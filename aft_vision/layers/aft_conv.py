@@ -3,7 +3,8 @@ import torch
 from torch import nn
 
 from .dispatch import CONV_METHODS
-from .functional import aft_conv2d, check_tokens
+from ._checks import check_tokens
+from .functional import aft_conv2d
 
 __all__ = ['AFTConv2d']
 

@@ -17,8 +17,8 @@ from torch import nn
 from ._stable import TINY, any_flagged
 from .policy import get_device_policy, no_autocast
 from .aft_conv import AFTConv2d
-from .functional import _CANCEL_TOL, _compute_dtype, _output_dtype, aft_conv2d, check_conv_inputs, \
-    check_tokens
+from ._checks import check_conv_inputs, check_tokens
+from .functional import _CANCEL_TOL, _compute_dtype, _output_dtype, aft_conv2d
 
 __all__ = ['AFTConv2dOneHot', 'aft_conv2d_onehot', 'onehot_bias', 'convert_to_onehot']
 

@@ -34,7 +34,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .functional import check_conv_inputs
+from ._checks import check_conv_inputs
 
 __all__ = ['aft_conv2d_triton', 'triton_available', 'triton_unavailable_reason']
 

@@ -2,7 +2,8 @@
 import torch
 from torch import nn
 
-from .functional import aft_full, aft_local, check_tokens
+from ._checks import check_tokens
+from .functional import aft_full, aft_local
 
 __all__ = ['AFTFull', 'AFTLocal']
 

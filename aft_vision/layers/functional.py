@@ -19,6 +19,7 @@ from typing import List
 import torch
 from timm.layers import register_notrace_function
 
+from ._checks import check_bias, check_conv_inputs, check_qkv, check_tensor
 from ._stable import TINY, any_flagged, exporting, recompute_flagged
 from .dense_mix import dense_mix, log_weights
 from .depthwise_mix import depthwise_mix
@@ -31,46 +32,6 @@ __all__ = ['aft_full', 'aft_local', 'aft_simple', 'aft_conv2d']
 # A depthwise-path AFT-conv denominator below this fraction of its scale is dominated by the cancellation in
 # ``exp(w) - 1``: under the 'cpu' policy such entries are recomputed exactly.
 _CANCEL_TOL = 1e-2
-
-
-def _check(name: str, tensor: torch.Tensor, ndim: int, layout: str):
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f'{name} must be a torch.Tensor, got {type(tensor).__name__}')
-    if not tensor.is_floating_point():
-        raise ValueError(f'{name} must be a floating-point tensor, got dtype {tensor.dtype}')
-    if tensor.dim() != ndim:
-        raise ValueError(f'{name} must be {ndim}-D {layout}, got shape {list(tensor.shape)}')
-
-
-def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ndim: int, layout: str, key_layout: str):
-    _check('q', q, ndim, layout)
-    _check('k', k, ndim, key_layout)
-    _check('v', v, ndim, layout)
-    if q.shape != v.shape:
-        raise ValueError(f'q and v must have the same shape {layout}, got q {list(q.shape)} and v {list(v.shape)}')
-    if k.shape[:-1] != q.shape[:-1]:
-        raise ValueError(f'k must match q in every dim but the last, got q {list(q.shape)} and k {list(k.shape)}')
-    if q.device != k.device or q.device != v.device:
-        raise ValueError(f'q, k and v must be on one device, got {q.device}, {k.device} and {v.device}')
-    if q.numel() == 0:
-        raise ValueError(f'q must not be empty, got shape {list(q.shape)}')
-
-
-@register_notrace_function
-def check_tokens(x: torch.Tensor, layout: str, dim: int, seq_len: int = -1) -> None:
-    """Check a module input: ``x`` must be ``len(layout)``-D with last dim ``dim`` (and ``seq_len`` tokens if >= 0).
-
-    Registered as an fx leaf, so symbolic tracing records the check instead of branching on proxies.
-    """
-    ndim = 4 if layout.startswith('(B, H, W') else 3
-    if x.dim() != ndim or x.shape[-1] != dim or (seq_len >= 0 and x.shape[1] != seq_len):
-        raise ValueError(f'expected tokens {layout}, got shape {list(x.shape)}')
-
-
-def _check_bias(w: torch.Tensor, seq_len: int):
-    _check('w', w, 2, '(T, T)')
-    if w.shape[0] != seq_len or w.shape[1] != seq_len:
-        raise ValueError(f'w must have shape (T, T) = ({seq_len}, {seq_len}), got {list(w.shape)}')
 
 
 def _compute_dtype(tensors: List[torch.Tensor]) -> torch.dtype:
@@ -103,10 +64,10 @@ def aft_full(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor,
     Returns:
         Mixed tokens (B, T, C) in the promoted dtype of q, k and v.
     """
-    _check_qkv(q, k, v, 3, '(B, T, C)', '(B, T, C)')
+    check_qkv(q, k, v, 3, '(B, T, C)', '(B, T, C)')
     if k.shape != q.shape:
         raise ValueError(f'k must have the shape of q (B, T, C), got q {list(q.shape)} and k {list(k.shape)}')
-    _check_bias(w, q.shape[1])
+    check_bias(w, q.shape[1])
     out_dtype = _output_dtype(q, k, v)
     dtype = _compute_dtype([q, k, v, w])
     if torch.jit.is_scripting():
@@ -155,7 +116,7 @@ def aft_local(
     """
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f'window must be a positive int, got {window}')
-    _check('w', w, 2, '(T, T)')
+    check_tensor('w', w, 2, '(T, T)')
     pos = torch.arange(w.shape[0], device=w.device)
     outside = (pos.unsqueeze(1) - pos.unsqueeze(0)).abs() >= window  # (T, T)
     return aft_full(q, k, v, w.masked_fill(outside, 0.0), causal=causal)
@@ -178,7 +139,7 @@ def aft_simple(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool =
     Returns:
         Mixed tokens (B, T, C).
     """
-    _check_qkv(q, k, v, 3, '(B, T, C)', '(B, T, C)')
+    check_qkv(q, k, v, 3, '(B, T, C)', '(B, T, C)')
     if k.shape != q.shape:
         raise ValueError(f'k must have the shape of q (B, T, C), got q {list(q.shape)} and k {list(k.shape)}')
     if torch.jit.is_scripting():
@@ -198,20 +159,6 @@ def _aft_simple(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
         if any_flagged(bad, policy):
             out = recompute_flagged(out, bad, k.to(dtype), v.to(dtype), 'none', causal=True, gate=q.to(dtype))
     return out.to(out_dtype)
-
-
-def check_conv_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor) -> None:
-    """Check AFT-conv's q, v (B, H, W, C), k (B, H, W, h) with h dividing C, and w (h, s, s) with s odd."""
-    _check_qkv(q, k, v, 4, '(B, H, W, C)', '(B, H, W, h)')
-    _check('w', w, 3, '(h, s, s)')
-    channels, num_heads = q.shape[-1], k.shape[-1]
-    if channels % num_heads:
-        raise ValueError(f'C = {channels} (q {list(q.shape)}) is not divisible by h = {num_heads} '
-                         f'(k {list(k.shape)})')
-    if w.shape[0] != num_heads or w.shape[1] != w.shape[2]:
-        raise ValueError(f'w must have shape (h, s, s) with h = {num_heads}, got {list(w.shape)}')
-    if w.shape[1] % 2 == 0:
-        raise ValueError(f'kernel size s must be odd, got w of shape {list(w.shape)}')
 
 
 @register_notrace_function
