@@ -12,20 +12,30 @@ paper's equations, sharing nothing with the package), and ``bound`` gives, per e
 implementation may lie from it.
 
 The bound (Higham, "Accuracy and Stability of Numerical Algorithms", ch. 3-4): each result entry is a sum of terms
-(weights times values, gates and upstream gradients). Let ``M`` be the sum of their magnitudes, evaluated in float64.
+(weights times values, gates and upstream gradients). Let ``M`` be the sum of their magnitudes, evaluated in float64,
+where each weight counts once for itself and once for its share of its row's denominator (whose relative error
+reaches every term of the row through the division).
 
 * Summing n terms in any order and forming each term by a few products and one division costs at most
   ``gamma_{n + 8} = (n + 8) u / (1 - (n + 8) u)`` relative to M (u: the accumulation dtype's unit roundoff,
-  2^-24 in float32); n is the number of terms of that entry's sum, counted by ``evaluate``'s own reductions.
+  2^-24 in float32); n is the number of terms of that entry's sum (T keys for the output, T (d + 1) for a key's
+  gradient, every (image, query, channel) a bias entry reaches for the bias gradient).
 * Each weight is ``exp`` of a float argument, which carries an absolute rounding error of about u times its size
   ``lambda`` (the shifted key and bias plus the shift itself, see ``_argument_size``), i.e. a relative error
-  ``u (lambda + 2)`` of the weight; ``exp`` adds at most 2 ulp. A relative perturbation ``delta_j`` of weight j moves a
-  normalised weighted average by ``sum_j p_j delta_j (v_j - avg)``, so this contributes ``4 u M_arg``, with ``M_arg``
-  the same sum of magnitudes with each term scaled by ``lambda + 2 * (p-average of lambda)`` (its own weight and the
-  denominator's), and the factor 4 for the forward pass recomputed in the backward one.
+  ``u (lambda + 2)`` of the weight; ``exp`` adds at most 2 ulp. Where a weight or ``exp(k - kmax)`` falls below the
+  normal range, gradual underflow adds the subnormal spacing relative to it (capped at 1: the whole term). A relative
+  perturbation ``delta_j`` of weight j moves a normalised weighted average by ``sum_j p_j delta_j (v_j - avg)``, so
+  this contributes ``4 u M_arg``, with ``M_arg`` the same sum of magnitudes with each term scaled by
+  ``lambda + 2 * (p-average of lambda)`` (its own weight and the denominator's), and the factor 4 for the forward pass
+  recomputed in the backward one.
 * Operands stored in a narrower dtype (float16 / bfloat16 inputs or products, unit roundoff ``u_op``) pass through at
   most three roundings per term (two product operands and the result's cast), twice with the recomputed forward:
-  ``6 u_op M``.
+  ``6 u_op M``; a result that is exactly 0 may round to the smallest subnormal of its dtype.
+* The query gradient multiplies by the gate's derivative ``g (1 - g)``, formed from the rounded gate g: ``1 - g``
+  carries an absolute error of about ``2 u g``, i.e. ``4 u |G| g^2 sum_j p_j |v_j|`` more (large where g is near 1).
+
+Every ratio of error to bound that a correct implementation produced here was below 0.2, on every OpenBLAS kernel
+and thread count tried (the closing note of the issue that introduced this file lists them).
 
 Implementations that split AFT-conv's weights into a global ``exp(-m)`` term plus a windowed correction
 ``exp(w - m) - exp(-m)`` (the depthwise convolution and the Triton kernel) sum terms of magnitude
@@ -236,8 +246,11 @@ def _magnitudes(problem: Problem, grad_out, p, weights) -> Dict[str, torch.Tenso
         result['dw'] = torch.autograd.grad((bias_terms * bias).sum(), probe)[0]
         band = torch.autograd.grad(problem.bias_fn(probe).sum(), probe)[0].abs().max().item()  # (t, j) per entry
         counts['dw'] = int(batch * (num_heads // bias.shape[0]) * band * (head_dim + 1))
+    # the gate's derivative g (1 - g) from a rounded g: 1 - g carries an absolute error of about 2 u g
+    result['dq_gate'] = upstream * gate * gate * value_sum
     shapes = problem.shapes
-    for name, shape in (('out', shapes['q']), ('dq', shapes['q']), ('dv', shapes['v']), ('dk', shapes['k'])):
+    for name, shape in (('out', shapes['q']), ('dq', shapes['q']), ('dq_gate', shapes['q']), ('dv', shapes['v']),
+                        ('dk', shapes['k'])):
         result[name] = result[name].reshape(shape)
     return result, counts
 
@@ -267,9 +280,11 @@ def bound(problem: Problem, grad_out: torch.Tensor, terms: str = 'positive', dty
     u, u_op = UNIT_ROUNDOFF[dtype], UNIT_ROUNDOFF[operand_dtype or dtype]
     tiny = torch.finfo(operand_dtype or dtype).tiny * u_op  # the spacing of subnormals: an exact zero may round to it
     result = {}
-    for name, magnitude in plain.items():
-        n = counts[name] + 8
+    for name, n in counts.items():
+        n = n + 8
+        magnitude = plain[name]
         result[name] = n * u / (1 - n * u) * magnitude + 4 * u * scaled[name] + 6 * u_op * magnitude + tiny
+    result['dq'] = result['dq'] + 4 * u * plain['dq_gate']
     return result
 
 
@@ -350,5 +365,4 @@ def assert_model_agrees(got: torch.Tensor, exact: torch.Tensor, eager: torch.Ten
     assert torch.isfinite(got).all(), f'{label}: not finite'
     scale = exact.abs().max().item()
     tolerance = 8 * (eager - exact).abs().max().item() + 8 * UNIT_ROUNDOFF[operand_dtype] * scale
-    error = (got - exact).abs().max().item()
-    assert error <= tolerance, f'{label}: error {error:.3g} > {tolerance:.3g} (float32 eager {error / scale:.3g})'
+    assert_ratios({'model': (got - exact).abs().max().item() / tolerance}, f'{label} (whole model)')
