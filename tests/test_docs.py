@@ -1,0 +1,240 @@
+"""The documentation cannot rot: README.md and docs/*.md are checked against the code.
+
+* Every ```python block runs in a fresh namespace, in a temporary working directory, with the Hugging Face Hub
+  offline and an empty cache. A block that names a ``.deit_in1k`` tag finds a randomly initialised DeiT in that cache
+  under the tag's source repository, so the tag loads through timm's real Hub path. A block with a line
+  ``# doc-test: skip (REASON)`` is skipped, and REASON is shown.
+* Every ``aft-vision ...`` command (in ```bash blocks and in inline code), and every ``-m aft_vision.train`` /
+  ``-m aft_vision.cli`` / ``scripts/run.sh`` command line, is parsed by the CLI's own parser
+  (``aft_vision.cli.build_parser``), not run: a renamed subcommand or option fails here.
+* Every relative link and image points at a file in the repository. README.md, the package's long description on
+  PyPI, embeds no image by a relative path (PyPI cannot resolve one) and stays at most 200 lines.
+"""
+import argparse
+import re
+import shlex
+import shutil
+from pathlib import Path
+from typing import List, NamedTuple
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / 'README.md', *sorted((ROOT / 'docs').glob('*.md'))]
+SKIP = re.compile(r'^\s*#\s*doc-test:\s*skip\s*\((.+)\)\s*$', re.MULTILINE)
+FENCE = re.compile(r'^```(\w*)[^\n]*\n(.*?)^```\s*$', re.MULTILINE | re.DOTALL)
+TAG = re.compile(r'\b(aft_[a-z0-9_]+\.deit_in1k)\b')
+LINK = re.compile(r'(!?)\[[^\]]*\]\(([^)\s]+)\)')
+INLINE = re.compile(r'(?<!`)`(aft-vision [^`]+)`(?!`)')
+COMMIT = 'a' * 40
+
+
+class Block(NamedTuple):
+    page: Path
+    line: int
+    lang: str
+    source: str
+
+    @property
+    def id(self) -> str:
+        return f'{self.page.relative_to(ROOT)}:{self.line}'
+
+
+def _blocks(lang: str) -> List[Block]:
+    found = []
+    for page in PAGES:
+        text = page.read_text(encoding='utf-8')
+        for match in FENCE.finditer(text):
+            if match.group(1) == lang:
+                line = text.count('\n', 0, match.start()) + 2  # the block's first line
+                found.append(Block(page, line, lang, match.group(2)))
+    return found
+
+
+def _skip_reason(block: Block):
+    match = SKIP.search(block.source)
+    return match.group(1) if match else None
+
+
+# ----------------------------------------------------------------------------------------------- Python blocks
+
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch):
+    """An empty, offline Hugging Face cache; ``add(repo_id, folder)`` places a folder as the repo's main revision."""
+    import huggingface_hub.constants
+
+    cache = tmp_path / 'hub-cache'
+    cache.mkdir()
+    monkeypatch.setenv('HF_HUB_OFFLINE', '1')
+    monkeypatch.setenv('HF_HUB_CACHE', str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, 'HF_HUB_OFFLINE', True)
+    monkeypatch.setattr(huggingface_hub.constants, 'HF_HUB_CACHE', str(cache))
+
+    def add(repo_id: str, folder: Path) -> None:
+        repo = cache / f'models--{repo_id.replace("/", "--")}'
+        if not repo.exists():
+            shutil.copytree(folder, repo / 'snapshots' / COMMIT)
+            (repo / 'refs').mkdir()
+            (repo / 'refs' / 'main').write_text(COMMIT)
+
+    return add
+
+
+def _serve_deit_sources(source: str, tmp_path: Path, offline_hub) -> None:
+    """Put a random DeiT under the Hub repository of every ``.deit_in1k`` tag the block names."""
+    import timm
+    import torch
+    from timm.models import get_pretrained_cfg, save_for_hf
+
+    import aft_vision  # noqa: F401  (registers the tags)
+
+    for tag in sorted(set(TAG.findall(source))):
+        cfg = get_pretrained_cfg(tag)
+        assert cfg is not None, f'{tag} is not a registered pretrained tag'
+        repo_id = cfg.hf_hub_id
+        torch.manual_seed(0)
+        deit = timm.create_model(repo_id.split('/', 1)[1])  # e.g. deit_tiny_patch16_224.fb_in1k, random weights
+        folder = tmp_path / 'deit' / repo_id.replace('/', '--')
+        save_for_hf(deit, str(folder), safe_serialization=True)
+        offline_hub(repo_id, folder)
+
+
+PYTHON_BLOCKS = _blocks('python')
+
+
+def test_the_pages_have_python_blocks():
+    assert len(PYTHON_BLOCKS) >= 10, [b.id for b in PYTHON_BLOCKS]
+
+
+@pytest.mark.parametrize('block', PYTHON_BLOCKS, ids=[b.id for b in PYTHON_BLOCKS])
+def test_python_block_runs(block, tmp_path, monkeypatch, offline_hub):
+    reason = _skip_reason(block)
+    if reason:
+        pytest.skip(reason)
+    _serve_deit_sources(block.source, tmp_path, offline_hub)
+    work = tmp_path / 'work'
+    work.mkdir()
+    monkeypatch.chdir(work)
+    code = compile(block.source, block.id, 'exec')
+    exec(code, {'__name__': '__doc_block__'})  # a fresh namespace per block
+
+
+# ---------------------------------------------------------------------------------------------- command lines
+
+
+def _commands(script: str) -> List[List[str]]:
+    """Shell words of every simple command in ``script`` (continuations joined, comments dropped)."""
+    text = script.replace('\\\n', ' ')
+    commands = []
+    for line in text.splitlines():
+        words = shlex.split(line, comments=True)
+        current: List[str] = []
+        for word in words + [';']:
+            if word in ('&&', '||', ';', '|'):
+                if current:
+                    commands.append(current)
+                current = []
+            else:
+                current.append(word)
+    return commands
+
+
+def _cli_argv(words: List[str]):
+    """The ``aft-vision`` arguments a command line runs, or None when it runs something else."""
+    while words and re.match(r'^[A-Z_][A-Z0-9_]*=', words[0]):  # VAR=value prefixes
+        words = words[1:]
+    if not words:
+        return None
+    if words[0] == 'aft-vision':
+        return words[1:]
+    if words[0] == 'bash' and len(words) > 1 and words[1].endswith('scripts/run.sh'):
+        return ['train', *words[2:]]
+    if '-m' in words:
+        at = words.index('-m')
+        module, rest = (words[at + 1], words[at + 2:]) if at + 1 < len(words) else ('', [])
+        if module == 'aft_vision.cli':
+            return rest
+        if module == 'aft_vision.train':
+            return ['train', *rest]
+    return None
+
+
+def _command_lines():
+    found = []
+    for block in _blocks('bash'):
+        if _skip_reason(block):
+            continue
+        for words in _commands(block.source):
+            argv = _cli_argv(words)
+            if argv is not None:
+                found.append((block.id, argv))
+    for page in PAGES:
+        text = page.read_text(encoding='utf-8')
+        for match in INLINE.finditer(text):
+            words = [w for w in shlex.split(match.group(1)) if w != '...']  # '...' marks elided arguments
+            line = text.count('\n', 0, match.start()) + 1
+            found.append((f'{page.relative_to(ROOT)}:{line}', words[1:]))
+    return found
+
+
+COMMAND_LINES = _command_lines()
+
+
+def test_the_pages_have_command_lines():
+    assert len(COMMAND_LINES) >= 10, COMMAND_LINES
+
+
+@pytest.mark.parametrize('where,argv', COMMAND_LINES, ids=[f'{w}:{" ".join(a[:1])}' for w, a in COMMAND_LINES])
+def test_command_line_parses(where, argv, capsys):
+    from aft_vision.cli import build_parser
+
+    parser = build_parser()
+    if len(argv) == 1:  # a command named in a sentence (`aft-vision show-bias`): the subcommand must exist
+        subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+        assert argv[0] in subcommands, f'{where}: no subcommand {argv[0]!r} (known: {sorted(subcommands)})'
+        return
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:
+        pytest.fail(f'{where}: `aft-vision {shlex.join(argv)}` is rejected by the parser (exit {e.code}):\n'
+                    f'{capsys.readouterr().err}')
+    assert args.command == argv[0]
+
+
+# ------------------------------------------------------------------------------------------------------- links
+
+
+def _links():
+    found = []
+    for page in PAGES:
+        text = page.read_text(encoding='utf-8')
+        for match in LINK.finditer(text):
+            target = match.group(2)
+            if re.match(r'^[a-z][a-z0-9+.-]*:', target) or target.startswith('#'):
+                continue  # https:, mailto:, anchors
+            line = text.count('\n', 0, match.start()) + 1
+            found.append((f'{page.relative_to(ROOT)}:{line}', page, bool(match.group(1)), target.split('#')[0]))
+    return found
+
+
+LINKS = _links()
+
+
+@pytest.mark.parametrize('where,page,image,target', LINKS, ids=[f'{w}:{t}' for w, _, _, t in LINKS])
+def test_relative_link_points_at_a_file(where, page, image, target):
+    path = (page.parent / target).resolve()
+    if path == ROOT / 'docs' / 'performance.md' and not path.exists():
+        pytest.skip('docs/performance.md comes with the CPU-speed work (issue 19)')
+    assert (page.parent / target).exists(), f'{where}: {target} does not exist'
+
+
+def test_readme_embeds_no_relative_image():
+    """PyPI shows README.md as the package description and cannot resolve a relative image path."""
+    embedded = [where for where, page, image, _ in LINKS if image and page.name == 'README.md' and page.parent == ROOT]
+    assert not embedded, f'relative images in README.md: {embedded}'
+
+
+def test_readme_is_short():
+    lines = (ROOT / 'README.md').read_text(encoding='utf-8').count('\n')
+    assert lines <= 200, f'README.md has {lines} lines; move the depth into docs/'
