@@ -6,7 +6,8 @@
   ``# doc-test: skip (REASON)`` is skipped, and REASON is shown.
 * Every ``aft-vision ...`` command (in ```bash blocks and in inline code), and every ``-m aft_vision.train`` /
   ``-m aft_vision.cli`` / ``scripts/run.sh`` command line, is parsed by the CLI's own parser
-  (``aft_vision.cli.build_parser``), not run: a renamed subcommand or option fails here.
+  (``aft_vision.cli.build_parser``), not run: a renamed subcommand or option fails here, and so does a ``--model``
+  that names no registered model or tag.
 * Every relative link and image points at a file in the repository. README.md, the package's long description on
   PyPI, embeds no image by a relative path (PyPI cannot resolve one) and stays at most 200 lines.
 """
@@ -200,6 +201,42 @@ def test_command_line_parses(where, argv, capsys):
         pytest.fail(f'{where}: `aft-vision {shlex.join(argv)}` is rejected by the parser (exit {e.code}):\n'
                     f'{capsys.readouterr().err}')
     assert args.command == argv[0]
+    for name in [getattr(args, 'model', None), *(getattr(args, 'models', None) or [])]:
+        if name and ':' not in name:  # a registered model (and tag); local-dir: / hf-hub: sources are the user's
+            _check_registered(name, where)
+
+
+def _check_registered(name: str, where: str) -> None:
+    import timm
+    from timm.models import get_pretrained_cfg
+
+    import aft_vision  # noqa: F401  (registers the models)
+
+    assert timm.is_model(name), f'{where}: {name.split(".")[0]} is not a registered model'
+    if '.' in name:
+        assert get_pretrained_cfg(name) is not None, f'{where}: {name} is not a registered pretrained tag'
+
+
+def _timm_script_lines():
+    found = []
+    for block in _blocks('bash'):
+        for words in _commands(block.source):
+            if any(Path(w).name in ('train.py', 'validate.py', 'inference.py', 'benchmark.py') for w in words):
+                found.append((block.id, words))
+    return found
+
+
+TIMM_SCRIPT_LINES = _timm_script_lines()
+
+
+@pytest.mark.parametrize('where,words', TIMM_SCRIPT_LINES, ids=[w for w, _ in TIMM_SCRIPT_LINES])
+def test_timm_script_line_names_real_models_and_recipes(where, words):
+    """timm's scripts are not run here; the models and recipe files their command lines name must exist."""
+    for option, value in zip(words, words[1:]):
+        if option == '--model' and ':' not in value:
+            _check_registered(value, where)
+        if option == '-c':
+            assert (ROOT / value).is_file(), f'{where}: recipe {value} does not exist'
 
 
 # ------------------------------------------------------------------------------------------------------- links
