@@ -10,7 +10,7 @@ from timm.data import ImageNetInfo, create_transform, resolve_data_config
 from timm.utils import ParseKwargs
 
 from .hub import load_checkpoint_into
-from .models import create_aft_model
+from .models import check_pretrained, create_aft_model
 
 __all__ = ['predict', 'add_arguments', 'main']
 
@@ -59,11 +59,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--topk', type=int, default=5)
 
 
+def _fine_tune_first(name: str) -> str:
+    architecture = name.split('.')[0] if ':' not in name else 'ARCHITECTURE'
+    return (f'fine-tune it first (e.g. aft-vision train --model {architecture}.deit_in1k --pretrained --data-dir DATA '
+            f'--out-dir RUN), then predict with --model local-dir:RUN/hub or --checkpoint RUN/model.safetensors')
+
+
+def _check_classifier(args: argparse.Namespace) -> None:
+    """Refuse, before anything is downloaded, a model whose weights hold no trained classifier."""
+    if args.checkpoint or ':' in args.model:
+        return  # the given weights; a folder's head is checked once loaded
+    if not args.pretrained:
+        raise ValueError(f'{args.model} without --pretrained or --checkpoint has random weights: '
+                         f'{_fine_tune_first(args.model)}')
+    try:
+        check_pretrained(args.model, classifier=True)
+    except ValueError as error:
+        raise ValueError(f'{error}; {_fine_tune_first(args.model)}') from None
+
+
 def main(args: argparse.Namespace) -> int:
+    _check_classifier(args)
     if args.checkpoint:
         model = load_checkpoint_into(args.model, args.checkpoint, **args.model_kwargs)
     else:
-        model = create_aft_model(args.model, pretrained=args.pretrained or ':' in args.model, **args.model_kwargs)
+        model = create_aft_model(args.model, pretrained=True, **args.model_kwargs)
+    if not model.num_classes:
+        raise ValueError(f'{args.model} has no classifier (num_classes=0): {_fine_tune_first(args.model)}')
     out = predict(model, args.images, args.img_size, args.topk)
     for path, why in out['errors'].items():
         print(f'aft-vision: skipped {path}: {why}', file=sys.stderr)

@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from ._io import save_figure, save_weights
 from .hub import publish, source_architecture
-from .models import create_aft_model
+from .models import check_pretrained, create_aft_model
 from .regularizers import position_bias_entropy
 
 # A small AFT-conv for 32 x 32 digits: patch 4 -> an 8 x 8 token grid, a 15 x 15 window (the whole grid), 8 heads.
@@ -223,20 +223,11 @@ def plot_curves(history: List[Dict], path: Path) -> None:
     save_figure(fig, path, dpi=100)
 
 
-def _check_pretrained(name: str) -> None:
-    """``--pretrained`` needs weights: a pretrained tag of ``name`` or a ``hf-hub:`` / ``local-dir:`` source."""
-    if ':' in name:
-        return
-    if not any(n == name or n.split('.')[0] == name for n in timm.list_pretrained()):
-        raise ValueError(f'{name} has no pretrained weights; models with weights: '
-                         f'{", ".join(timm.list_pretrained("aft_*"))}')
-
-
 def run(args: argparse.Namespace) -> Dict:
     """The whole job; returns the results written to ``results.json`` (an empty dict on ranks other than 0)."""
     start = time.perf_counter()
     if args.pretrained:
-        _check_pretrained(args.model)
+        check_pretrained(args.model)
     rank, world_size, device = _init_distributed(args.device)
     out = Path(args.out_dir)
     try:

@@ -2,7 +2,8 @@
 
 ``transfer_vit_weights(state_dict, model)`` maps a DeiT or ViT state dict (timm's layout, or the original DeiT
 release's ``{"model": ...}``) onto any AFT model by name: patch embedding, LayerNorms, MLPs, value and output
-projections, and the head when the class count matches. As in the paper, AFT-conv starts its query and key
+projections. The result is a backbone: DeiT's classifier was trained on DeiT's features, not the AFT model's, so it
+is dropped and any head the model has starts fresh. As in the paper, AFT-conv starts its query and key
 projections, position biases and (absent) class token / position embedding fresh; AFT-full and AFT-simple also take
 the query / key projections, the class token and the position embedding (resampled to the model's grid).
 
@@ -24,6 +25,7 @@ _logger = logging.getLogger(__name__)
 
 _QKV = re.compile(r'blocks\.(\d+)\.attn\.qkv\.(weight|bias)$')
 _DISTILLATION = ('dist_token', 'head_dist.weight', 'head_dist.bias')
+_CLASSIFIER = ('head.weight', 'head.bias')
 
 
 @dataclass
@@ -151,12 +153,11 @@ def transfer_vit_weights(
     for key, tensor in source.items():
         if key in _DISTILLATION:
             report.skipped[key] = 'DeiT distillation token / head: AFT models have none'
+        elif key in _CLASSIFIER:
+            report.skipped[key] = 'DeiT classifier, trained on DeiT features: the AFT model is a backbone (head fresh)'
         elif key not in target:
             if key in ('cls_token', 'pos_embed'):
                 report.skipped[key] = 'AFT-conv has no class token or position embedding (fully convolutional)'
-                continue
-            if key.startswith('head.'):
-                report.skipped[key] = 'the model has no classifier (num_classes=0)'
                 continue
             raise ValueError(f'not a ViT / DeiT layout this model accepts: checkpoint key {key!r} '
                              f'{list(tensor.shape)} has no counterpart in {type(model).__name__}')
@@ -165,9 +166,6 @@ def transfer_vit_weights(
         elif key == 'pos_embed' and tensor.shape != target[key].shape:
             mapped[key] = _resample_pos_embed(tensor, target[key], num_prefix)
             report.resampled[key] = f'{list(tensor.shape)} -> {list(target[key].shape)}'
-        elif key.startswith('head.') and tensor.shape != target[key].shape:
-            report.skipped[key] = (f'class count differs: checkpoint {list(tensor.shape)}, '
-                                   f'model {list(target[key].shape)}')
         elif key == 'patch_embed.proj.weight' and tensor.shape != target[key].shape:
             # other input channels: kept as they are for timm's loader, which adapts them (``first_conv``)
             mapped[key] = tensor

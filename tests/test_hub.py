@@ -54,6 +54,7 @@ def test_deit_tag_loads_through_the_hub_path_and_transfers_exactly(tmp_path, off
     source = random_deit('deit_small_patch16_224.fb_in1k', tmp_path, offline_hub)
     model = timm.create_model('aft_conv_small.deit_in1k', pretrained=True).eval()
     assert 'deit_small_patch16_224.fb_in1k' in model.pretrained_cfg['hf_hub_id']
+    assert model.num_classes == 0  # a backbone, like timm's MAE / DINO tags
     state = model.state_dict()
     fresh_model = timm.create_model('aft_conv_small')
     dim = 384
@@ -69,15 +70,31 @@ def test_deit_tag_loads_through_the_hub_path_and_transfers_exactly(tmp_path, off
             assert tensor.shape == fresh_model.state_dict()[key].shape
         else:
             assert torch.equal(tensor, source[key]), key
-    assert 'cls_token' in source and 'pos_embed' in source
+    assert 'cls_token' in source and 'pos_embed' in source and 'head.weight' in source
     out = model(torch.randn(2, 3, 224, 224))
-    assert out.shape == (2, 1000) and torch.isfinite(out).all()
-    # timm's own pretrained-loading contract: other input channels and a new head
+    assert out.shape == (2, dim) and torch.isfinite(out).all()
+    # timm's own pretrained-loading contract: other input channels and a new head; DeiT's head is never taken
     gray = timm.create_model('aft_conv_small.deit_in1k', pretrained=True, in_chans=1, num_classes=5)
     torch.testing.assert_close(gray.patch_embed.proj.weight, source['patch_embed.proj.weight'].sum(1, keepdim=True))
     assert gray(torch.randn(1, 1, 224, 224)).shape == (1, 5)
-    assert timm.create_model('aft_conv_small.deit_in1k', pretrained=True, num_classes=0)(
-        torch.randn(1, 3, 224, 224)).shape == (1, 384)
+    imagenet = timm.create_model('aft_conv_small.deit_in1k', pretrained=True, num_classes=1000)
+    assert imagenet.head.weight.shape == source['head.weight'].shape
+    assert not torch.equal(imagenet.head.weight, source['head.weight'])
+
+
+def test_no_tag_presents_a_trained_classifier():
+    """What ``pretrained=True`` gives: the listed tags are DeiT backbones (num_classes=0, no test size); each
+    architecture's default is '.untrained', where ``pretrained=True`` fails as timm does for models without weights."""
+    listed = timm.list_models('aft_*', pretrained=True)
+    assert len(listed) == 16 and all(name.endswith('.deit_in1k') for name in listed)
+    for name in listed:
+        cfg = timm.models.get_pretrained_cfg(name)
+        assert cfg.has_weights and cfg.num_classes == 0 and cfg.test_input_size is None, name
+    for architecture in timm.list_models('aft_*'):
+        default = timm.models.get_pretrained_cfg(architecture)
+        assert default.tag == 'untrained' and not default.has_weights and default.test_input_size is None
+        with pytest.raises(RuntimeError, match=f'No pretrained weights exist for {architecture}'):
+            timm.create_model(architecture, pretrained=True, device='meta')
 
 
 def test_transfer_report_names_everything(tmp_path):

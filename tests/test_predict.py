@@ -1,8 +1,10 @@
 """``aft-vision predict`` on real image files, a broken one among them, with published label names."""
 import numpy as np
+import pytest
 import timm
 import torch
 from PIL import Image
+from timm.models import save_for_hf
 
 from aft_vision._io import save_weights
 from aft_vision.cli import main as cli_main
@@ -55,8 +57,29 @@ def test_predict_uses_published_label_names(tmp_path, capsys):
 
 def test_no_readable_image_is_an_error(tmp_path, capsys):
     _, bad = _images(tmp_path)
-    assert cli_main(['predict', *bad, '--model', 'aft_conv_test']) == 2
+    checkpoint = tmp_path / 'w.safetensors'
+    save_weights(timm.create_model('aft_conv_test', num_classes=3).state_dict(), checkpoint)
+    assert cli_main(['predict', *bad, '--model', 'aft_conv_test', '--checkpoint', str(checkpoint)]) == 2
     assert 'no image could be read' in capsys.readouterr().err
+
+
+@pytest.mark.parametrize('model, pretrained, why', [
+    ('aft_conv_small', False, 'aft_conv_small without --pretrained or --checkpoint has random weights'),
+    ('aft_conv_small', True, 'aft_conv_small has no pretrained weights (tag .untrained)'),
+    ('aft_conv_small.deit_in1k', True, 'aft_conv_small.deit_in1k has no trained classifier'),
+    ('backbone-folder', False, 'has no classifier (num_classes=0)'),
+])
+def test_predict_refuses_weights_without_a_trained_classifier(model, pretrained, why, tmp_path, capsys):
+    """No weights, a DeiT backbone tag or a headless folder: one line saying what to do, nothing downloaded."""
+    good, _ = _images(tmp_path)
+    if model == 'backbone-folder':
+        save_for_hf(timm.create_model('aft_conv_test', num_classes=0), str(tmp_path / 'hub'), safe_serialization=True)
+        model = f'local-dir:{tmp_path / "hub"}'
+    assert cli_main(['predict', good[0], '--model', model, *(['--pretrained'] if pretrained else [])]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert err.startswith('aft-vision: error:') and '\n' not in err and why in err and not captured.out
+    assert 'fine-tune it first' in err and 'aft-vision train --model aft_conv_' in err or 'ARCHITECTURE' in err
 
 
 def test_checkpoint_of_a_resized_architecture_with_model_kwargs(tmp_path, capsys):

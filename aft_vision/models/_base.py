@@ -332,7 +332,8 @@ def check_image(
 
 
 def adapt_vit_checkpoint(state_dict: Dict[str, torch.Tensor], model: nn.Module) -> Dict[str, torch.Tensor]:
-    """Unwrap a training checkpoint; map a DeiT / ViT one onto the AFT ``model`` (report logged at INFO)."""
+    """Unwrap a training checkpoint; map a DeiT / ViT one onto the AFT ``model`` (report logged at INFO). The DeiT
+    classifier is dropped (``transfer_vit_weights``): the converted weights are a backbone."""
     state_dict = unwrap_state_dict(state_dict)
     if is_vit_state_dict(state_dict):
         state_dict, report = transfer_vit_weights(state_dict, model)
@@ -341,11 +342,21 @@ def adapt_vit_checkpoint(state_dict: Dict[str, torch.Tensor], model: nn.Module) 
 
 
 DEIT_INIT_NOTE = (
-    'DeiT ImageNet-1k weights converted on load by the DeiT -> AFT transfer (Table 8 of the paper): an '
-    'initialisation for fine-tuning, not a trained AFT classifier. AFT-specific tensors start fresh.'
+    'DeiT ImageNet-1k weights converted on load by the DeiT -> AFT transfer (Table 8 of the paper): a backbone '
+    'initialisation for fine-tuning, not a trained AFT model. AFT-specific tensors start fresh and there is no '
+    'classifier (num_classes=0, like timm\'s MAE / DINO tags): pass num_classes=N for a fresh N-class head.'
 )
+UNTRAINED_NOTE = 'No weights: the DeiT recipe\'s preprocessing only. The .deit_in1k tag initialises fine-tuning.'
 
 
 def deit_init_cfg(cfg_fn: Callable[..., Dict[str, Any]], deit_tag: str, **kwargs) -> Dict[str, Any]:
-    """A ``.deit_in1k`` tag: ``deit_tag``'s weights from timm's Hub repository, converted by the filter."""
-    return cfg_fn(hf_hub_id=f'timm/{deit_tag}', notes=(DEIT_INIT_NOTE,), **kwargs)
+    """A ``.deit_in1k`` tag: ``deit_tag``'s weights from timm's Hub repository, converted by the filter into a
+    backbone (``num_classes=0``)."""
+    return cfg_fn(hf_hub_id=f'timm/{deit_tag}', num_classes=0, notes=(DEIT_INIT_NOTE,), **kwargs)
+
+
+def untrained_cfg(cfg_fn: Callable[..., Dict[str, Any]], **kwargs) -> Dict[str, Any]:
+    """An ``.untrained`` tag: no weights, the preprocessing of the DeiT recipe. Registered as ``'arch.untrained*'``,
+    it is the architecture's default, so ``pretrained=True`` on the bare name fails as timm does for models without
+    weights instead of loading a half-fresh network."""
+    return cfg_fn(notes=(UNTRAINED_NOTE,), **kwargs)

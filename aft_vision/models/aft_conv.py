@@ -25,7 +25,8 @@ from timm.layers import PatchEmbed, LayerNorm, get_act_layer, get_norm_layer
 from timm.models import build_model_with_cfg, checkpoint, checkpoint_seq, generate_default_cfgs, register_model
 
 from aft_vision.layers import AFTConv2d, AFTConv2dOneHot
-from ._base import PAPER_ID, AFTTransformerBase, Block, adapt_vit_checkpoint, block_indices, deit_init_cfg
+from ._base import PAPER_ID, AFTTransformerBase, Block, adapt_vit_checkpoint, block_indices, deit_init_cfg, \
+    untrained_cfg
 
 __all__ = ['AFTConvTransformer']  # register_model adds each entry point
 
@@ -226,7 +227,6 @@ def _cfg(url: str = '', **kwargs) -> Dict[str, Any]:
     return {
         'url': url,
         'num_classes': 1000, 'input_size': (3, 224, 224), 'pool_size': (14, 14),
-        'test_input_size': (3, 384, 384), 'test_pool_size': (24, 24), 'test_crop_pct': 1.0,
         'crop_pct': .9, 'interpolation': 'bicubic',
         'mean': IMAGENET_DEFAULT_MEAN, 'std': IMAGENET_DEFAULT_STD,
         'first_conv': 'patch_embed.proj', 'classifier': 'head',
@@ -235,15 +235,15 @@ def _cfg(url: str = '', **kwargs) -> Dict[str, Any]:
     }
 
 
-_cfg_384 = partial(
-    _cfg, input_size=(3, 384, 384), pool_size=(24, 24), crop_pct=1.0,
-    test_input_size=None, test_pool_size=None, test_crop_pct=None,
-)
+_cfg_384 = partial(_cfg, input_size=(3, 384, 384), pool_size=(24, 24), crop_pct=1.0)
 
 _deit_tiny, _deit_small = 'deit_tiny_patch16_224.fb_in1k', 'deit_small_patch16_224.fb_in1k'
 
 default_cfgs = generate_default_cfgs({
-    # '.deit_in1k': DeiT weights converted on load (fine-tuning initialisations, as in Table 8); '.untrained': none
+    # '.deit_in1k': DeiT weights converted on load into a backbone (num_classes=0), to fine-tune from (Table 8).
+    # '.untrained': no weights, the DeiT recipe's preprocessing; the '*' makes it the default (listed after the
+    # tags with weights, as timm's generate_default_cfgs requires), so pretrained=True needs the tag named. No
+    # test_input_size: the paper's gain at 384 (Table 7) is for its trained weights; none was measured here.
     'aft_conv_tiny.deit_in1k': deit_init_cfg(_cfg, _deit_tiny),
     'aft_conv_small.deit_in1k': deit_init_cfg(_cfg, _deit_small),
     'aft_conv_base.deit_in1k': deit_init_cfg(_cfg_384, 'deit_base_patch16_384.fb_in1k'),
@@ -255,21 +255,18 @@ default_cfgs = generate_default_cfgs({
     'aft_conv_small_15.deit_in1k': deit_init_cfg(_cfg, _deit_small),
     'aft_conv_small_11_h16.deit_in1k': deit_init_cfg(_cfg, _deit_small),
     'aft_conv_base_25_h32.deit_in1k': deit_init_cfg(_cfg_384, 'deit_base_patch16_384.fb_in1k'),
-    # no released weights yet: '.untrained' cfgs carry the preprocessing the DeiT recipe uses; trained at 224,
-    # AFT-conv is better evaluated at 384 (Table 7), hence test_input_size
-    'aft_conv_tiny.untrained': _cfg(),
-    'aft_conv_small.untrained': _cfg(),
-    'aft_conv_base.untrained': _cfg_384(),
-    'aft_conv_tiny_11.untrained': _cfg(),
-    'aft_conv_tiny_11_h32.untrained': _cfg(),
-    'aft_conv_small_3.untrained': _cfg(),
-    'aft_conv_small_7.untrained': _cfg(),
-    'aft_conv_small_11.untrained': _cfg(),
-    'aft_conv_small_15.untrained': _cfg(),
-    'aft_conv_small_11_h16.untrained': _cfg(),
-    'aft_conv_base_25_h32.untrained': _cfg_384(),
-    'aft_conv_test.untrained': _cfg(
-        input_size=(3, 64, 64), pool_size=(8, 8), test_input_size=(3, 96, 96), test_pool_size=(12, 12), crop_pct=.95),
+    'aft_conv_tiny.untrained*': untrained_cfg(_cfg),
+    'aft_conv_small.untrained*': untrained_cfg(_cfg),
+    'aft_conv_base.untrained*': untrained_cfg(_cfg_384),
+    'aft_conv_tiny_11.untrained*': untrained_cfg(_cfg),
+    'aft_conv_tiny_11_h32.untrained*': untrained_cfg(_cfg),
+    'aft_conv_small_3.untrained*': untrained_cfg(_cfg),
+    'aft_conv_small_7.untrained*': untrained_cfg(_cfg),
+    'aft_conv_small_11.untrained*': untrained_cfg(_cfg),
+    'aft_conv_small_15.untrained*': untrained_cfg(_cfg),
+    'aft_conv_small_11_h16.untrained*': untrained_cfg(_cfg),
+    'aft_conv_base_25_h32.untrained*': untrained_cfg(_cfg_384),
+    'aft_conv_test.untrained*': untrained_cfg(_cfg, input_size=(3, 64, 64), pool_size=(8, 8), crop_pct=.95),
 })
 
 

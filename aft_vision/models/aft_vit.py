@@ -30,7 +30,8 @@ from timm.layers import LayerNorm, PatchEmbed, get_act_layer, get_norm_layer, re
 from timm.models import build_model_with_cfg, checkpoint, generate_default_cfgs, register_model
 
 from aft_vision.layers import AFTFull, AFTSimple, aft_full
-from ._base import PAPER_ID, AFTTransformerBase, Block, adapt_vit_checkpoint, block_indices, deit_init_cfg
+from ._base import PAPER_ID, AFTTransformerBase, Block, adapt_vit_checkpoint, block_indices, deit_init_cfg, \
+    untrained_cfg
 
 __all__ = ['AFTVisionTransformer', 'GridAFTFull']  # register_model adds each entry point
 
@@ -464,19 +465,21 @@ def _cfg(url: str = '', **kwargs) -> Dict[str, Any]:
 
 
 default_cfgs = generate_default_cfgs({
-    # '.deit_in1k': DeiT weights converted on load (fine-tuning initialisations); '.untrained': no weights
+    # '.deit_in1k': DeiT weights converted on load into a backbone (num_classes=0), to fine-tune from.
+    # '.untrained': no weights; the '*' makes it the default (listed after the tags with weights, as timm's
+    # generate_default_cfgs requires), so pretrained=True needs the tag named.
     'aft_full_tiny.deit_in1k': deit_init_cfg(_cfg, 'deit_tiny_patch16_224.fb_in1k'),
     'aft_full_small.deit_in1k': deit_init_cfg(_cfg, 'deit_small_patch16_224.fb_in1k'),
     'aft_full_base.deit_in1k': deit_init_cfg(_cfg, 'deit_base_patch16_224.fb_in1k'),
     'aft_simple_tiny.deit_in1k': deit_init_cfg(_cfg, 'deit_tiny_patch16_224.fb_in1k'),
     'aft_simple_small.deit_in1k': deit_init_cfg(_cfg, 'deit_small_patch16_224.fb_in1k'),
-    'aft_full_tiny.untrained': _cfg(),
-    'aft_full_small.untrained': _cfg(),
-    'aft_full_base.untrained': _cfg(),
-    'aft_simple_tiny.untrained': _cfg(),
-    'aft_simple_small.untrained': _cfg(),
-    'aft_full_test.untrained': _cfg(input_size=(3, 64, 64), crop_pct=.95),
-    'aft_simple_test.untrained': _cfg(input_size=(3, 64, 64), crop_pct=.95),
+    'aft_full_tiny.untrained*': untrained_cfg(_cfg),
+    'aft_full_small.untrained*': untrained_cfg(_cfg),
+    'aft_full_base.untrained*': untrained_cfg(_cfg),
+    'aft_simple_tiny.untrained*': untrained_cfg(_cfg),
+    'aft_simple_small.untrained*': untrained_cfg(_cfg),
+    'aft_full_test.untrained*': untrained_cfg(_cfg, input_size=(3, 64, 64), crop_pct=.95),
+    'aft_simple_test.untrained*': untrained_cfg(_cfg, input_size=(3, 64, 64), crop_pct=.95),
 })
 
 
