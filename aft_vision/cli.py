@@ -1,13 +1,16 @@
 """The ``aft-vision`` command line (also ``python -m aft_vision.cli``).
 
 Each subcommand is a ``_add_<name>(subparsers)`` that declares its arguments and a ``_cmd_<name>(args) -> int``
-that runs it. Errors the user causes (bad names, missing files, bad values) end as one line on stderr, exit code 2.
+that runs it. Errors the user causes (bad names, missing files, bad values) end as one line on stderr, exit code 2:
+numbers, sizes, paths and names are checked by ``check_args`` before a subcommand starts, so nothing is written.
 """
 import argparse
+import math
 import statistics
 import sys
 import time
-from typing import Callable, List, Optional, Sequence
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -34,9 +37,9 @@ def _device(name: str) -> torch.device:
     try:
         device = torch.device(name)
     except RuntimeError as e:
-        raise ValueError(f'bad --device {name!r}: {e}') from None
+        raise ValueError(f'{name!r} is not a torch device ({e})') from None
     if device.type == 'cuda' and not torch.cuda.is_available():
-        raise ValueError(f'--device {name!r}: CUDA is not available')
+        raise ValueError(f'{name!r}: CUDA is not available')
     return device
 
 
@@ -55,8 +58,6 @@ def _add_demo(subparsers) -> None:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .layers import AFTConv2d, AFTFull
 
-    if args.repeats < 1:
-        raise ValueError(f'--repeats must be >= 1, got {args.repeats}')
     device = _device(args.device)
     torch.manual_seed(0)
     cases = [
@@ -81,27 +82,19 @@ def _add_transfer(subparsers) -> None:
     p.add_argument('--src', required=True, help='timm DeiT / ViT name (downloads its weights) or a checkpoint file')
     p.add_argument('--model', required=True, help='registered AFT model name, e.g. aft_conv_small')
     p.add_argument('--out', required=True, help='output .safetensors file')
-    p.add_argument('--num-classes', type=int, default=None, help='classes of the AFT head (default: the model\'s)')
+    p.add_argument('--num-classes', type=int, default=0,
+                   help='classes of a fresh AFT head (default: 0, a backbone like the .deit_in1k tags)')
     p.add_argument('--force', action='store_true', help='overwrite --out if it exists')
 
 
 def _cmd_transfer(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from ._io import load_weights, save_weights
     from .models import create_aft_model
     from .transfer import transfer_vit_weights
 
-    if not args.out.endswith('.safetensors'):
-        raise ValueError(f'--out must be a .safetensors file, got {args.out}')
-    if Path(args.out).exists() and not args.force:
-        raise ValueError(f'{args.out} exists; pass --force to overwrite it')
-    kwargs = {} if args.num_classes is None else {'num_classes': args.num_classes}
-    model = create_aft_model(args.model, **kwargs)
+    model = create_aft_model(args.model, num_classes=args.num_classes)
     if Path(args.src).is_file():
         source = load_weights(args.src)
-    elif Path(args.src).suffix in ('.safetensors', '.pth', '.pt', '.bin'):
-        raise FileNotFoundError(f'checkpoint file not found: {args.src}')
     else:
         import timm
         source = timm.create_model(args.src, pretrained=True).state_dict()
@@ -116,6 +109,8 @@ def _cmd_transfer(args: argparse.Namespace) -> int:
 
 def _add_publish(subparsers) -> None:
     from timm.utils import ParseKwargs
+
+    from .hub import CROP_MODES, INTERPOLATIONS
 
     p = subparsers.add_parser(
         'publish', help='publish an AFT checkpoint in timm\'s Hub layout (or --dry-run)',
@@ -146,8 +141,8 @@ def _add_publish(subparsers) -> None:
     data.add_argument('--test-input-size', type=int, nargs='+', default=None, metavar='N',
                       help='a larger size the model was evaluated at and does at least as well (validate.py uses it)')
     data.add_argument('--crop-pct', type=float, default=None, help='centre-crop fraction at evaluation, in (0, 1]')
-    data.add_argument('--crop-mode', default=None, help='center, squash or border')
-    data.add_argument('--interpolation', default=None, help='bicubic, bilinear, nearest, ...')
+    data.add_argument('--crop-mode', default=None, choices=CROP_MODES)
+    data.add_argument('--interpolation', default=None, choices=INTERPOLATIONS)
     data.add_argument('--mean', type=float, nargs='+', default=None, help='normalisation mean, 1 or C values')
     data.add_argument('--std', type=float, nargs='+', default=None, help='normalisation std, 1 or C values')
 
@@ -156,7 +151,6 @@ def _read_labels(path: Optional[str]) -> Optional[List[str]]:
     if path is None:
         return None
     import json
-    from pathlib import Path
 
     text = Path(path).read_text(encoding='utf-8')
     labels = json.loads(text) if text.lstrip().startswith('[') else [line.strip() for line in text.splitlines()]
@@ -198,7 +192,6 @@ def _add_bench(subparsers) -> None:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
 
-    _device(args.device)
     return bench.main(args)
 
 
@@ -257,8 +250,102 @@ def _cmd_show_keys(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line on stderr, exit code 2, like every other user error of the command."""
+
+    def error(self, message: str):
+        self.exit(2, f'{self.prog}: error: {message} (see {self.prog} --help)\n')
+
+
+# option -> (lowest, highest, lowest excluded); None: unbounded. List values are checked one by one.
+LIMITS: Dict[str, Tuple[Optional[float], Optional[float], bool]] = {
+    'epochs': (1, None, False), 'batch_size': (1, None, False), 'repeats': (1, None, False),
+    'warmup': (0, None, False), 'threads': (1, None, False), 'seed': (0, 2 ** 63 - 1, False),
+    'img_size': (1, None, False), 'eval_img_size': (1, None, False), 'resolutions': (16, None, False),
+    'input_size': (1, None, False), 'test_input_size': (1, None, False), 'topk': (1, None, False),
+    'heads': (1, None, False), 'query': (0, None, False), 'dpi': (10, 1200, False), 'num_classes': (0, None, False),
+    'lr': (0, None, True), 'sparsity_weight': (0, None, False), 'crop_pct': (0, 1, True), 'std': (0, None, True),
+    'mean': (None, None, False),
+}
+# options naming files that must exist, and output files with the suffix they must have (unless --force)
+INPUT_FILES = ('checkpoint', 'image', 'labels', 'results')
+OUTPUT_FILES = {'out': {'transfer': '.safetensors', 'show-bias': '.png', 'show-keys': '.png'}}
+WEIGHT_SUFFIXES = ('.safetensors', '.pth', '.pt', '.bin')
+
+
+def _option(dest: str) -> str:
+    return '--' + dest.replace('_', '-')
+
+
+def _check_number(dest: str, value: float) -> Optional[str]:
+    low, high, open_low = LIMITS[dest]
+    bad = not math.isfinite(value) or (low is not None and (value <= low if open_low else value < low)) or (
+        high is not None and value > high)
+    if not bad:
+        return None
+    lower = '' if low is None else f'> {low}' if open_low else f'>= {low}'
+    upper = '' if high is None else f'<= {high}'
+    return f'must be {" and ".join(b for b in (lower, upper) if b)}, got {value}'
+
+
+def _check_model(name: str) -> Optional[str]:
+    """None for a registered AFT model (and tag) or an existing ``local-dir:`` folder, else what is wrong."""
+    from .models import check_model_name
+
+    if name.startswith('local-dir:') and not Path(name.split(':', 1)[1]).is_dir():
+        return f'{name.split(":", 1)[1]} is not a folder'
+    try:
+        check_model_name(name)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def check_args(args: argparse.Namespace) -> Optional[str]:
+    """The first problem with a parsed command line, as '--option: why', or None: numbers in range, input files
+    present, output files of the right kind and not silently replaced, model names registered, devices available."""
+    options = vars(args)
+    for dest, value in options.items():
+        if dest in LIMITS and value is not None:
+            for number in value if isinstance(value, list) else [value]:
+                problem = _check_number(dest, number)
+                if problem:
+                    return f'{_option(dest)}: {problem}'
+        elif dest in INPUT_FILES and value is not None and not Path(value).is_file():
+            positional = dest == 'image' or (dest == 'checkpoint' and args.command == 'publish')
+            return f'{dest if positional else _option(dest)}: {value} is not a file'
+    for dest, suffixes in OUTPUT_FILES.items():
+        value, suffix = options.get(dest), suffixes.get(args.command)
+        if value is not None and suffix and Path(value).suffix.lower() != suffix:
+            return f'{_option(dest)}: must be a {suffix} file, got {value}'
+        if value is not None and Path(value).exists() and not options.get('force'):
+            return f'{_option(dest)}: {value} exists; pass --force to overwrite it'
+    out_dir = options.get('out_dir')
+    if out_dir is not None and Path(out_dir).exists() and not Path(out_dir).is_dir():
+        return f'--out-dir: {out_dir} is a file, not a folder'
+    if args.command == 'publish' and out_dir is not None and Path(out_dir).exists() and not args.force:
+        return f'--out-dir: {out_dir} exists; pass --force to replace it'
+    data_dir = options.get('data_dir')
+    if data_dir is not None and not all((Path(data_dir) / split).is_dir() for split in ('train', 'val')):
+        return f'--data-dir: {data_dir} needs train/ and val/ ImageFolders'
+    if args.command == 'transfer' and not Path(args.src).is_file():
+        import timm
+        if Path(args.src).suffix in WEIGHT_SUFFIXES or not timm.is_model(args.src):
+            return f'--src: {args.src} not found: neither a checkpoint file nor a timm model name'
+    for name in [options.get('model')] + list(options.get('models') or []):
+        problem = name and _check_model(name)
+        if problem:
+            return f'--model{"s" if options.get("models") else ""}: {problem}'
+    if options.get('device') is not None:
+        try:
+            _device(options['device'])
+        except ValueError as error:
+            return f'--device: {error}'
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog='aft-vision', description='Attention Free Transformer tools for timm.')
+    parser = _Parser(prog='aft-vision', description='Attention Free Transformer tools for timm.')
     parser.add_argument('--version', action='version', version=f'%(prog)s {__version__}')
     subparsers = parser.add_subparsers(dest='command', required=True, metavar='COMMAND')
     _add_demo(subparsers)
@@ -277,6 +364,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
+        problem = check_args(args)
+        if problem:  # as argparse reports a bad value, on one line
+            parser.exit(2, f'{parser.prog} {args.command}: error: argument {problem}\n')
     except SystemExit as e:  # --help, --version, or a usage error argparse already printed
         return 0 if e.code is None else e.code if isinstance(e.code, int) else 2
     command = globals()[f'_cmd_{args.command.replace("-", "_")}']  # 'show-bias' -> _cmd_show_bias

@@ -34,8 +34,8 @@ __all__ = ['build_hub_folder', 'publish', 'load_checkpoint_into', 'source_archit
 
 # pretrained_cfg entries that say how weights were trained and evaluated (timm's resolve_data_config reads them)
 DATA_CONFIG_KEYS = ('input_size', 'test_input_size', 'crop_pct', 'crop_mode', 'interpolation', 'mean', 'std')
-_INTERPOLATIONS = ('nearest', 'bilinear', 'bicubic', 'box', 'hamming', 'lanczos')
-_CROP_MODES = ('center', 'squash', 'border')
+INTERPOLATIONS = ('nearest', 'bilinear', 'bicubic', 'box', 'hamming', 'lanczos')
+CROP_MODES = ('center', 'squash', 'border')
 # create_model's own arguments: given separately by its callers (transformers' TimmWrapper passes num_classes)
 _CLIENT_ARGS = ('num_classes', 'in_chans', 'global_pool')
 # numeric entries of the main job's results.json that are settings of the run, not metrics for the model card
@@ -185,10 +185,10 @@ def _check_data_config(config: Dict[str, Any], in_chans: int) -> Dict[str, Any]:
             if not isinstance(value, (int, float)) or not 0 < value <= 1:
                 raise ValueError(f'crop_pct must be in (0, 1], got {value!r}')
             value = float(value)
-        elif key == 'crop_mode' and value not in _CROP_MODES:
-            raise ValueError(f'crop_mode must be one of {_CROP_MODES}, got {value!r}')
-        elif key == 'interpolation' and value not in _INTERPOLATIONS:
-            raise ValueError(f'interpolation must be one of {_INTERPOLATIONS}, got {value!r}')
+        elif key == 'crop_mode' and value not in CROP_MODES:
+            raise ValueError(f'crop_mode must be one of {CROP_MODES}, got {value!r}')
+        elif key == 'interpolation' and value not in INTERPOLATIONS:
+            raise ValueError(f'interpolation must be one of {INTERPOLATIONS}, got {value!r}')
         elif key in ('mean', 'std'):
             values = [value] if isinstance(value, (int, float)) else list(value)
             if len(values) not in (1, in_chans) or not all(isinstance(v, (int, float)) for v in values):

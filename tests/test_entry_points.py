@@ -70,7 +70,7 @@ def test_cli_refuses_bad_weight_files_with_one_line(kind, command, tmp_path, cap
 
 
 @pytest.mark.parametrize('args, words', [
-    (['transfer', '--src', 'x.pth', '--model', 'aft_conv_smal', '--out', 'o.safetensors'],
+    (['transfer', '--src', 'deit_tiny_patch16_224', '--model', 'aft_conv_smal', '--out', 'o.safetensors'],
      'did you mean aft_conv_small'),
     (['transfer', '--src', 'missing.pth', '--model', 'aft_conv_test', '--out', 'o.safetensors'], 'not found'),
     (['transfer', '--src', 'x.pth', '--model', 'aft_conv_test', '--out', 'o.pth'], '.safetensors'),
