@@ -43,14 +43,14 @@ def load_weights(path: PathLike) -> Dict[str, torch.Tensor]:
     try:
         with torch.serialization.safe_globals([argparse.Namespace]):  # the arguments in timm train.py checkpoints
             checkpoint = torch.load(path, map_location='cpu', weights_only=True)
-    except pickle.UnpicklingError as error:
-        found = re.search(r'Unsupported global: GLOBAL (\S+)', str(error))
+    except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, OSError, UnicodeDecodeError) as error:
+        # the refused global, as torch names it ('Unsupported global: GLOBAL x', 'unsupported GLOBAL x', ...)
+        found = re.search(r'unsupported (?:global\w*:? )+([\w.]*\w)', str(error), re.IGNORECASE)
         if found:
             raise ValueError(f'refused to load {path}: it holds pickled objects other than tensors ({found.group(1)}); '
                              'only safetensors or weights-only PyTorch files are read') from None
-        raise ValueError(f'{path} is truncated or corrupted and cannot be read as a PyTorch file') from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError) as error:
-        raise ValueError(f'{path} is truncated or corrupted and cannot be read as a PyTorch file ({error})') from None
+        detail = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise ValueError(f'{path} is truncated or corrupted and cannot be read as a PyTorch file ({detail})') from None
     if not isinstance(checkpoint, Mapping):
         raise ValueError(f'{path} holds a {type(checkpoint).__name__}, not a state dict')
     return dict(checkpoint)

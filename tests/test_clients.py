@@ -181,10 +181,10 @@ def test_without_a_record_the_default_config_is_published_and_said(job, tmp_path
 
 
 @pytest.mark.parametrize('flags, message', [
-    (['--crop-pct', '1.5'], 'crop_pct must be in'),
+    (['--crop-pct', '1.5'], 'argument --crop-pct: must be > 0 and <= 1, got 1.5'),
     (['--input-size', '1', '32', '32'], 'has 1 channels, the model takes 3'),
-    (['--interpolation', 'cubic'], 'interpolation must be one of'),
-    (['--std', '0'], 'std must be positive'),
+    (['--interpolation', 'cubic'], "argument --interpolation: invalid choice: 'cubic'"),
+    (['--std', '0'], 'argument --std: must be > 0, got 0.0'),
 ])
 def test_bad_data_config_flags_are_one_line_errors_and_write_nothing(job, tmp_path, capsys, flags, message):
     out, _ = job
