@@ -223,11 +223,25 @@ def plot_curves(history: List[Dict], path: Path) -> None:
     save_figure(fig, path, dpi=100)
 
 
+def _check_model_and_sizes(args: argparse.Namespace, model_kwargs: Dict) -> None:
+    """The model's arguments and both image sizes, on a meta-device copy: before the data set or anything is written."""
+    probe = create_aft_model(args.model, device='meta', **model_kwargs)
+    for option, size in (('--img-size', args.img_size), ('--eval-img-size', args.eval_img_size)):
+        try:
+            probe._check_input(torch.empty(1, probe.in_chans, size, size, device='meta'))
+        except ValueError as error:
+            raise ValueError(f'{option} {size}: {error}') from None
+
+
 def run(args: argparse.Namespace) -> Dict:
     """The whole job; returns the results written to ``results.json`` (an empty dict on ranks other than 0)."""
     start = time.perf_counter()
     if args.pretrained:
         check_pretrained(args.model)
+    model_kwargs = dict(args.model_kwargs or {})
+    if args.model == 'aft_conv_test' and not args.data_dir:
+        model_kwargs = dict(DIGITS_MODEL, **model_kwargs)
+    _check_model_and_sizes(args, model_kwargs)
     rank, world_size, device = _init_distributed(args.device)
     out = Path(args.out_dir)
     try:
@@ -242,9 +256,6 @@ def run(args: argparse.Namespace) -> Dict:
         for split in ('train', 'val'):
             if not (data_dir / split).is_dir():
                 raise FileNotFoundError(f'{data_dir / split} not found: --data-dir needs train/ and val/ ImageFolders')
-        model_kwargs = dict(args.model_kwargs or {})
-        if args.model == 'aft_conv_test' and not args.data_dir:
-            model_kwargs = dict(DIGITS_MODEL, **model_kwargs)
         model, history, classes = train(data_dir, args.model, args.epochs, args.img_size, args.batch_size, args.lr,
                                         args.seed, args.sparsity_weight, model_kwargs, args.pretrained, device,
                                         rank, world_size)

@@ -140,3 +140,17 @@ def test_existing_outputs_are_not_replaced_without_force(command, setup, capsys)
     assert '\n' not in err and 'exists; pass --force' in err
     assert sorted(p.name for p in out.iterdir()) == [target.name]
     assert command == 'publish' or target.read_bytes() == b'keep'
+
+
+@pytest.mark.parametrize('extra, words', [
+    (['--img-size', '30'], '--img-size 30: input size 30x30 is not a multiple of the patch size 4x4'),
+    (['--model', 'aft_full_test'], '--img-size 32: input size 32x32 does not match the 64x64'),
+    (['--model-kwargs', 'foo=1'], "unexpected keyword argument 'foo'"),
+])
+def test_train_checks_the_model_and_sizes_before_writing_the_data_set(extra, words, setup, capsys):
+    """What only the model knows (its arguments, patch size, fixed input size), checked on a meta-device copy."""
+    _, out, valid = setup
+    assert cli_main(['train', *valid['train'], *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith('aft-vision: error:') and '\n' not in err and words in err, err
+    assert not list(out.iterdir())
