@@ -1,5 +1,5 @@
 """The last step every AFT operator shares: ``sigmoid(q) * N / D``, and its gradient."""
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -20,14 +20,22 @@ def gate_backward(
         q: torch.Tensor,
         numerator: torch.Tensor,
         denominator: torch.Tensor,
+        out: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of ``gate`` with respect to q, N (..., C) and D (..., Ck)."""
+    """Gradients of ``gate`` with respect to q, N (..., C) and D (..., Ck). With ``out`` (..., C + Ck) given (no
+    autograd), the gradients of N and D are written into it, side by side, and returned as its views."""
     denominator = denominator.clamp_min(TINY).unsqueeze(-1)  # (..., Ck, 1)
     mixed = numerator.unflatten(-1, (denominator.shape[-2], -1)) / denominator  # (..., Ck, C / Ck)
     grad_out = grad_out.unflatten(-1, mixed.shape[-2:])
     gate_q = torch.sigmoid(q).unflatten(-1, mixed.shape[-2:])
-    grad_q = grad_out * mixed * gate_q * (1 - gate_q)
     gated = grad_out * gate_q
-    grad_num = gated / denominator
-    grad_den = -(gated * mixed).sum(-1) / denominator.squeeze(-1)  # (..., Ck)
+    channels = q.shape[-1]
+    scaled = gated * mixed  # grad_out * sigmoid(q) * N / D, (..., Ck, C / Ck)
+    if out is None:
+        grad_num, grad_den = gated.div_(denominator), scaled.sum(-1)
+    else:  # copies into the views: torch.compile takes no strided out= tensors
+        grad_num = out[..., :channels].unflatten(-1, mixed.shape[-2:]).copy_(gated).div_(denominator)
+        grad_den = out[..., channels:].copy_(scaled.sum(-1))
+    grad_den = grad_den.div_(denominator.squeeze(-1)).neg_()  # (..., Ck)
+    grad_q = scaled.mul_(gate_q.neg_().add_(1.0))  # times 1 - sigmoid(q)
     return grad_q.flatten(-2), grad_num.flatten(-2), grad_den

@@ -73,15 +73,30 @@ def _bias_grad(grad_log_w: torch.Tensor, w: torch.Tensor, grid: Optional[Tuple[i
     return grad_w
 
 
-def _tokens(k: torch.Tensor, v: torch.Tensor, heads: int, reverse: bool):
-    """X per head (G, T, B * n) with n = (C + Ck) / G columns per image (positions reversed if ``reverse``), and
-    exp(k - kmax) (B, T, Ck), exp(k - kmax) v (B, T, Ck, C / Ck)."""
+def _tokens(k: torch.Tensor, v: torch.Tensor, heads: int):
+    """X per head (G, T, B * n) with n = (C + Ck) / G columns per image, by concatenation (plain autograd:
+    TorchScript)."""
+    batch, num_keys, channels = v.shape
+    exp_k = torch.exp(k - k.amax(dim=1, keepdim=True).detach())  # (B, T, Ck), max 1 per image and channel
+    exp_kv = exp_k.unsqueeze(-1) * v.view(batch, num_keys, k.shape[-1], -1)  # (B, T, Ck, C / Ck)
+    tokens = torch.cat([exp_kv.reshape(batch, num_keys, heads, -1), exp_k.view(batch, num_keys, heads, -1)], dim=-1)
+    return tokens.permute(2, 1, 0, 3).reshape(heads, num_keys, -1)  # (G, T, B * n)
+
+
+def _tokens_into(k: torch.Tensor, v: torch.Tensor, heads: int):
+    """X per head (G, T, B * n) written in place (no autograd), and its views exp(k - kmax) (B, T, Ck) and
+    exp(k - kmax) v (B, T, Ck, C / Ck)."""
     batch, num_keys, channels = v.shape
     key_channels = k.shape[-1]
-    exp_k = torch.exp(k - k.amax(dim=1, keepdim=True).detach())  # (B, T, Ck), max 1 per image and channel
-    exp_kv = exp_k.unsqueeze(-1) * v.view(batch, num_keys, key_channels, -1)  # (B, T, Ck, C / Ck)
-    tokens = torch.cat([exp_kv.reshape(batch, num_keys, heads, -1), exp_k.view(batch, num_keys, heads, -1)], dim=-1)
-    return tokens.permute(2, 1, 0, 3).reshape(heads, num_keys, -1), exp_k, exp_kv  # (G, T, B * n)
+    per_head = channels // heads
+    tokens = v.new_empty(heads, num_keys, batch, per_head + key_channels // heads)  # (G, T, B, n)
+    layout = tokens.permute(2, 1, 0, 3)  # (B, T, G, n), a view
+    keys = layout[..., per_head:].copy_(k.view(batch, num_keys, heads, -1))  # (B, T, G, Ck / G)
+    keys.sub_(k.amax(dim=1).view(batch, 1, heads, -1)).exp_()  # max 1 per image and channel
+    values = layout[..., :per_head].unflatten(-1, (-1, channels // key_channels))  # (B, T, G, Ck / G, C / Ck)
+    values.copy_(v.view(values.shape)).mul_(keys.unsqueeze(-1))
+    exp_k, exp_kv = keys.flatten(2), values.flatten(2, 3)  # views where G = 1 or G = Ck
+    return tokens.view(heads, num_keys, -1), exp_k, exp_kv
 
 
 def _split(sums: torch.Tensor, batch: int, channels: int, key_channels: int, reverse: bool):
@@ -113,10 +128,12 @@ def _mm(a: torch.Tensor, b: torch.Tensor, mm_dtype: torch.dtype) -> torch.Tensor
     return torch.bmm(a.to(mm_dtype), b.to(mm_dtype)).to(a.dtype)
 
 
-def dense_sums(k: torch.Tensor, v: torch.Tensor, log_w: torch.Tensor, reverse: bool, mm_dtype: torch.dtype):
+def dense_sums(k: torch.Tensor, v: torch.Tensor, log_w: torch.Tensor, reverse: bool, mm_dtype: torch.dtype,
+               tokens: Optional[torch.Tensor] = None):
     """N (B, T, C) and D (B, T, Ck) for key-major log weights (G, T, T) from ``log_weights`` (``reverse``: an AFT-conv
-    layout); plain autograd (TorchScript)."""
-    tokens, _, _ = _tokens(k, v, log_w.shape[0], reverse)
+    layout); plain autograd (TorchScript) unless ``tokens`` (G, T, B * n) come from ``_tokens_into``."""
+    if tokens is None:
+        tokens = _tokens(k, v, log_w.shape[0])
     sums = _mm(_weights(log_w, reverse).transpose(1, 2), tokens, mm_dtype)  # (G, T queries, B * n)
     return _split(sums, v.shape[0], v.shape[-1], k.shape[-1], reverse)
 
@@ -135,7 +152,9 @@ class DenseMix(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, w)  # as given: under autocast, 16-bit views of the projection's output
         ctx.grid, ctx.causal, ctx.dtype, ctx.mm_dtype = grid, causal, dtype, mm_dtype
         q, k, v, w = (x.to(dtype) for x in (q, k, v, w))
-        numerator, denominator = dense_sums(k, v, log_weights(w, grid, causal), grid is not None, mm_dtype)
+        log_w = log_weights(w, grid, causal)
+        tokens, _, _ = _tokens_into(k, v, log_w.shape[0])
+        numerator, denominator = dense_sums(k, v, log_w, grid is not None, mm_dtype, tokens)
         ctx.mark_non_differentiable(denominator)
         return gate(q, numerator, denominator), denominator
 
@@ -148,7 +167,7 @@ class DenseMix(torch.autograd.Function):
         with no_autocast(q.device):
             weights = _weights(log_weights(w, ctx.grid, ctx.causal), reverse)  # (G, T keys, T queries), recomputed
             heads = weights.shape[0]
-            tokens, exp_k, exp_kv = _tokens(k, v, heads, reverse)  # (G, T, B * n)
+            tokens, exp_k, exp_kv = _tokens_into(k, v, heads)  # (G, T, B * n)
             sums = _mm(weights.transpose(1, 2), tokens, ctx.mm_dtype)
             numerator, denominator = _split(sums, batch, channels, key_channels, reverse)
             grad_q, grad_num, grad_den = gate_backward(grad_out.to(ctx.dtype), q, numerator, denominator)

@@ -9,9 +9,10 @@ The kernel is negative where w < 0, so D can lose relative accuracy ``eps * exp(
 (float32: 1e-3 at min w = -9.7): the arithmetic here always runs in float32 (float64 for float64 inputs), and the
 'cpu' policy recomputes exactly any entry whose D fell below a fraction of its scale (``functional.py``).
 
-``DepthwiseMix`` is the autograd Function: it saves only q, k, v, w and recomputes the rest in backward; the
-gradients of the tokens and of the (C + h, s, s) kernel come from one ``convolution_backward``, the kernel's are
-summed per head into the (h, s, s) bias.
+``DepthwiseMix`` is the autograd Function: it saves only q, k, v, w and recomputes the rest in backward. X and the
+gradient of [N | D] are each written into one (B, H, W, C + h) buffer, no concatenation. The convolution's two
+gradients come from ``depthwise_conv_backward`` by the method ``dispatch.choose_depthwise_backward`` names; the
+kernel's are summed per head into the (h, s, s) bias.
 """
 from typing import Tuple
 
@@ -19,17 +20,30 @@ import torch
 import torch.nn.functional as F
 
 from ._gate import gate, gate_backward
+from .dispatch import choose_depthwise_backward
 from .policy import no_autocast
 
-__all__ = ['DepthwiseMix', 'depthwise_mix', 'depthwise_sums']
+__all__ = ['DepthwiseMix', 'depthwise_mix', 'depthwise_sums', 'depthwise_conv_backward']
 
 
 def _tokens(k: torch.Tensor, v: torch.Tensor):
-    """X (B, H, W, C + h), exp(k - kmax) (B, H, W, h) and exp(k - kmax) v (B, H, W, h, d)."""
+    """X (B, H, W, C + h) by concatenation (plain autograd: TorchScript)."""
     batch, height, width, num_heads = k.shape
     exp_k = torch.exp(k - k.amax(dim=(1, 2), keepdim=True).detach())  # (B, H, W, h), max 1 per image and head
     exp_kv = exp_k.unsqueeze(-1) * v.view(batch, height, width, num_heads, -1)  # (B, H, W, h, d)
-    return torch.cat([exp_kv.flatten(3), exp_k], dim=-1), exp_k, exp_kv
+    return torch.cat([exp_kv.flatten(3), exp_k], dim=-1)
+
+
+def _tokens_into(k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """X (B, H, W, C + h) written in place (no autograd), and its views exp(k - kmax) (B, H, W, h) and
+    exp(k - kmax) v (B, H, W, h, d)."""
+    batch, height, width, num_heads = k.shape
+    channels = v.shape[-1]
+    tokens = v.new_empty(batch, height, width, channels + num_heads)
+    exp_k = tokens[..., channels:].copy_(k).sub_(k.amax(dim=(1, 2), keepdim=True)).exp_()  # max 1 per image and head
+    exp_kv = tokens[..., :channels].unflatten(-1, (num_heads, -1))  # (B, H, W, h, d), a view
+    exp_kv.copy_(v.view(batch, height, width, num_heads, -1)).mul_(exp_k.unsqueeze(-1))
+    return tokens, exp_k, exp_kv
 
 
 def _kernel(w: torch.Tensor, head_dim: int):
@@ -48,16 +62,60 @@ def _nchw(tokens: torch.Tensor, contiguous: bool) -> torch.Tensor:
     return x.contiguous() if contiguous else x
 
 
+def _local(x: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
+    """The windowed sums (B, H, W, n) of x (B, n, H, W) by the depthwise kernel (n, 1, s, s), zero padded."""
+    return F.conv2d(x, kernel, padding=kernel.shape[-1] // 2, groups=kernel.shape[0]).permute(0, 2, 3, 1)
+
+
+def depthwise_conv_backward(grad: torch.Tensor, x: torch.Tensor, kernel: torch.Tensor,
+                            method: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of ``F.conv2d(x, kernel, padding=s // 2, groups=n)`` (odd s) for the upstream ``grad``.
+
+    ``'forward_conv'``: both by forward depthwise convolutions, the same products as the native backward summed in
+    another order. The input's is the convolution of ``grad`` with the flipped kernel; the kernel's, per image, the
+    convolution of x (padded by s // 2) with that image's ``grad`` as an (n, 1, H, W) kernel, summed over images.
+    ``'convolution_backward'``: ``aten.convolution_backward``.
+
+    Args:
+        grad: Upstream gradient (B, n, H, W), any strides.
+        x: Input (B, n, H, W).
+        kernel: Depthwise kernel (n, 1, s, s).
+        method: ``'forward_conv'`` or ``'convolution_backward'``.
+
+    Returns:
+        The gradients of x (B, n, H, W) and of the kernel (n, 1, s, s).
+    """
+    groups, pad = kernel.shape[0], kernel.shape[-1] // 2
+    if method == 'convolution_backward':
+        grad_x, grad_kernel, _ = torch.ops.aten.convolution_backward(
+            grad, x, kernel, None, [1, 1], [pad, pad], [1, 1], False, [0, 0], groups, [True, True, False])
+        return grad_x, grad_kernel
+    if method != 'forward_conv':
+        raise ValueError(f"method must be 'forward_conv' or 'convolution_backward', got {method!r}")
+    grad_x = F.conv2d(grad, kernel.flip(-2, -1), padding=pad, groups=groups)
+    per_image = grad.contiguous()  # (B, n, H, W): image b is a contiguous (n, 1, H, W) kernel
+    grad_kernel = F.conv2d(x[:1], per_image[0].unsqueeze(1), padding=pad, groups=groups)  # (1, n, s, s)
+    for b in range(1, x.shape[0]):
+        grad_kernel += F.conv2d(x[b:b + 1], per_image[b].unsqueeze(1), padding=pad, groups=groups)
+    return grad_x, grad_kernel.view(kernel.shape)
+
+
 def depthwise_sums(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor,
                    contiguous: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    """[N | D] (B, H, W, C + h) by the depthwise convolution; plain autograd (TorchScript, recomputation). Also the
-    scale of D, ``exp(-m) * sum exp(k - kmax)`` (B, 1, 1, h), detached: the global term D's cancellation eats into."""
-    tokens, _, _ = _tokens(k, v)
+    """[N | D] (B, H, W, C + h) by the depthwise convolution; plain autograd (TorchScript). Also the scale of D,
+    ``exp(-m) * sum exp(k - kmax)`` (B, 1, 1, h), detached: the global term D's cancellation eats into."""
+    tokens = _tokens(k, v)
     kernel, floor, _ = _kernel(w, v.shape[-1] // k.shape[-1])
-    s = w.shape[-1]
-    local = F.conv2d(_nchw(tokens, contiguous), kernel, padding=s // 2, groups=kernel.shape[0])
     global_term = tokens.sum(dim=(1, 2), keepdim=True) * floor  # (B, 1, 1, C + h)
-    return local.permute(0, 2, 3, 1) + global_term, global_term[..., v.shape[-1]:].detach()
+    return _local(_nchw(tokens, contiguous), kernel) + global_term, global_term[..., v.shape[-1]:].detach()
+
+
+def _sums_into(tokens: torch.Tensor, kernel: torch.Tensor, floor: torch.Tensor, contiguous: bool):
+    """[N | D] (B, H, W, C + h) and the global term (B, 1, 1, C + h), no autograd: the global term is added in place
+    to the convolution's output, and the convolution's input (B, C + h, H, W) is returned for the backward pass."""
+    x = _nchw(tokens, contiguous)
+    global_term = tokens.sum(dim=(1, 2), keepdim=True).mul_(floor)  # (B, 1, 1, C + h)
+    return _local(x, kernel).add_(global_term), global_term, x
 
 
 class DepthwiseMix(torch.autograd.Function):
@@ -65,6 +123,7 @@ class DepthwiseMix(torch.autograd.Function):
 
     Inputs: q, v (B, H, W, C), k (B, H, W, h), w (h, s, s), any float dtypes, computed in ``dtype``. Returns the output
     (B, H, W, C) and, not differentiable, D (B, H, W, h) and its scale (B, 1, 1, h) for the caller's exactness check.
+    The convolution's gradients take ``dispatch.choose_depthwise_backward``'s method for the input's device type.
     """
 
     @staticmethod
@@ -72,9 +131,11 @@ class DepthwiseMix(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, w)
         ctx.contiguous, ctx.dtype = contiguous, dtype
         q, k, v, w = (x.to(dtype) for x in (q, k, v, w))
-        sums, scale = depthwise_sums(k, v, w, contiguous)
         channels = q.shape[-1]
-        denominator = sums[..., channels:]
+        tokens, _, _ = _tokens_into(k, v)
+        kernel, floor, _ = _kernel(w, channels // k.shape[-1])
+        sums, global_term, _ = _sums_into(tokens, kernel, floor, contiguous)
+        denominator, scale = sums[..., channels:], global_term[..., channels:]
         ctx.mark_non_differentiable(denominator, scale)
         return gate(q, sums[..., :channels], denominator), denominator, scale
 
@@ -84,21 +145,18 @@ class DepthwiseMix(torch.autograd.Function):
         q, k, v, w = (x.to(ctx.dtype) for x in inputs)
         channels, num_heads, s = q.shape[-1], k.shape[-1], w.shape[-1]
         with no_autocast(q.device):
-            tokens, exp_k, exp_kv = _tokens(k, v)  # (B, H, W, C + h)
+            tokens, exp_k, exp_kv = _tokens_into(k, v)  # (B, H, W, C + h)
             kernel, floor, inside = _kernel(w, channels // num_heads)
-            x = _nchw(tokens, ctx.contiguous)
-            local = F.conv2d(x, kernel, padding=s // 2, groups=kernel.shape[0])
-            sums = local.permute(0, 2, 3, 1) + tokens.sum(dim=(1, 2), keepdim=True) * floor
-            grad_q, grad_num, grad_den = gate_backward(
-                grad_out.to(ctx.dtype), q, sums[..., :channels], sums[..., channels:])
-            grad_sums = torch.cat([grad_num, grad_den], dim=-1)  # (B, H, W, C + h)
-            grad_x, grad_kernel, _ = torch.ops.aten.convolution_backward(
-                _nchw(grad_sums, ctx.contiguous), x, kernel, None, [1, 1], [s // 2, s // 2], [1, 1], False, [0, 0],
-                kernel.shape[0], [True, True, False])
-        grad_tokens = grad_x.permute(0, 2, 3, 1) + grad_sums.sum(dim=(1, 2), keepdim=True) * floor
-        grad_kv = grad_tokens[..., :channels].view(exp_kv.shape)  # (B, H, W, h, d)
+            sums, _, x = _sums_into(tokens, kernel, floor, ctx.contiguous)
+            grad_sums = torch.empty_like(tokens)  # (B, H, W, C + h): [grad N | grad D]
+            grad_q, _, _ = gate_backward(
+                grad_out.to(ctx.dtype), q, sums[..., :channels], sums[..., channels:], out=grad_sums)
+            grad_x, grad_kernel = depthwise_conv_backward(
+                _nchw(grad_sums, ctx.contiguous), x, kernel, choose_depthwise_backward(q.device.type))
+        grad_tokens = grad_x.permute(0, 2, 3, 1).add_(grad_sums.sum(dim=(1, 2), keepdim=True).mul_(floor))
+        grad_kv = grad_tokens[..., :channels].unflatten(-1, (num_heads, -1))  # (B, H, W, h, d)
         grad_v = grad_kv * exp_k.unsqueeze(-1)
-        grad_k = (grad_kv * exp_kv).sum(-1) + grad_tokens[..., channels:] * exp_k
+        grad_k = grad_kv.mul_(exp_kv).sum(-1).add_(grad_tokens[..., channels:].mul_(exp_k))
         grad_kernel = grad_kernel.squeeze(1)  # (C + h, s, s): a head's value channels and its key channel
         grad_w = (grad_kernel[:channels].view(num_heads, -1, s, s).sum(1) + grad_kernel[channels:]) * inside
         grads = (grad_q, grad_k, grad_v.flatten(3), grad_w)

@@ -21,12 +21,24 @@ backward of one layer, every method, the layers of the registered models):
   arithmetic of the bfloat16 dense form; to be replaced by ``aft-vision bench --ops --device cuda``.
 
 ``'triton'`` is never chosen automatically until a measurement on the device supports it.
+
+The depthwise method's backward pass has two evaluations (``depthwise_mix.depthwise_conv_backward``), chosen per
+device type by ``DEPTHWISE_BACKWARDS`` unless ``depthwise_backward(...)`` says otherwise:
+
+* ``'forward_conv'`` (CPU and every other non-CUDA type): both gradients by forward depthwise convolutions. oneDNN's
+  depthwise backward on this CPU is 10-40x slower than its forward for AFT's large windows, the forward
+  convolutions about 1-3x the forward's time.
+* ``'convolution_backward'`` (CUDA): the library's own backward, as before; cuDNN's large-kernel depthwise backward
+  was measured slow too (GPU notes), so ``'forward_conv'`` may win there: measure it with
+  ``aft-vision bench --ops --device cuda`` (it times both).
 """
-from typing import Dict, Tuple
+import contextlib
+from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 
-__all__ = ['CONV_METHODS', 'DISPATCH_TABLES', 'choose_conv_method']
+__all__ = ['CONV_METHODS', 'DISPATCH_TABLES', 'DEPTHWISE_BACKWARD_METHODS', 'DEPTHWISE_BACKWARDS',
+           'choose_conv_method', 'choose_depthwise_backward', 'depthwise_backward']
 
 CONV_METHODS = ('dense', 'conv', 'triton')
 
@@ -35,6 +47,38 @@ DISPATCH_TABLES: Dict[str, Tuple[float, float, int]] = {
     'cpu': (7.5, 300.0, 1 << 24),
     'cuda': (16.0, 64.0, 1 << 27),
 }
+
+DEPTHWISE_BACKWARD_METHODS = ('forward_conv', 'convolution_backward')
+# device type -> how the depthwise method's backward computes the convolution's gradients; see the module docstring
+DEPTHWISE_BACKWARDS: Dict[str, str] = {'cpu': 'forward_conv', 'cuda': 'convolution_backward'}
+_backward_override: Optional[str] = None
+
+
+@contextlib.contextmanager
+def depthwise_backward(method: Optional[str]) -> Iterator[None]:
+    """Make the depthwise method's backward pass use ``method`` ('forward_conv' or 'convolution_backward') on every
+    device; ``None`` restores the per-device default. Not thread-local: set it around whole backward passes.
+
+    Example:
+        >>> with depthwise_backward('forward_conv'):  # the forward-convolution gradients on a GPU too
+        ...     aft_conv2d(q, k, v, w, method='conv').sum().backward()
+    """
+    global _backward_override
+    if method is not None and method not in DEPTHWISE_BACKWARD_METHODS:
+        raise ValueError(f"method must be one of {', '.join(DEPTHWISE_BACKWARD_METHODS)} or None, got {method!r}")
+    previous, _backward_override = _backward_override, method
+    try:
+        yield
+    finally:
+        _backward_override = previous
+
+
+def choose_depthwise_backward(device_type: str) -> str:
+    """The depthwise backward for tensors on ``device_type``: the ``depthwise_backward`` override, else the table's
+    entry (the CPU one for types it does not name)."""
+    if _backward_override is not None:
+        return _backward_override
+    return DEPTHWISE_BACKWARDS.get(device_type, DEPTHWISE_BACKWARDS['cpu'])
 
 
 def choose_conv_method(
