@@ -336,6 +336,12 @@ def check_args(args: argparse.Namespace) -> Optional[str]:
         problem = name and _check_model(name)
         if problem:
             return f'--model{"s" if options.get("models") else ""}: {problem}'
+    if options.get('pretrained') and args.command != 'predict':  # predict asks for more, a trained classifier
+        from .models import check_pretrained
+        try:
+            check_pretrained(args.model)
+        except ValueError as error:
+            return f'--pretrained: {error}'
     if options.get('device') is not None:
         try:
             _device(options['device'])

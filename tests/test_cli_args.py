@@ -114,6 +114,8 @@ def test_out_of_range_numbers_are_refused_before_any_work(command, option, dest,
     ('show-bias', ['--out', 'b.jpg'], '--out'),
     ('show-bias', ['--checkpoint', 'missing.pth'], '--checkpoint'),
     ('show-keys', ['--model', 'aft_conv_tset'], '--model'),
+    ('show-bias', ['--pretrained'], '--pretrained'),  # aft_conv_test has no weights
+    ('train', ['--pretrained'], '--pretrained'),
 ])
 def test_bad_paths_and_names_are_refused_before_any_work(command, extra, option, setup, capsys):
     inputs, out, valid = setup
