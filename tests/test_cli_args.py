@@ -7,7 +7,8 @@ import timm
 from PIL import Image
 
 from aft_vision._io import save_weights
-from aft_vision.cli import LIMITS, build_parser, check_args, main as cli_main
+from aft_vision.cli import build_parser, main as cli_main
+from aft_vision.cli_args import LIMITS, check_args
 
 SUBCOMMANDS = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
 

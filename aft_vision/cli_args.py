@@ -1,0 +1,114 @@
+"""What the ``aft-vision`` command line accepts: ``check_args`` finds the first bad number, size, path, name or
+device in a parsed command line, before its subcommand starts (so nothing is written), as '--option: why'."""
+import argparse
+import math
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+import torch
+
+__all__ = ['LIMITS', 'check_args', 'parse_device']
+
+
+def parse_device(name: str) -> torch.device:
+    """Parse a ``--device`` value; a bad or unavailable device is a user error (ValueError)."""
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f'{name!r} is not a torch device ({e})') from None
+    if device.type == 'cuda' and not torch.cuda.is_available():
+        raise ValueError(f'{name!r}: CUDA is not available')
+    return device
+
+
+# option -> (lowest, highest, lowest excluded); None: unbounded. List values are checked one by one.
+LIMITS: Dict[str, Tuple[Optional[float], Optional[float], bool]] = {
+    'epochs': (1, None, False), 'batch_size': (1, None, False), 'repeats': (1, None, False),
+    'warmup': (0, None, False), 'threads': (1, None, False), 'seed': (0, 2 ** 63 - 1, False),
+    'img_size': (1, None, False), 'eval_img_size': (1, None, False), 'resolutions': (16, None, False),
+    'input_size': (1, None, False), 'test_input_size': (1, None, False), 'topk': (1, None, False),
+    'heads': (1, None, False), 'query': (0, None, False), 'dpi': (10, 1200, False), 'num_classes': (0, None, False),
+    'lr': (0, None, True), 'sparsity_weight': (0, None, False), 'crop_pct': (0, 1, True), 'std': (0, None, True),
+    'mean': (None, None, False),
+}
+# options naming files that must exist, and output files with the suffix they must have (unless --force)
+INPUT_FILES = ('checkpoint', 'image', 'labels', 'results')
+OUTPUT_FILES = {'out': {'transfer': '.safetensors', 'show-bias': '.png', 'show-keys': '.png'}}
+WEIGHT_SUFFIXES = ('.safetensors', '.pth', '.pt', '.bin')
+
+
+def _option(dest: str) -> str:
+    return '--' + dest.replace('_', '-')
+
+
+def _check_number(dest: str, value: float) -> Optional[str]:
+    low, high, open_low = LIMITS[dest]
+    bad = not math.isfinite(value) or (low is not None and (value <= low if open_low else value < low)) or (
+        high is not None and value > high)
+    if not bad:
+        return None
+    lower = '' if low is None else f'> {low}' if open_low else f'>= {low}'
+    upper = '' if high is None else f'<= {high}'
+    return f'must be {" and ".join(b for b in (lower, upper) if b)}, got {value}'
+
+
+def _check_model(name: str) -> Optional[str]:
+    """None for a registered AFT model (and tag) or an existing ``local-dir:`` folder, else what is wrong."""
+    from .models import check_model_name
+
+    if name.startswith('local-dir:') and not Path(name.split(':', 1)[1]).is_dir():
+        return f'{name.split(":", 1)[1]} is not a folder'
+    try:
+        check_model_name(name)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def check_args(args: argparse.Namespace) -> Optional[str]:
+    """The first problem with a parsed command line, as '--option: why', or None: numbers in range, input files
+    present, output files of the right kind and not silently replaced, model names registered, devices available."""
+    options = vars(args)
+    for dest, value in options.items():
+        if dest in LIMITS and value is not None:
+            for number in value if isinstance(value, list) else [value]:
+                problem = _check_number(dest, number)
+                if problem:
+                    return f'{_option(dest)}: {problem}'
+        elif dest in INPUT_FILES and value is not None and not Path(value).is_file():
+            positional = dest == 'image' or (dest == 'checkpoint' and args.command == 'publish')
+            return f'{dest if positional else _option(dest)}: {value} not found (no such file)'
+    for dest, suffixes in OUTPUT_FILES.items():
+        value, suffix = options.get(dest), suffixes.get(args.command)
+        if value is not None and suffix and Path(value).suffix.lower() != suffix:
+            return f'{_option(dest)}: must be a {suffix} file, got {value}'
+        if value is not None and Path(value).exists() and not options.get('force'):
+            return f'{_option(dest)}: {value} exists; pass --force to overwrite it'
+    out_dir = options.get('out_dir')
+    if out_dir is not None and Path(out_dir).exists() and not Path(out_dir).is_dir():
+        return f'--out-dir: {out_dir} is a file, not a folder'
+    if args.command == 'publish' and out_dir is not None and Path(out_dir).exists() and not args.force:
+        return f'--out-dir: {out_dir} exists; pass --force to replace it'
+    data_dir = options.get('data_dir')
+    if data_dir is not None and not all((Path(data_dir) / split).is_dir() for split in ('train', 'val')):
+        return f'--data-dir: {data_dir} needs train/ and val/ ImageFolders'
+    if args.command == 'transfer' and not Path(args.src).is_file():
+        import timm
+        if Path(args.src).suffix in WEIGHT_SUFFIXES or not timm.is_model(args.src):
+            return f'--src: {args.src} not found: neither a checkpoint file nor a timm model name'
+    for name in [options.get('model')] + list(options.get('models') or []):
+        problem = name and _check_model(name)
+        if problem:
+            return f'--model{"s" if options.get("models") else ""}: {problem}'
+    if options.get('pretrained') and args.command != 'predict':  # predict asks for more, a trained classifier
+        from .models import check_pretrained
+        try:
+            check_pretrained(args.model)
+        except ValueError as error:
+            return f'--pretrained: {error}'
+    if options.get('device') is not None:
+        try:
+            parse_device(options['device'])
+        except ValueError as error:
+            return f'--device: {error}'
+    return None
