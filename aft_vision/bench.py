@@ -1,11 +1,14 @@
 """``aft-vision bench``: AFT models against their DeiT counterparts, at every resolution, in one interleaved run.
 
-For each resolution, every AFT model and its DeiT baseline (timm's ``deit_*_patch16_224`` built at that size, with
-timm's fused attention) are timed alternately after warm-up; the median of the repetitions is reported, so slow
-drifts of the machine hit both alike. Figures: inference and training-step throughput (forward + backward + AdamW
+For each resolution, the AFT models that share a DeiT baseline (timm's ``deit_*_patch16_224`` built at that size, with
+timm's fused attention, or the one ``--pairs`` names) are timed round-robin with it after warm-up; the median of the
+repetitions is reported, so slow drifts of the machine hit all alike. ``--batch-at`` sets other batch sizes at a
+resolution (e.g. fewer images for the training step at 768 px); ``--readme`` is the run behind
+``docs/performance.md``. Figures: inference and training-step throughput (forward + backward + AdamW
 step), peak memory (process RSS growth over a first call in a fresh process on CPU, ``max_memory_allocated`` on
 CUDA), the bytes autograd saves for the backward pass (parameters excluded, each storage once), parameters, GMACs
-(torch's flop counter) and achieved GFLOP/s, and each AFT / DeiT ratio. ``--compile`` times
+(torch's flop counter on one image) and achieved GFLOP/s, and each AFT / DeiT ratio; the plot draws the ratios against
+resolution. ``--compile`` times
 ``torch.compile(model, fullgraph=True)`` for both; ``--ops`` times the AFT-conv methods per layer instead
 (``bench_ops.py``).
 """
@@ -19,7 +22,7 @@ import statistics
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import timm
 import torch
@@ -32,6 +35,11 @@ __all__ = ['run_benchmark', 'add_arguments', 'main']
 
 DEFAULT_MODELS = ['aft_conv_small', 'aft_conv_small_11_h16', 'aft_conv_tiny', 'aft_full_tiny']
 BASELINES = {192: 'deit_tiny_patch16_224', 384: 'deit_small_patch16_224', 768: 'deit_base_patch16_224'}
+# --readme: the figures of docs/performance.md (batch 8; 2 images for the training step from 768 px, all at 1024 px)
+README_RUN = dict(models=DEFAULT_MODELS, resolutions=[224, 384, 768],
+                  pairs=['aft_conv_small=deit_small_patch16_224@1024',
+                         'aft_conv_base_25_h32=deit_base_patch16_384@384'],
+                  batch_at=['768=8,2', '1024=2,2'])
 
 
 class _RssPeak:
@@ -78,12 +86,15 @@ class _Case:
     """One model at one resolution: its inference and training-step closures."""
 
     def __init__(self, name: str, img_size: int, batch_size: int, device: torch.device, precision: str,
-                 compile_model: bool = False):
+                 compile_model: bool = False, train_batch_size: Optional[int] = None):
         self.name, self.device, self.precision = name, device, precision
         self.eager = timm.create_model(name, img_size=img_size, num_classes=1000).to(device)
         self.model = torch.compile(self.eager, fullgraph=True) if compile_model else self.eager
         self.images = torch.randn(batch_size, 3, img_size, img_size, device=device)
-        self.labels = torch.randint(0, 1000, (batch_size,), device=device)
+        train_batch_size = train_batch_size or batch_size
+        self.train_images = self.images if train_batch_size == batch_size else \
+            torch.randn(train_batch_size, 3, img_size, img_size, device=device)
+        self.labels = torch.randint(0, 1000, (self.train_images.shape[0],), device=device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-6)
         self.params = sum(p.numel() for p in self.model.parameters())
 
@@ -95,17 +106,18 @@ class _Case:
     def train_step(self):
         self.model.train()
         with _autocast(self.device, self.precision):
-            loss = torch.nn.functional.cross_entropy(self.model(self.images), self.labels)
+            loss = torch.nn.functional.cross_entropy(self.model(self.train_images), self.labels)
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
     def flops(self) -> int:
+        """FLOPs of one inference batch, counted on one image."""
         self.eager.eval()
         counter = FlopCounterMode(display=False)
         with torch.no_grad(), counter:
-            self.eager(self.images)
-        return counter.get_total_flops()
+            self.eager(self.images[:1])
+        return counter.get_total_flops() * self.images.shape[0]
 
     def saved_bytes(self) -> int:
         """Bytes autograd saves for the backward pass over one training forward (parameters excluded): each storage
@@ -122,7 +134,7 @@ class _Case:
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), \
                 _autocast(self.device, self.precision):
-            self.eager(self.images)
+            self.eager(self.train_images)
         return sum(storages.values())
 
     def seconds(self, fn: Callable[[], None]) -> float:
@@ -146,8 +158,8 @@ class _Case:
             getattr(self, method)()
             _sync(self.device)
             return torch.cuda.max_memory_allocated(self.device) - base
-        args = (self.name, self.images.shape[-1], self.images.shape[0], self.precision, method,
-                torch.get_num_threads())
+        images = self.images if method == 'infer' else self.train_images
+        args = (self.name, images.shape[-1], images.shape[0], self.precision, method, torch.get_num_threads())
         with multiprocessing.get_context('spawn').Pool(1) as pool:
             return pool.apply(_fresh_process_rss_peak, args)
 
@@ -172,6 +184,44 @@ def _baseline_for(model_name: str) -> str:
     return BASELINES[width]
 
 
+def parse_pairs(pairs: List[str]) -> List[Tuple[str, str, List[int]]]:
+    """``MODEL=BASELINE@RES[,RES...]`` -> (model, baseline, resolutions)."""
+    parsed = []
+    for pair in pairs:
+        try:
+            models, res = pair.split('@')
+            model, baseline = models.split('=')
+            parsed.append((model, baseline, [int(r) for r in res.split(',')]))
+        except ValueError:
+            raise ValueError(f'--pairs takes MODEL=BASELINE@RES[,RES...], got {pair!r}') from None
+    return parsed
+
+
+def parse_batch_at(entries: List[str]) -> Dict[int, Tuple[int, int]]:
+    """``RES=BATCH[,TRAIN_BATCH]`` -> {resolution: (inference batch, training batch)}."""
+    parsed = {}
+    for entry in entries:
+        try:
+            res, sizes = entry.split('=')
+            batch = [int(b) for b in sizes.split(',')]
+            if len(batch) not in (1, 2) or min(batch) < 1:
+                raise ValueError
+            parsed[int(res)] = (batch[0], batch[-1])
+        except ValueError:
+            raise ValueError(f'--batch-at takes RES=BATCH[,TRAIN_BATCH] with positive sizes, got {entry!r}') from None
+    return parsed
+
+
+def _groups(cases: List[Tuple[str, str, int]]) -> Dict[Tuple[int, str], List[str]]:
+    """(model, baseline, resolution) cases -> {(resolution, baseline): models}, resolutions ascending."""
+    groups: Dict[Tuple[int, str], List[str]] = {}
+    for model, baseline, res in sorted(cases, key=lambda case: case[2]):
+        models = groups.setdefault((res, baseline), [])
+        if model not in models:
+            models.append(model)
+    return groups
+
+
 def run_benchmark(
         models: List[str],
         resolutions: List[int],
@@ -183,47 +233,79 @@ def run_benchmark(
         train: bool = True,
         baselines: Optional[Dict[str, str]] = None,
         compile_model: bool = False,
+        pairs: Optional[List[Tuple[str, str, List[int]]]] = None,
+        batch_at: Optional[Dict[int, Tuple[int, int]]] = None,
+        peak_memory: bool = True,
 ) -> List[Dict]:
-    """Measure every model and its DeiT baseline at every resolution; one result row per (model, resolution)."""
+    """Measure every model and its DeiT baseline at every resolution; one result row per (model, resolution).
+
+    Args:
+        models: AFT models, each measured at every one of ``resolutions`` against its baseline.
+        resolutions: Image sizes (px).
+        batch_size: Images per call (both figures), unless ``batch_at`` names the resolution.
+        repeats: Timed calls per figure and model (median), round-robin over a baseline and its AFT models.
+        warmup: Untimed calls per figure and model first.
+        device: Torch device.
+        precision: 'fp32', or the autocast dtype 'bf16' / 'fp16'.
+        train: Also time the training step (forward + backward + AdamW) and count its saved bytes.
+        baselines: Model -> baseline (default: the DeiT of the model's width).
+        compile_model: Time ``torch.compile(model, fullgraph=True)``.
+        pairs: Extra (model, baseline, resolutions) cases.
+        batch_at: Resolution -> (inference batch, training batch).
+        peak_memory: Measure peak memory (a fresh process per model and figure on CPU).
+    """
     device = torch.device(device)
     baselines = baselines or {name: _baseline_for(name) for name in models}
+    cases = [(name, baselines[name], res) for res in resolutions for name in models]
+    cases += [(name, baseline, res) for name, baseline, res_list in pairs or [] for res in res_list]
+    batch_at = batch_at or {}
     rows = []
-    pairs = [(res, name) for res in resolutions for name in models]
-    for res, name in tqdm(pairs, desc='bench', unit='pair'):
-        cases = {'aft': _Case(name, res, batch_size, device, precision, compile_model),
-                 'deit': _Case(baselines[name], res, batch_size, device, precision, compile_model)}
+    groups = _groups(cases)
+    bar = tqdm(total=sum(len(names) for names in groups.values()), desc='bench', unit='pair')
+    for (res, baseline), names in groups.items():
+        infer_batch, train_batch = batch_at.get(res, (batch_size, batch_size))
+        bar.set_postfix_str(f'{res} px: {", ".join(names)} vs {baseline}')
+        group = {who: _Case(who, res, infer_batch, device, precision, compile_model, train_batch)
+                 for who in [baseline, *names]}
         tasks = {'infer': 'infer', 'train': 'train_step'} if train else {'infer': 'infer'}
-        times = {(who, task): [] for who in cases for task in tasks}
+        times = {(who, task): [] for who in group for task in tasks}
         for task, method in tasks.items():
-            for case in cases.values():
+            for case in group.values():
                 for _ in range(warmup):
                     getattr(case, method)()
-            for _ in range(repeats):  # interleaved: aft, deit, aft, deit, ...
-                for who, case in cases.items():
+            for _ in range(repeats):  # round-robin: deit, aft_1, aft_2, deit, aft_1, ...
+                for who, case in group.items():
                     times[who, task].append(case.seconds(getattr(case, method)))
-        row = {'resolution': res, 'batch_size': batch_size, 'device': str(device), 'precision': precision,
-               'threads': torch.get_num_threads(), 'compiled': compile_model}
-        for who, case in cases.items():
-            flops = case.flops()
-            infer_s = statistics.median(times[who, 'infer'])
-            row[who] = {
-                'model': case.name,
-                'params': case.params,
-                'gmacs': flops / 2 / batch_size / 1e9,
-                'infer_img_s': batch_size / infer_s,
-                'infer_gflop_s': flops / infer_s / 1e9,
-                'infer_peak_mb': case.peak_memory('infer') / 2 ** 20,
-            }
-            if train:
-                row[who]['train_img_s'] = batch_size / statistics.median(times[who, 'train'])
-                row[who]['train_peak_mb'] = case.peak_memory('train_step') / 2 ** 20
-                row[who]['train_saved_mb'] = case.saved_bytes() / 2 ** 20
-        row['ratio'] = {key: row['aft'][key] / row['deit'][key] for key in row['aft']
-                        if key not in ('model', 'params', 'gmacs') and row['deit'][key]}
-        rows.append(row)
-        del cases
+        records = {who: _record(case, times, train, peak_memory) for who, case in group.items()}
+        for name in names:
+            row = {'resolution': res, 'batch_size': infer_batch, 'train_batch_size': train_batch,
+                   'device': str(device), 'precision': precision, 'threads': torch.get_num_threads(),
+                   'compiled': compile_model, 'aft': records[name], 'deit': records[baseline]}
+            row['ratio'] = {key: row['aft'][key] / row['deit'][key] for key in row['aft']
+                            if key not in ('model', 'params', 'gmacs') and row['deit'][key]}
+            rows.append(row)
+            bar.update()
+        del group
         gc.collect()
+    bar.close()
     return rows
+
+
+def _record(case: _Case, times: Dict, train: bool, peak_memory: bool) -> Dict:
+    """One model's figures from its timings (medians) and its own measurements."""
+    batch, train_batch = case.images.shape[0], case.train_images.shape[0]
+    flops = case.flops()
+    infer_s = statistics.median(times[case.name, 'infer'])
+    record = {'model': case.name, 'params': case.params, 'gmacs': flops / 2 / batch / 1e9,
+              'infer_img_s': batch / infer_s, 'infer_gflop_s': flops / infer_s / 1e9}
+    if peak_memory:
+        record['infer_peak_mb'] = case.peak_memory('infer') / 2 ** 20
+    if train:
+        record['train_img_s'] = train_batch / statistics.median(times[case.name, 'train'])
+        if peak_memory:
+            record['train_peak_mb'] = case.peak_memory('train_step') / 2 ** 20
+        record['train_saved_mb'] = case.saved_bytes() / 2 ** 20
+    return record
 
 
 def _figure(record: Dict, key: str, fmt: str, suffix: str = '') -> str:
@@ -250,23 +332,37 @@ def markdown_table(rows: List[Dict]) -> str:
     return '\n'.join(lines)
 
 
+def summary_table(rows: List[Dict]) -> str:
+    """The README's table: one line per AFT model and resolution, its figures and its ratios to its baseline."""
+    head = '| res | model | params (M) | GMACs | infer img/s | train img/s | vs DeiT: infer | vs DeiT: train |'
+    lines = [head, '|' + '---|' * (head.count('|') - 1)]
+    for row in rows:
+        r, ratio = row['aft'], row['ratio']
+        lines.append(f"| {row['resolution']} | {r['model']} | {r['params'] / 1e6:.1f} | {r['gmacs']:.2f} | "
+                     f"{r['infer_img_s']:.2f} | {_figure(r, 'train_img_s', '.2f')} | "
+                     f"{_figure(ratio, 'infer_img_s', '.2f', 'x')} | {_figure(ratio, 'train_img_s', '.2f', 'x')} |")
+    return '\n'.join(lines)
+
+
 def plot(rows: List[Dict], path: Path) -> None:
-    """Throughput and training memory against resolution, AFT (solid) vs DeiT (dashed)."""
+    """AFT / DeiT throughput ratios against resolution (inference, training step) and inference throughput."""
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for name in dict.fromkeys(row['aft']['model'] for row in rows):
-        mine = [row for row in rows if row['aft']['model'] == name]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    for pair in dict.fromkeys((row['aft']['model'], row['deit']['model']) for row in rows):
+        mine = [row for row in rows if (row['aft']['model'], row['deit']['model']) == pair]
         res = [row['resolution'] for row in mine]
-        for who, style in (('aft', '-o'), ('deit', '--s')):
-            label = mine[0][who]['model']
-            axes[0].plot(res, [row[who]['infer_img_s'] for row in mine], style, label=label)
-            memory = [row[who].get('train_peak_mb', float('nan')) for row in mine]  # nan: --no-train rows
-            axes[1].plot(res, memory, style, label=label)
-    axes[0].set(xlabel='resolution (px)', ylabel='inference images / s', yscale='log', title='Throughput')
-    axes[1].set(xlabel='resolution (px)', ylabel='training-step peak memory (MB)', title='Memory')
+        label = f'{pair[0]} / {pair[1]}'
+        for ax, key in zip(axes, ('infer_img_s', 'train_img_s')):
+            ax.plot(res, [row['ratio'].get(key, float('nan')) for row in mine], '-o', label=label)  # nan: --no-train
+        axes[2].plot(res, [row['aft']['infer_img_s'] for row in mine], '-o', label=pair[0])
+        axes[2].plot(res, [row['deit']['infer_img_s'] for row in mine], '--s', label=pair[1])
+    for ax, title in zip(axes, ('Inference', 'Training step')):
+        ax.axhline(1.0, color='grey', lw=0.8)
+        ax.set(xlabel='resolution (px)', ylabel='AFT / DeiT images per second', title=title)
+    axes[2].set(xlabel='resolution (px)', ylabel='inference images / s', yscale='log', title='Throughput')
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
@@ -277,17 +373,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--models', nargs='+', default=DEFAULT_MODELS, help='AFT models (default: %(default)s)')
     parser.add_argument('--resolutions', nargs='+', type=int, default=[224, 384, 512, 768])
     parser.add_argument('--batch-size', type=int, default=8)
+    parser.add_argument('--batch-at', nargs='+', default=[], metavar='RES=BATCH[,TRAIN_BATCH]',
+                        help='other batch sizes at a resolution, e.g. 768=8,2 (the training step on 2 images)')
+    parser.add_argument('--pairs', nargs='+', default=[], metavar='MODEL=BASELINE@RES[,RES]',
+                        help='extra cases beyond --models x --resolutions, e.g. '
+                             'aft_conv_base_25_h32=deit_base_patch16_384@384')
     parser.add_argument('--repeats', type=int, default=5, help='timed repetitions per figure (median)')
     parser.add_argument('--warmup', type=int, default=2)
     parser.add_argument('--threads', type=int, default=None, help='torch threads (default: all cores)')
     parser.add_argument('--device', default='cpu')
     parser.add_argument('--precision', choices=['fp32', 'bf16', 'fp16'], default='fp32', help='autocast dtype')
     parser.add_argument('--no-train', action='store_true', help='skip the training-step figures')
+    parser.add_argument('--no-peak-memory', action='store_true',
+                        help='skip peak memory (on CPU a fresh process per model and figure)')
     parser.add_argument('--compile', action='store_true',
                         help='time torch.compile(model, fullgraph=True) for AFT and DeiT alike')
     parser.add_argument('--ops', action='store_true',
                         help='time every AFT-conv method on the layers of --models instead (the dispatch tables)')
+    parser.add_argument('--ops-methods', nargs='+', default=None, metavar='VARIANT',
+                        help='--ops: the variants to time (default: all of dense, conv:forward_conv, '
+                             'conv:convolution_backward and, on CUDA, triton)')
     parser.add_argument('--quick', action='store_true', help='tiny run: aft_conv_test vs test_vit at 64 px')
+    parser.add_argument('--readme', action='store_true',
+                        help=f'the run behind docs/performance.md: {README_RUN} (--repeats, --warmup still apply)')
     parser.add_argument('--out-dir', default='outputs/bench', help='where bench.json, bench.md and bench.png go')
 
 
@@ -296,12 +404,16 @@ def main(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if min(args.resolutions) < 16 or args.batch_size < 1 or args.repeats < 1:
         raise ValueError('resolutions must be >= 16 px, --batch-size and --repeats >= 1')
+    if args.readme:
+        for key, value in README_RUN.items():
+            setattr(args, key, value)
     models, baselines, resolutions = args.models, None, args.resolutions
+    pairs, batch_at = parse_pairs(args.pairs), parse_batch_at(args.batch_at)
     if args.quick:
         models, resolutions = ['aft_conv_test'], [64]
         baselines = {'aft_conv_test': 'test_vit'}
         args.repeats, args.warmup = 1, 1
-    for name in models:
+    for name in models + [model for pair in pairs for model in pair[:2]]:
         if not timm.is_model(name):
             raise ValueError(f'unknown model {name!r}; AFT models: {", ".join(timm.list_models("aft_*"))}')
     torch.manual_seed(0)
@@ -309,10 +421,11 @@ def main(args: argparse.Namespace) -> int:
         from .bench_ops import main as ops_main
         return ops_main(args, models, resolutions)
     rows = run_benchmark(models, resolutions, args.batch_size, args.repeats, args.warmup, args.device,
-                         args.precision, train=not args.no_train, baselines=baselines, compile_model=args.compile)
+                         args.precision, train=not args.no_train, baselines=baselines, compile_model=args.compile,
+                         pairs=pairs, batch_at=batch_at, peak_memory=not args.no_peak_memory)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    table = markdown_table(rows)
+    table = markdown_table(rows) + '\n\nAFT against its baseline (the README table):\n\n' + summary_table(rows)
     (out / 'bench.json').write_text(json.dumps({'command': vars(args), 'rows': rows}, indent=2))
     (out / 'bench.md').write_text(table + '\n')
     try:

@@ -2,8 +2,10 @@
 dispatch tables (``aft_vision/layers/dispatch.py``).
 
 For each model and resolution: one layer's q, k, v, w at the model's token grid, width, heads and window, timed
-forward + backward (median of the repetitions, methods interleaved) under the device's default policy and the
-chosen precision; the fastest method is set beside the one ``method='auto'`` picks.
+forward and backward separately (median of the repetitions of each, methods interleaved) under the device's default
+policy and the chosen precision; the fastest method (by forward + backward) is set beside the one ``method='auto'``
+picks. The depthwise method is timed with both backward evaluations (``dispatch.depthwise_backward``); its total
+uses the device's default one.
 """
 import argparse
 import json
@@ -17,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from .layers import AFTConv2d, aft_conv2d, choose_conv_method
+from .layers.dispatch import DEPTHWISE_BACKWARD_METHODS, choose_depthwise_backward, depthwise_backward
 
 __all__ = ['layer_shape', 'time_methods', 'main']
 
@@ -37,9 +40,19 @@ def _methods(device: torch.device) -> List[str]:
     return ['dense', 'conv'] + (['triton'] if device.type == 'cuda' and triton_available() else [])
 
 
+def variants_for(device: torch.device) -> List[str]:
+    """What ``--ops`` can time on ``device``: 'dense', 'conv:forward_conv', 'conv:convolution_backward' and, on CUDA
+    with Triton, 'triton'."""
+    variants = []
+    for method in _methods(device):
+        variants += [f'conv:{b}' for b in DEPTHWISE_BACKWARD_METHODS] if method == 'conv' else [method]
+    return variants
+
+
 def time_methods(shape: Dict[str, int], batch_size: int, device: torch.device, precision: str, repeats: int,
-                 warmup: int) -> Dict[str, float]:
-    """Median forward + backward milliseconds of ``aft_conv2d`` per method for one layer shape."""
+                 warmup: int, variants: List[str]) -> Dict[str, Dict[str, float]]:
+    """Median forward and backward milliseconds of ``aft_conv2d`` for one layer shape, per variant of
+    ``variants_for``."""
     gen = torch.Generator(device=device).manual_seed(0)
     grid = (batch_size, shape['height'], shape['width'])
     q, v = (torch.randn(*grid, shape['channels'], device=device, generator=gen, requires_grad=True) for _ in 'qv')
@@ -48,47 +61,66 @@ def time_methods(shape: Dict[str, int], batch_size: int, device: torch.device, p
                     requires_grad=True)
     dtype = {'fp32': None, 'bf16': torch.bfloat16, 'fp16': torch.float16}[precision]
 
-    def step(method):
-        inputs = [x.to(dtype) if dtype else x for x in (q, k, v)]
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-            out = aft_conv2d(*inputs, w, method=method)
-        out.float().sum().backward()
+    def sync():
         if device.type == 'cuda':
             torch.cuda.synchronize(device)
 
-    methods = _methods(device)
-    times = {method: [] for method in methods}
-    for method in methods:
+    def step(variant):
+        method, _, backward = variant.partition(':')
+        inputs = [x.to(dtype) if dtype else x for x in (q, k, v)]
+        start = time.perf_counter()
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            out = aft_conv2d(*inputs, w, method=method)
+        loss = out.float().sum()
+        sync()
+        middle = time.perf_counter()
+        with depthwise_backward(backward or None):
+            loss.backward()
+        sync()
+        return (middle - start) * 1e3, (time.perf_counter() - middle) * 1e3
+
+    times = {variant: ([], []) for variant in variants}
+    for variant in variants:
         for _ in range(warmup):
-            step(method)
+            step(variant)
     for _ in range(repeats):
-        for method in methods:
-            start = time.perf_counter()
-            step(method)
-            times[method].append((time.perf_counter() - start) * 1e3)
-    return {method: statistics.median(values) for method, values in times.items()}
+        for variant in variants:
+            for values, ms in zip(times[variant], step(variant)):
+                values.append(ms)
+    return {variant: {'forward': statistics.median(fwd), 'backward': statistics.median(bwd)}
+            for variant, (fwd, bwd) in times.items()}
 
 
 def main(args: argparse.Namespace, models: List[str], resolutions: List[int]) -> int:
     device = torch.device(args.device)
     dtype = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}[args.precision]
+    default = f'conv:{choose_depthwise_backward(device.type)}'
+    variants = args.ops_methods or variants_for(device)
+    unknown = set(variants) - set(variants_for(device))
+    if unknown or default not in variants and 'conv' in [v.partition(':')[0] for v in variants]:
+        raise ValueError(f'--ops-methods takes {", ".join(variants_for(device))} (with {default} if any conv), '
+                         f'got {variants}')
     rows = []
     pairs = [(res, name) for res in resolutions for name in models]
     for res, name in tqdm(pairs, desc='bench --ops', unit='layer'):
         shape = layer_shape(name, res)
-        ms = time_methods(shape, args.batch_size, device, args.precision, args.repeats, args.warmup)
+        split = time_methods(shape, args.batch_size, device, args.precision, args.repeats, args.warmup, variants)
+        ms = {variant.partition(':')[0]: sum(parts.values()) for variant, parts in split.items()
+              if variant.partition(':')[0] != 'conv' or variant == default}
         auto = choose_conv_method(device.type, dtype, args.batch_size, shape['height'], shape['width'],
                                   shape['channels'], shape['num_heads'], shape['kernel_size'])
         rows.append({'model': name, 'resolution': res, **shape, 'batch_size': args.batch_size,
                      'device': str(device), 'precision': args.precision, 'threads': torch.get_num_threads(),
-                     'ms': ms, 'fastest': min(ms, key=ms.get), 'auto': auto})
-    head = '| model | res | grid | C | h | s | ' + ' | '.join(f'{m} ms' for m in rows[0]['ms']) + ' | fastest | auto |'
+                     'ms': ms, 'split_ms': split, 'fastest': min(ms, key=ms.get), 'auto': auto})
+    head = ('| model | res | grid | C | h | s | ' + ' | '.join(f'{m} ms' for m in rows[0]['ms'])
+            + ' | fastest | auto | ' + ' | '.join(f'{v} fwd / bwd' for v in rows[0]['split_ms']) + ' |')
     lines = [head, '|' + '---|' * (head.count('|') - 1)]
     for row in rows:
         lines.append(f"| {row['model']} | {row['resolution']} | {row['height']}x{row['width']} | {row['channels']} | "
                      f"{row['num_heads']} | {row['kernel_size']} | "
                      + ' | '.join(f'{value:.2f}' for value in row['ms'].values())
-                     + f" | {row['fastest']} | {row['auto']} |")
+                     + f" | {row['fastest']} | {row['auto']} | "
+                     + ' | '.join(f"{t['forward']:.2f} / {t['backward']:.2f}" for t in row['split_ms'].values()) + ' |')
     table = '\n'.join(lines)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -5,20 +5,27 @@ Per layer (B images, T = H W positions, C channels, h heads, window area A = s^2
 * the dense form builds and reads its (h, T, T) weights several times (exp, products, gradient) and multiplies them
   with the tokens in one batched product of ``B T^2 (C + h)`` multiply-adds, narrow (N = B (C + h) / h) when h is
   large: cost ~ ``kappa h T^2 + B T^2 (C + h)``;
-* the depthwise convolution costs ``B T A (C + h)`` multiply-adds at a lower rate (memory-bound, large kernels far
-  from peak): cost ~ ``B T A (C + h) * ratio``.
+* the depthwise convolution costs ``B T A (C + h)`` multiply-adds at its own rate, forward and backward by forward
+  convolutions, plus a fixed cost per image (the kernel's gradient is one small convolution per image): cost ~
+  ``ratio * B T A (C + h) + beta * B``.
 
-So the dense form wins while ``T (1 + kappa h / (B (C + h))) <= ratio * A`` and its weights ``h T^2`` stay below a size
-limit. ``kappa`` (the per-weight overhead, in multiply-adds of the product) and ``ratio`` (the convolution's cost per
-multiply-add relative to the product's) are measured per device type with ``aft-vision bench --ops`` (forward +
+So the dense form wins while ``T^2 (1 + kappa h / (B (C + h))) (C + h) <= ratio T A (C + h) + beta`` (per image) and
+its weights ``h T^2`` stay below a size limit. ``kappa`` (the per-weight overhead, in multiply-adds of the product),
+``ratio`` (the convolution's cost per multiply-add relative to the product's) and ``beta`` (the convolution's cost per
+image, in multiply-adds of the product) are measured per device type with ``aft-vision bench --ops`` (forward and
 backward of one layer, every method, the layers of the registered models):
 
-* ``'cpu'``: fitted to this project's 2-core x86 CPU, float32, batch 8 (and 64 for the digits model): the faster
-  method in 13 of 14 measured layers of the registered models at 224 and 384 px, the 14th a tie (README,
-  Performance).
+* ``'cpu'``: fitted to this project's 2-core x86 CPU, float32, batch 8 (64 for the digits model), after the
+  depthwise backward moved to forward convolutions: the product ran at ~0.3 ns per multiply-add, kappa ~100 from the
+  many-head layers, the convolution from 0.09 (h = 32, s = 25) to 0.56 (h = 192, s = 11) ns per multiply-add, ratio
+  0.42 the value that keeps every measured layer on its faster method: the convolution in all eight layers of
+  aft_conv_small, _small_11_h16, _tiny and _base_25_h32 at 224 and 384 px (the closest, _base_25_h32 at 224 px,
+  71 vs 85 ms), the dense form for the digits model (4 x 4 tokens, s = 5, batch 64: 1.45 vs 3.17 ms, the per-image
+  cost beta). Figures: docs/performance.md.
 * ``'cuda'``: provisional, from the H100 figures in the project's GPU notes (float32 dense 1.4 ms vs contiguous NCHW
   depthwise 0.78 ms forward at 14 x 14, h = 384, s = 15, batch 64, before the bfloat16 products existed) and the
-  arithmetic of the bfloat16 dense form; to be replaced by ``aft-vision bench --ops --device cuda``.
+  arithmetic of the bfloat16 dense form; no per-image term (cuDNN's own backward); to be replaced by
+  ``aft-vision bench --ops --device cuda``.
 
 ``'triton'`` is never chosen automatically until a measurement on the device supports it.
 
@@ -42,10 +49,10 @@ __all__ = ['CONV_METHODS', 'DISPATCH_TABLES', 'DEPTHWISE_BACKWARD_METHODS', 'DEP
 
 CONV_METHODS = ('dense', 'conv', 'triton')
 
-# device type -> (ratio, kappa, largest h * T * T for the dense form); see the module docstring
-DISPATCH_TABLES: Dict[str, Tuple[float, float, int]] = {
-    'cpu': (7.5, 300.0, 1 << 24),
-    'cuda': (16.0, 64.0, 1 << 27),
+# device type -> (ratio, kappa, beta, largest h * T * T for the dense form); see the module docstring
+DISPATCH_TABLES: Dict[str, Tuple[float, float, float, int]] = {
+    'cpu': (0.42, 100.0, 1e5, 1 << 24),
+    'cuda': (16.0, 64.0, 0.0, 1 << 27),
 }
 
 DEPTHWISE_BACKWARD_METHODS = ('forward_conv', 'convolution_backward')
@@ -107,10 +114,11 @@ def choose_conv_method(
     Returns:
         'dense' or 'conv'.
     """
-    ratio, kappa, max_weights = DISPATCH_TABLES['cuda'] if device_type == 'cuda' else DISPATCH_TABLES['cpu']
-    num_keys = height * width
+    ratio, kappa, beta, max_weights = DISPATCH_TABLES['cuda'] if device_type == 'cuda' else DISPATCH_TABLES['cpu']
+    num_keys, width_n = height * width, channels + num_heads
     window = min(kernel_size, 2 * height - 1) * min(kernel_size, 2 * width - 1)  # the part of s x s a map can use
-    overhead = 1.0 + kappa * num_heads / (batch * (channels + num_heads))
-    if num_keys * overhead <= ratio * window and num_heads * num_keys * num_keys <= max_weights:
+    dense = num_keys * num_keys * width_n * (1.0 + kappa * num_heads / (batch * width_n))  # per image
+    conv = ratio * num_keys * window * width_n + beta
+    if dense <= conv and num_heads * num_keys * num_keys <= max_weights:
         return 'dense'
     return 'conv'
