@@ -1,8 +1,11 @@
-"""``aft-vision bench --quick`` end to end: the documented JSON fields, the table and the plot (no timing asserted)."""
+"""``aft-vision bench`` end to end on tiny models: the documented JSON fields, the tables and the plot, the options
+behind the README run, ``--ops`` (no timing asserted)."""
 import json
 
+import pytest
 import timm
 
+from aft_vision.bench import DEFAULT_MODELS, README_RUN, parse_batch_at, parse_pairs
 from aft_vision.cli import main as cli_main
 
 FIGURES = {'model', 'params', 'gmacs', 'infer_img_s', 'infer_gflop_s', 'infer_peak_mb', 'train_img_s', 'train_peak_mb',
@@ -43,3 +46,44 @@ def test_ops_times_every_method_and_names_the_auto_choice(tmp_path):
     layer = model.blocks[0].attn
     assert (row['height'], row['width']) == tuple(64 // p for p in model.patch_embed.patch_size)
     assert (row['channels'], row['num_heads'], row['kernel_size']) == (layer.dim, layer.num_heads, layer.kernel_size)
+
+
+def test_pairs_and_batch_at_share_the_baseline_and_skip_peak_memory(tmp_path):
+    assert cli_main(['bench', '--quick', '--pairs', 'aft_full_test=test_vit@64', '--batch-at', '64=2,1',
+                     '--no-peak-memory', '--out-dir', str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / 'bench.json').read_text())['rows']
+    assert [row['aft']['model'] for row in rows] == ['aft_conv_test', 'aft_full_test']
+    for row in rows:
+        assert (row['resolution'], row['batch_size'], row['train_batch_size']) == (64, 2, 1)
+        assert set(row['aft']) == FIGURES - {'infer_peak_mb', 'train_peak_mb'}
+        assert row['ratio']['train_img_s'] == row['aft']['train_img_s'] / row['deit']['train_img_s']
+    assert rows[0]['deit'] == rows[1]['deit']  # one baseline measurement, timed round-robin with both
+    table = (tmp_path / 'bench.md').read_text()
+    assert '| 64 | aft_full_test | ' in table.split('README table')[1]
+
+
+@pytest.mark.parametrize('option, value', [('--pairs', 'aft_conv_test@64'), ('--pairs', 'a=b@x'),
+                                           ('--batch-at', '64=0'), ('--batch-at', '64=2,1,1'), ('--batch-at', '64')])
+def test_malformed_pairs_and_batch_sizes_are_refused(option, value, tmp_path, capsys):
+    assert cli_main(['bench', '--quick', option, value, '--out-dir', str(tmp_path)]) == 2
+    assert option in capsys.readouterr().err
+
+
+def test_readme_run_is_the_documented_one():
+    assert README_RUN['resolutions'] == [224, 384, 768] and set(README_RUN['models']) == set(DEFAULT_MODELS)
+    assert parse_pairs(README_RUN['pairs']) == [('aft_conv_small', 'deit_small_patch16_224', [1024]),
+                                                ('aft_conv_base_25_h32', 'deit_base_patch16_384', [384])]
+    assert parse_batch_at(README_RUN['batch_at']) == {768: (8, 2), 1024: (2, 2)}
+
+
+def test_ops_times_forward_and_backward_apart_for_the_chosen_variants(tmp_path, capsys):
+    assert cli_main(['bench', '--ops', '--models', 'aft_conv_test', '--resolutions', '32', '--batch-size', '2',
+                     '--repeats', '1', '--warmup', '0', '--ops-methods', 'dense', 'conv:forward_conv',
+                     '--out-dir', str(tmp_path)]) == 0
+    (row,) = json.loads((tmp_path / 'ops.json').read_text())['rows']
+    assert set(row['split_ms']) == {'dense', 'conv:forward_conv'} and set(row['ms']) == {'dense', 'conv'}
+    for variant, method in (('dense', 'dense'), ('conv:forward_conv', 'conv')):
+        assert row['ms'][method] == sum(row['split_ms'][variant].values())
+    assert cli_main(['bench', '--ops', '--models', 'aft_conv_test', '--resolutions', '32', '--ops-methods',
+                     'conv:convolution_backward', '--out-dir', str(tmp_path)]) == 2  # the default backward missing
+    assert '--ops-methods' in capsys.readouterr().err
