@@ -50,6 +50,7 @@ def random_deit(name, tmp_path, offline_hub):
     return load_file(str(folder / 'model.safetensors'))
 
 
+@pytest.mark.slow  # about 25 s: four DeiT-small-sized models
 def test_deit_tag_loads_through_the_hub_path_and_transfers_exactly(tmp_path, offline_hub):
     source = random_deit('deit_small_patch16_224.fb_in1k', tmp_path, offline_hub)
     model = timm.create_model('aft_conv_small.deit_in1k', pretrained=True).eval()

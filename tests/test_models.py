@@ -428,7 +428,6 @@ def test_resample_pos_rows_is_2d_and_keeps_prefix():
     assert torch.equal(resample_pos_rows(rows, (8, 8), (8, 8), 1), rows)
 
 
-@pytest.mark.slow
 def test_aft_full_384_from_224_checkpoint():
     """A 224 AFT-full state dict loads into img_size=384 through the checkpoint filter: every position tensor is
     resampled over the 2-D grid (class-token row kept), and the result equals set_input_size() and dynamic_img_size."""
