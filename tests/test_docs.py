@@ -260,9 +260,6 @@ LINKS = _links()
 
 @pytest.mark.parametrize('where,page,image,target', LINKS, ids=[f'{w}:{t}' for w, _, _, t in LINKS])
 def test_relative_link_points_at_a_file(where, page, image, target):
-    path = (page.parent / target).resolve()
-    if path == ROOT / 'docs' / 'performance.md' and not path.exists():
-        pytest.skip('docs/performance.md comes with the CPU-speed work (issue 19)')
     assert (page.parent / target).exists(), f'{where}: {target} does not exist'
 
 
