@@ -14,7 +14,7 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from .cli_args import check_args, parse_device
+from .cli_args import Parser, parse_device, run_command
 from .version import __version__
 
 
@@ -188,8 +188,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def _add_train(subparsers) -> None:
     from . import train
 
-    p = subparsers.add_parser('train', help='the main job: train on the digits (or --data-dir), evaluate, publish')
-    train.add_arguments(p)
+    train.add_subcommand(subparsers)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -240,15 +239,8 @@ def _cmd_show_keys(args: argparse.Namespace) -> int:
     return 0
 
 
-class _Parser(argparse.ArgumentParser):
-    """Usage errors as one line on stderr, exit code 2, like every other user error of the command."""
-
-    def error(self, message: str):
-        self.exit(2, f'{self.prog}: error: {message} (see {self.prog} --help)\n')
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog='aft-vision', description='Attention Free Transformer tools for timm.')
+    parser = Parser(prog='aft-vision', description='Attention Free Transformer tools for timm.')
     parser.add_argument('--version', action='version', version=f'%(prog)s {__version__}')
     subparsers = parser.add_subparsers(dest='command', required=True, metavar='COMMAND')
     _add_demo(subparsers)
@@ -264,21 +256,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), run the subcommand and return its exit code."""
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-        problem = check_args(args)
-        if problem:  # as argparse reports a bad value, on one line
-            parser.exit(2, f'{parser.prog} {args.command}: error: argument {problem}\n')
-    except SystemExit as e:  # --help, --version, or a usage error argparse already printed
-        return 0 if e.code is None else e.code if isinstance(e.code, int) else 2
-    command = globals()[f'_cmd_{args.command.replace("-", "_")}']  # 'show-bias' -> _cmd_show_bias
-    try:
-        return command(args)
-    except (ValueError, TypeError, OSError, KeyError, RuntimeError) as e:  # OSError: missing or unwritable paths
-        message = e.args[0] if isinstance(e, KeyError) and e.args else e
-        print(f'{parser.prog}: error: {message}', file=sys.stderr)
-        return 2
+    return run_command(build_parser(), sys.argv[1:] if argv is None else argv, _run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    return globals()[f'_cmd_{args.command.replace("-", "_")}'](args)  # 'show-bias' -> _cmd_show_bias
 
 
 if __name__ == '__main__':

@@ -1,13 +1,16 @@
-"""What the ``aft-vision`` command line accepts: ``check_args`` finds the first bad number, size, path, name or
-device in a parsed command line, before its subcommand starts (so nothing is written), as '--option: why'."""
+"""What the ``aft-vision`` command line accepts, and how it runs a command: ``check_args`` finds the first bad
+number, size, path, name or device in a parsed command line, before its subcommand starts (so nothing is
+written), as '--option: why'; ``run_command`` parses, checks and runs, turning user errors into one line on stderr
+and exit code 2. Both ``aft_vision.cli`` and ``python -m aft_vision.train`` enter through ``run_command``."""
 import argparse
 import math
+import sys
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ['LIMITS', 'check_args', 'parse_device']
+__all__ = ['LIMITS', 'Parser', 'check_args', 'parse_device', 'run_command']
 
 
 def parse_device(name: str) -> torch.device:
@@ -112,3 +115,34 @@ def check_args(args: argparse.Namespace) -> Optional[str]:
         except ValueError as error:
             return f'--device: {error}'
     return None
+
+
+class Parser(argparse.ArgumentParser):
+    """Usage errors as one line on stderr, exit code 2, like every other user error of the command."""
+
+    def error(self, message: str):
+        self.exit(2, f'{self.prog}: error: {message} (see {self.prog} --help)\n')
+
+
+def run_command(parser: argparse.ArgumentParser, argv: Sequence[str],
+                command: Callable[[argparse.Namespace], int]) -> int:
+    """Parse ``argv`` with ``parser`` (whose subcommand sets ``args.command``), check it and run ``command(args)``.
+
+    Returns:
+        The command's exit code; 0 for ``--help`` and ``--version``; 2 for a usage error, a value ``check_args``
+        refuses (nothing has run) or an error the user caused (bad names, missing or unwritable files, bad values),
+        each reported as one line on stderr.
+    """
+    try:
+        args = parser.parse_args(argv)
+        problem = check_args(args)
+        if problem:  # as argparse reports a bad value, on one line
+            parser.exit(2, f'{parser.prog} {args.command}: error: argument {problem}\n')
+    except SystemExit as e:  # --help, --version, or a usage error argparse already printed
+        return 0 if e.code is None else e.code if isinstance(e.code, int) else 2
+    try:
+        return command(args)
+    except (ValueError, TypeError, OSError, KeyError, RuntimeError) as e:  # OSError: missing or unwritable paths
+        message = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f'{parser.prog}: error: {message}', file=sys.stderr)
+        return 2

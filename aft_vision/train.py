@@ -34,6 +34,7 @@ from torchvision.datasets import ImageFolder
 from tqdm import tqdm
 
 from ._io import save_figure, save_weights
+from .cli_args import Parser, run_command
 from .hub import publish, source_architecture
 from .models import check_pretrained, create_aft_model
 from .regularizers import position_bias_entropy
@@ -332,6 +333,14 @@ def run(args: argparse.Namespace) -> Dict:
     return results
 
 
+def add_subcommand(subparsers) -> argparse.ArgumentParser:
+    """Declare ``train`` and its arguments on an argparse ``subparsers`` (the ``aft-vision`` one, or ``main``'s)."""
+    parser = subparsers.add_parser(
+        'train', help='the main job: train on the digits (or --data-dir), evaluate, publish')
+    add_arguments(parser)
+    return parser
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--data-dir', default=None, help='ImageFolder with train/ and val/ (default: the digits)')
     parser.add_argument('--model', default='aft_conv_test', help='registered AFT model (default: %(default)s)')
@@ -353,8 +362,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from .cli import main as cli_main
-    return cli_main(['train', *(sys.argv[1:] if argv is None else argv)])
+    """``python -m aft_vision.train ARGS`` (and torchrun's ``-m aft_vision.train``): ``aft-vision train ARGS``."""
+    parser = Parser(prog='aft-vision')
+    add_subcommand(parser.add_subparsers(dest='command', required=True))
+    return run_command(parser, ['train', *(sys.argv[1:] if argv is None else argv)], _run_command)
+
+
+def _run_command(args: argparse.Namespace) -> int:
+    run(args)
+    return 0
 
 
 if __name__ == '__main__':
