@@ -9,35 +9,30 @@ huggingface_hub from the user's login or ``HF_TOKEN`` and never printed or writt
 ``model_args`` holds the architecture's own arguments only (no ``num_classes``, and ``in_chans`` / ``global_pool``
 only where they differ from the architecture's defaults: ``create_model``, transformers' ``TimmWrapper`` and timm's
 scripts give those separately), and ``pretrained_cfg`` says how the weights were trained and evaluated (input size,
-crop, interpolation, mean, std), read from the run that made the checkpoint (``read_training_record``): the main
-job's ``results.json`` or timm ``train.py``'s ``args.yaml``.
+crop, interpolation, mean, std), read from the run that made the checkpoint (``hub_records.read_training_record``:
+the main job's ``results.json`` or timm ``train.py``'s ``args.yaml``) and checked against the model
+(``hub_data_config``). The public names of both modules are importable from here as well.
 """
 import inspect
 import json
 import tempfile
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 import timm
 import torch
-from timm.data import resolve_data_config
-from timm.models import load_model_config_from_hf, parse_model_name, save_for_hf, split_model_name_tag
+from timm.models import parse_model_name, save_for_hf
 
 from ._io import atomic_dir, load_weights, sha256sum
+from .hub_data_config import CROP_MODES, INTERPOLATIONS, resolve_publish_data_config
+from .hub_records import DATA_CONFIG_KEYS, TrainingRecord, _read_json_object, read_training_record, source_architecture
 from .transfer import unwrap_state_dict
 from .version import __version__
 
 __all__ = ['build_hub_folder', 'publish', 'load_checkpoint_into', 'source_architecture', 'read_training_record',
-           'resolve_publish_data_config', 'TrainingRecord', 'DATA_CONFIG_KEYS']
+           'resolve_publish_data_config', 'TrainingRecord', 'DATA_CONFIG_KEYS', 'CROP_MODES', 'INTERPOLATIONS']
 
-# pretrained_cfg entries that say how weights were trained and evaluated (timm's resolve_data_config reads them)
-DATA_CONFIG_KEYS = ('input_size', 'test_input_size', 'crop_pct', 'crop_mode', 'interpolation', 'mean', 'std')
-INTERPOLATIONS = ('nearest', 'bilinear', 'bicubic', 'box', 'hamming', 'lanczos')
-CROP_MODES = ('center', 'squash', 'border')
-# create_model's own arguments: given separately by its callers (transformers' TimmWrapper passes num_classes)
-_CLIENT_ARGS = ('num_classes', 'in_chans', 'global_pool')
 # numeric entries of the main job's results.json that are settings of the run, not metrics for the model card
 _RUN_SETTINGS = ('epochs', 'img_size', 'eval_img_size', 'world_size', 'wall_seconds', 'seed')
 
@@ -48,191 +43,6 @@ _CITATION = """@article{zhai2021attention,
   journal={arXiv preprint arXiv:2105.14103},
   year={2021}
 }"""
-
-
-def source_architecture(name: str, model_kwargs: Optional[Dict[str, Any]] = None) -> Tuple[str, Dict[str, Any]]:
-    """The registered architecture and the arguments that rebuild ``name`` with ``model_kwargs`` applied.
-
-    For a ``local-dir:`` / ``hf-hub:`` source these are the architecture and ``model_args`` its config.json records,
-    updated by ``model_kwargs`` (the class count is left to the checkpoint's head); for a registered name, the name
-    without its pretrained tag and ``model_kwargs``. A model fine-tuned from a published folder is republished this way.
-
-    Raises:
-        FileNotFoundError: A ``local-dir:`` folder has no config.json.
-    """
-    model_kwargs = dict(model_kwargs or {})
-    source, model_id = parse_model_name(name)
-    if not source:
-        return split_model_name_tag(model_id)[0], model_kwargs
-    if source == 'hf-hub':
-        _, architecture, saved = load_model_config_from_hf(model_id)
-    else:
-        config_file = Path(model_id) / 'config.json'
-        if not config_file.is_file():
-            raise FileNotFoundError(f'{name}: no config.json in {model_id} (write one with aft-vision publish)')
-        config = json.loads(config_file.read_text())
-        architecture, saved = config['architecture'], config.get('model_args')
-    saved = {key: value for key, value in (saved or {}).items() if key != 'num_classes'}  # older folders kept it
-    return architecture, {**saved, **model_kwargs}
-
-
-@dataclass
-class TrainingRecord:
-    """How a checkpoint was trained and evaluated, read from the run that made it.
-
-    Attributes:
-        source: The file the record was read from, by name (for messages and the model card: no local paths).
-        data_config: The ``DATA_CONFIG_KEYS`` the run fixed (the main job records them all).
-        architecture: The registered architecture (or ``local-dir:`` / ``hf-hub:`` source) the run trained.
-        model_kwargs: The architecture arguments the run built it with.
-        timm_args: timm ``train.py``'s arguments: its data config is resolved from them against the model, as
-            ``train.py`` itself does (``resolve_data_config(vars(args), model=model)``).
-    """
-    source: str
-    data_config: Dict[str, Any] = field(default_factory=dict)
-    architecture: Optional[str] = None
-    model_kwargs: Dict[str, Any] = field(default_factory=dict)
-    timm_args: Optional[Dict[str, Any]] = None
-
-
-def _read_json_object(path: Path) -> Dict[str, Any]:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise ValueError(f'cannot read results file {path}: {error}') from None
-    if not isinstance(value, dict):
-        raise ValueError(f'results file {path} must hold a JSON object of metric -> value')
-    return value
-
-
-def _record_from_results(results: Dict[str, Any], path: Path) -> Optional[TrainingRecord]:
-    """The main job's ``results.json``: its ``data_config``, or (written before it was recorded) its sizes."""
-    if isinstance(results.get('data_config'), dict):
-        data_config = {k: v for k, v in results['data_config'].items() if k in DATA_CONFIG_KEYS}
-        source = f'{path.name} (aft_vision.train)'
-    elif isinstance(results.get('img_size'), int) and 'architecture' in results:
-        # earlier versions of the main job always evaluated at img_size with crop_pct 1.0 and the model's defaults
-        data_config = {'input_size': (3, results['img_size'], results['img_size']), 'crop_pct': 1.0}
-        source = f'{path.name} (aft_vision.train: evaluated at img_size with crop_pct 1.0)'
-    else:
-        return None
-    return TrainingRecord(source, data_config, results.get('architecture'), dict(results.get('model_kwargs') or {}))
-
-
-def _record_from_timm_args(args: Dict[str, Any], source: str) -> TrainingRecord:
-    return TrainingRecord(source, architecture=args.get('model') or None,
-                          model_kwargs=dict(args.get('model_kwargs') or {}), timm_args=args)
-
-
-def read_training_record(checkpoint: str, results_file: Optional[str] = None) -> Optional[TrainingRecord]:
-    """Find the record of the run that made ``checkpoint``, or None when there is none.
-
-    Looked for in this order: ``results_file`` if it is the main job's ``results.json``; ``results.json`` beside the
-    checkpoint (the main job writes it there); ``args.yaml`` beside the checkpoint (timm ``train.py``'s output
-    folder); the ``args`` timm ``train.py`` stores inside its ``.pth.tar`` checkpoints.
-
-    Raises:
-        ValueError: A results file or ``args.yaml`` that is there cannot be read.
-    """
-    folder = Path(checkpoint).parent
-    candidates = [Path(results_file)] if results_file else []
-    if (folder / 'results.json').is_file() and folder / 'results.json' not in candidates:
-        candidates.append(folder / 'results.json')
-    for path in candidates:
-        record = _record_from_results(_read_json_object(path), path)
-        if record is not None:
-            return record
-    args_file = folder / 'args.yaml'
-    if args_file.is_file():
-        import yaml  # a timm dependency; train.py writes args.yaml with yaml.safe_dump(vars(args))
-        try:
-            args = yaml.safe_load(args_file.read_text())
-        except (OSError, yaml.YAMLError) as error:
-            raise ValueError(f'cannot read timm train.py arguments {args_file}: {error}') from None
-        if not isinstance(args, dict):
-            raise ValueError(f'{args_file} must hold train.py\'s arguments as a mapping, got {type(args).__name__}')
-        return _record_from_timm_args(args, 'args.yaml (timm train.py)')
-    if Path(checkpoint).suffix != '.safetensors' and Path(checkpoint).is_file():
-        embedded = load_weights(checkpoint).get('args')
-        if embedded is not None and hasattr(embedded, '__dict__'):  # argparse.Namespace
-            source = f'the train.py arguments inside {Path(checkpoint).name}'
-            return _record_from_timm_args(dict(vars(embedded)), source)
-    return None
-
-
-def _spatial(value: Any, in_chans: int, name: str) -> Tuple[int, int, int]:
-    """``N``, ``(N,)``, ``(H, W)`` or ``(C, H, W)`` as ``(C, H, W)``; C must be the model's channel count."""
-    size = [value] if isinstance(value, int) else list(value) if isinstance(value, (list, tuple)) else None
-    if not size or len(size) not in (1, 2, 3) or not all(isinstance(n, int) and n > 0 for n in size):
-        raise ValueError(f'{name} must be N, (H, W) or (C, H, W) of positive integers, got {value!r}')
-    if len(size) == 3 and size[0] != in_chans:
-        raise ValueError(f'{name} {tuple(size)} has {size[0]} channels, the model takes {in_chans}')
-    height, width = (size * 2)[:2] if len(size) == 1 else size[-2:]
-    return in_chans, height, width
-
-
-def _check_data_config(config: Dict[str, Any], in_chans: int) -> Dict[str, Any]:
-    """Normalise and check a data config: sizes as (C, H, W), 0 < crop_pct <= 1, known modes, positive std."""
-    checked = {}
-    for key, value in config.items():
-        if value is None:
-            continue
-        if key not in DATA_CONFIG_KEYS:
-            raise ValueError(f'unknown data config entry {key!r}; known: {", ".join(DATA_CONFIG_KEYS)}')
-        if key in ('input_size', 'test_input_size'):
-            value = _spatial(value, in_chans, key)
-        elif key == 'crop_pct':
-            if not isinstance(value, (int, float)) or not 0 < value <= 1:
-                raise ValueError(f'crop_pct must be in (0, 1], got {value!r}')
-            value = float(value)
-        elif key == 'crop_mode' and value not in CROP_MODES:
-            raise ValueError(f'crop_mode must be one of {CROP_MODES}, got {value!r}')
-        elif key == 'interpolation' and value not in INTERPOLATIONS:
-            raise ValueError(f'interpolation must be one of {INTERPOLATIONS}, got {value!r}')
-        elif key in ('mean', 'std'):
-            values = [value] if isinstance(value, (int, float)) else list(value)
-            if len(values) not in (1, in_chans) or not all(isinstance(v, (int, float)) for v in values):
-                raise ValueError(f'{key} must be 1 or {in_chans} numbers, got {value!r}')
-            if key == 'std' and not all(v > 0 for v in values):
-                raise ValueError(f'std must be positive, got {value!r}')
-            value = tuple(float(v) for v in values) * (in_chans if len(values) == 1 else 1)
-        checked[key] = value
-    return checked
-
-
-def resolve_publish_data_config(
-        model: torch.nn.Module,
-        record: Optional[TrainingRecord] = None,
-        overrides: Optional[Dict[str, Any]] = None,
-) -> Tuple[Optional[Dict[str, Any]], str]:
-    """The preprocessing to publish ``model`` with, and a sentence saying where it came from.
-
-    ``overrides`` (the publish flags) win over the run's ``record``. A timm ``train.py`` record is resolved the way
-    ``train.py`` resolved its own evaluation (``resolve_data_config(vars(args), model=model)``).
-
-    Returns:
-        ``(data_config, source)``; ``data_config`` is None when neither a record nor an override says anything:
-        the architecture's default config is published then, and ``source`` says so.
-
-    Raises:
-        ValueError: An entry is malformed or does not fit the model (e.g. another channel count).
-    """
-    in_chans = getattr(model, 'in_chans', 3)
-    overrides = _check_data_config(dict(overrides or {}), in_chans)
-    if record is None:
-        if not overrides:
-            return None, (f'no record of how the weights were trained or evaluated: the default config of '
-                          f'{model.pretrained_cfg.get("architecture")}, not measured with these weights')
-        unset = [key for key in DATA_CONFIG_KEYS if key not in overrides and key != 'test_input_size']
-        return overrides, (f'{", ".join(overrides)} from the command line; '
-                           f'{", ".join(unset) or "nothing"} from the architecture\'s default config')
-    if record.timm_args is not None:
-        resolved = resolve_data_config(dict(record.timm_args), model=model)
-    else:
-        resolved = dict(record.data_config)
-    config = {**_check_data_config(resolved, in_chans), **overrides}
-    source = record.source + (f'; {", ".join(overrides)} from the command line' if overrides else '')
-    return config, source
 
 
 def _strip_client_args(model: torch.nn.Module, config_file: Path) -> Dict[str, Any]:
