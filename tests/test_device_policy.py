@@ -253,6 +253,24 @@ def test_fullgraph_compile_forward_and_backward(name):
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
 
 
+def test_capture_checks_work_on_a_torch_without_compiler_is_exporting(monkeypatch):
+    """torch < 2.7 has no torch.compiler.is_exporting (setup.cfg's floor is 2.5): the export check falls back to
+    tracing / ONNX export / compiling, so an eager call is not mistaken for a capture and still repairs on the host.
+    (torch 2.14's own module hooks and dispatch modes call is_exporting, so the bare operator is called here.)"""
+    from aft_vision.layers._stable import capturing, exporting
+
+    torch.manual_seed(0)
+    q, v = torch.randn(2, 6, 6, 8), torch.randn(2, 6, 6, 8)
+    k, w = 30 * torch.randn(2, 6, 6, 2), 30 * torch.randn(2, 3, 3)  # far apart: entries only the repair gets right
+    repaired = aft_conv2d(q, k, v, w)
+    with device_policy('cuda'):  # no host check, no repair
+        unrepaired = aft_conv2d(q, k, v, w)
+    assert not torch.equal(repaired, unrepaired), 'the case must need the exact repair'
+    monkeypatch.delattr(torch.compiler, 'is_exporting')
+    assert not exporting() and not capturing()
+    torch.testing.assert_close(aft_conv2d(q, k, v, w), repaired, rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Dispatch: a pure function of the device type and the shapes, one table per device type.
 

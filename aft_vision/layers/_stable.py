@@ -28,7 +28,10 @@ def exporting() -> bool:
     if torch.jit.is_scripting():
         return False
     else:
-        return torch.compiler.is_exporting() or torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()
+        # torch.compiler.is_exporting arrived in torch 2.7; before it, torch.export is seen by capturing() alone
+        # (its is_compiling() is True under export), which keeps the graph free of host synchronisation.
+        is_exporting = getattr(torch.compiler, 'is_exporting', None)
+        return (is_exporting is not None and is_exporting()) or torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()
 
 
 def capturing() -> bool:
