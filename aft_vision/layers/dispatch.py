@@ -22,7 +22,7 @@ backward of one layer, every method, the layers of the registered models):
   aft_conv_small, _small_11_h16, _tiny and _base_25_h32 at 224 and 384 px (the closest, _base_25_h32 at 224 px,
   71 vs 85 ms), the dense form for the digits model (4 x 4 tokens, s = 5, batch 64: 1.45 vs 3.17 ms, the per-image
   cost beta). Figures: docs/performance.md.
-* ``'cuda'``: provisional, from the H100 figures in the project's GPU notes (float32 dense 1.4 ms vs contiguous NCHW
+* ``'cuda'``: provisional, from the earlier H100 figures in docs/performance.md (float32 dense 1.4 ms vs contiguous NCHW
   depthwise 0.78 ms forward at 14 x 14, h = 384, s = 15, batch 64, before the bfloat16 products existed) and the
   arithmetic of the bfloat16 dense form; no per-image term (cuDNN's own backward); to be replaced by
   ``aft-vision bench --ops --device cuda``.
@@ -36,7 +36,7 @@ device type by ``DEPTHWISE_BACKWARDS`` unless ``depthwise_backward(...)`` says o
   depthwise backward on this CPU is 10-40x slower than its forward for AFT's large windows, the forward
   convolutions about 1-3x the forward's time.
 * ``'convolution_backward'`` (CUDA): the library's own backward, as before; cuDNN's large-kernel depthwise backward
-  was measured slow too (GPU notes), so ``'forward_conv'`` may win there: measure it with
+  was measured slow too (docs/performance.md), so ``'forward_conv'`` may win there: measure it with
   ``aft-vision bench --ops --device cuda`` (it times both).
 """
 import contextlib
