@@ -1,8 +1,8 @@
 """The CUDA behaviour of the AFT operators, proved on the CPU with ``device_policy('cuda')``.
 
 Under the 'cuda' policy the operators copy nothing to the host, run their matrix products in the autocast dtype and
-save only their inputs for the backward pass. Accuracy is held to a plain float64 softmax over the joint logits
-``k + w`` (written here from Eqs. 2, 4, 5 and 6, independent of the package), gradients included; host syncs are
+save only their inputs for the backward pass. Accuracy is held to aft_reference.py's plain float64 softmax over the
+joint logits ``k + w`` (Eqs. 2, 4, 5 and 6, independent of the package), gradients included; host syncs are
 counted at the dispatcher over whole models; graph capture is checked with ``torch.compile(fullgraph=True)``.
 """
 import copy

@@ -12,17 +12,11 @@ from aft_vision._io import save_weights
 from aft_vision.cli import main as cli_main
 
 
-class Exploit:
-    def __reduce__(self):
-        return (os.system, ('echo pwned',))
-
-
-def _write_bad(kind, folder):
-    """A weight file of the given badness for ``aft_conv_test``."""
+def _write_bad(kind, folder, hostile_pickle):
+    """A weight file of the given badness for ``aft_conv_test`` (``hostile_pickle``: conftest.py's fixture)."""
     good = timm.create_model('aft_conv_test').state_dict()
-    if kind == 'pickled':
-        path = folder / 'bad.pth'
-        torch.save({'model': good, 'extra': Exploit()}, path)
+    if kind == 'pickled':  # the model's weights plus an object whose unpickling calls os.system
+        path = hostile_pickle(folder / 'bad.pth', model=good)
     elif kind == 'truncated':
         path = folder / 'bad.safetensors'
         save_weights(good, path)
@@ -66,8 +60,8 @@ CLI_ERRORS = {
 
 
 @pytest.mark.parametrize('kind', KINDS)
-def test_create_model_with_a_file_overlay_refuses(kind, tmp_path):
-    path = _write_bad(kind, tmp_path)
+def test_create_model_with_a_file_overlay_refuses(kind, tmp_path, hostile_pickle):
+    path = _write_bad(kind, tmp_path, hostile_pickle)
     error_type, message = OVERLAY_ERRORS[kind]
     with pytest.raises(error_type, match=message):
         timm.create_model('aft_conv_test', pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))
@@ -75,8 +69,8 @@ def test_create_model_with_a_file_overlay_refuses(kind, tmp_path):
 
 @pytest.mark.parametrize('kind', KINDS)
 @pytest.mark.parametrize('command', ['transfer', 'publish'])
-def test_cli_refuses_bad_weight_files_with_one_line(kind, command, tmp_path, capsys):
-    path = _write_bad(kind, tmp_path)
+def test_cli_refuses_bad_weight_files_with_one_line(kind, command, tmp_path, capsys, hostile_pickle):
+    path = _write_bad(kind, tmp_path, hostile_pickle)
     if command == 'transfer':
         args = ['transfer', '--src', str(path), '--model', 'aft_conv_test', '--out', str(tmp_path / 'o.safetensors')]
     else:

@@ -1,0 +1,66 @@
+"""Fixtures shared by more than one test file, and a map of the suite.
+
+``aft_reference.py`` is the one float64 reference every operator test uses: the AFT equations (Eqs. 2, 4, 5, 6)
+written from the paper as a dense softmax, evaluated with float64 autograd, plus the per-entry rounding bound an
+implementation is held to. No test file keeps a reference of its own.
+
+Which file tests what:
+
+* aft_reference.py: not a test; the float64 reference and rounding bound above.
+* floor_check.py: not a test; the script test_dependency_floors.py runs on the declared minimum dependencies.
+* test_bench.py: ``aft-vision bench`` end to end on tiny models (JSON fields, tables, plot, ``--ops``).
+* test_cli_args.py: every option of every subcommand is checked before the subcommand starts (one line, exit 2).
+* test_clients.py: a published model as timm's data config, transformers' pipeline and timm's config reader see it.
+* test_dependency_floors.py: the package runs on the minimum timm, huggingface_hub and safetensors of setup.cfg.
+* test_depthwise_backward.py: AFT-conv's depthwise backward by forward convolutions, and gradcheck of the operator.
+* test_device_policy.py: the CUDA behaviour of the operators (no host copies, autocast, graph capture) on the CPU.
+* test_docs.py: README.md and docs/*.md against the code (code blocks run, commands parsed, links resolved).
+* test_entry_points.py: every entry point that reads weights refuses bad files clearly and leaves nothing behind.
+* test_hub.py: DeiT -> AFT transfer, pretrained tags, publishing and Hub / local-dir loading, all offline.
+* test_imports.py: the package's import graph has no circles.
+* test_io.py: weight files: safetensors or tensor-only pickles only; atomic writes that never clobber silently.
+* test_layers.py: the AFT operators and modules against the float64 reference.
+* test_models.py: the model zoo against timm's model contract and the paper (Tables 7 and 8).
+* test_predict.py: ``aft-vision predict`` on real image files, a broken one among them.
+* test_recipes.py: the YAML recipes in models/ against the paper's rows they reproduce.
+* test_robustness_models.py: models train stably, give batch- and thread-independent results, survive hostile input.
+* test_robustness_ops.py: property-based tests of the functional operators against the reference.
+* test_run.py: ``python -m aft_vision.run SCRIPT ARGS`` runs the script with the AFT models registered.
+* test_train.py: the main job's pipeline on a reduced budget, the Eq. 9 regulariser, two-process DDP on the CPU.
+* test_triton_kernel.py: the fused windowed AFT-conv Triton kernel against the float64 reference.
+* test_visualize.py: position-bias and key maps, and the one-hot AFT-conv against the plain operator.
+
+Tests marked ``slow`` are deselected by ``-m "not slow"``.
+"""
+import os
+import shlex
+
+import pytest
+import torch
+
+
+class _RunsCode:
+    """Unpickling this calls ``os.system`` (a global that weights-only loading refuses), which creates ``marker``."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f'touch {shlex.quote(str(self.marker))}',))
+
+
+@pytest.fixture
+def hostile_pickle(tmp_path_factory):
+    """Writes hostile PyTorch files: ``hostile_pickle(path, **entries)`` saves the dict ``entries`` plus, under
+    ``'extra'``, an object whose unpickling runs a shell command through ``os.system``, and returns ``path``.
+
+    The command creates a marker file outside the test's ``tmp_path``; the test fails at teardown if it exists, i.e.
+    if anything the test called executed the pickle instead of refusing it."""
+    marker = tmp_path_factory.mktemp('hostile-pickle') / 'code-ran'
+
+    def write(path, **entries):
+        torch.save({**entries, 'extra': _RunsCode(marker)}, path)
+        return path
+
+    yield write
+    assert not marker.exists(), 'loading a hostile pickle ran the code inside it'
