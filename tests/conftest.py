@@ -30,10 +30,12 @@ Which file tests what:
 * test_triton_kernel.py: the fused windowed AFT-conv Triton kernel against the float64 reference.
 * test_visualize.py: position-bias and key maps, and the one-hot AFT-conv against the plain operator.
 
+Shared fixtures: ``hostile_pickle`` (a pickle that would run code) and ``offline_hub`` (an offline Hub cache).
 Tests marked ``slow`` are deselected by ``-m "not slow"``.
 """
 import os
 import shlex
+import shutil
 
 import pytest
 import torch
@@ -64,3 +66,29 @@ def hostile_pickle(tmp_path_factory):
 
     yield write
     assert not marker.exists(), 'loading a hostile pickle ran the code inside it'
+
+
+HUB_COMMIT = 'a' * 40  # the revision every repository of the offline cache is stored under
+
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch):
+    """An empty, offline Hugging Face cache (the layout huggingface_hub reads); ``add(repo_id, folder)`` places a
+    folder there as the repo's main revision (a repository added twice keeps its first folder)."""
+    import huggingface_hub.constants
+
+    cache = tmp_path / 'hub-cache'
+    cache.mkdir()
+    monkeypatch.setenv('HF_HUB_OFFLINE', '1')
+    monkeypatch.setenv('HF_HUB_CACHE', str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, 'HF_HUB_OFFLINE', True)
+    monkeypatch.setattr(huggingface_hub.constants, 'HF_HUB_CACHE', str(cache))
+
+    def add(repo_id: str, folder) -> None:
+        repo = cache / f'models--{repo_id.replace("/", "--")}'
+        if not repo.exists():
+            shutil.copytree(folder, repo / 'snapshots' / HUB_COMMIT)
+            (repo / 'refs').mkdir()
+            (repo / 'refs' / 'main').write_text(HUB_COMMIT)
+
+    return add

@@ -14,7 +14,6 @@
 import argparse
 import re
 import shlex
-import shutil
 from pathlib import Path
 from typing import List, NamedTuple
 
@@ -27,7 +26,6 @@ FENCE = re.compile(r'^```(\w*)[^\n]*\n(.*?)^```\s*$', re.MULTILINE | re.DOTALL)
 TAG = re.compile(r'\b(aft_[a-z0-9_]+\.deit_in1k)\b')
 LINK = re.compile(r'(!?)\[[^\]]*\]\(([^)\s]+)\)')
 INLINE = re.compile(r'(?<!`)`(aft-vision [^`]+)`(?!`)')
-COMMIT = 'a' * 40
 
 
 class Block(NamedTuple):
@@ -58,28 +56,6 @@ def _skip_reason(block: Block):
 
 
 # ----------------------------------------------------------------------------------------------- Python blocks
-
-
-@pytest.fixture
-def offline_hub(tmp_path, monkeypatch):
-    """An empty, offline Hugging Face cache; ``add(repo_id, folder)`` places a folder as the repo's main revision."""
-    import huggingface_hub.constants
-
-    cache = tmp_path / 'hub-cache'
-    cache.mkdir()
-    monkeypatch.setenv('HF_HUB_OFFLINE', '1')
-    monkeypatch.setenv('HF_HUB_CACHE', str(cache))
-    monkeypatch.setattr(huggingface_hub.constants, 'HF_HUB_OFFLINE', True)
-    monkeypatch.setattr(huggingface_hub.constants, 'HF_HUB_CACHE', str(cache))
-
-    def add(repo_id: str, folder: Path) -> None:
-        repo = cache / f'models--{repo_id.replace("/", "--")}'
-        if not repo.exists():
-            shutil.copytree(folder, repo / 'snapshots' / COMMIT)
-            (repo / 'refs').mkdir()
-            (repo / 'refs' / 'main').write_text(COMMIT)
-
-    return add
 
 
 def _serve_deit_sources(source: str, tmp_path: Path, offline_hub) -> None:

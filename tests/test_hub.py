@@ -4,7 +4,6 @@ The Hub is replaced by a cache folder the tests fill themselves (huggingface_hub
 through timm's and huggingface_hub's real download code with ``HF_HUB_OFFLINE`` set.
 """
 import json
-import shutil
 
 import huggingface_hub
 import pytest
@@ -17,27 +16,6 @@ import aft_vision  # noqa: F401  (registers the models)
 from aft_vision.cli import main as cli_main
 from aft_vision.hub import publish
 from aft_vision.transfer import transfer_vit_weights
-
-COMMIT = 'a' * 40
-
-
-@pytest.fixture
-def offline_hub(tmp_path, monkeypatch):
-    """An offline Hub: ``add(repo_id, folder)`` places a folder in the cache as the repo's main revision."""
-    cache = tmp_path / 'hub-cache'
-    cache.mkdir()
-    monkeypatch.setenv('HF_HUB_OFFLINE', '1')
-    monkeypatch.setenv('HF_HUB_CACHE', str(cache))
-    monkeypatch.setattr(huggingface_hub.constants, 'HF_HUB_OFFLINE', True)
-    monkeypatch.setattr(huggingface_hub.constants, 'HF_HUB_CACHE', str(cache))
-
-    def add(repo_id, folder):
-        repo = cache / f'models--{repo_id.replace("/", "--")}'
-        shutil.copytree(folder, repo / 'snapshots' / COMMIT)
-        (repo / 'refs').mkdir()
-        (repo / 'refs' / 'main').write_text(COMMIT)
-
-    return add
 
 
 def random_deit(name, tmp_path, offline_hub):
