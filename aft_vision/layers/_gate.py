@@ -4,8 +4,9 @@ from typing import Optional, Tuple
 import torch
 
 from ._stable import TINY
+from ._write import write_into
 
-__all__ = ['gate', 'gate_backward']
+__all__ = ['gate', 'gate_inplace', 'gate_backward']
 
 
 def gate(q: torch.Tensor, numerator: torch.Tensor, denominator: torch.Tensor, tiny: float = TINY) -> torch.Tensor:
@@ -13,6 +14,15 @@ def gate(q: torch.Tensor, numerator: torch.Tensor, denominator: torch.Tensor, ti
     floored at TINY (a finite result for any input; exact inputs never come near it)."""
     mixed = numerator.unflatten(-1, (denominator.shape[-1], -1)) / denominator.clamp_min(tiny).unsqueeze(-1)
     return torch.sigmoid(q) * mixed.flatten(-2)
+
+
+def gate_inplace(q: torch.Tensor, numerator: torch.Tensor, denominator: torch.Tensor,
+                 tiny: float = TINY) -> torch.Tensor:
+    """``gate`` without autograd and without its two temporaries, rounded alike (``sigmoid(q) * (N / D)``): N, a buffer
+    the caller discards, is divided in place, and the sigmoid's new tensor multiplied by it."""
+    out = torch.sigmoid(q)  # (..., C)
+    mixed = numerator.unflatten(-1, (denominator.shape[-1], -1)).div_(denominator.clamp_min(tiny).unsqueeze(-1))
+    return out.unflatten(-1, mixed.shape[-2:]).mul_(mixed).flatten(-2)
 
 
 def gate_backward(
@@ -33,9 +43,9 @@ def gate_backward(
     scaled = gated * mixed  # grad_out * sigmoid(q) * N / D, (..., Ck, C / Ck)
     if out is None:
         grad_num, grad_den = gated.div_(denominator), scaled.sum(-1)
-    else:  # copies into the views: torch.compile takes no strided out= tensors
-        grad_num = out[..., :channels].unflatten(-1, mixed.shape[-2:]).copy_(gated).div_(denominator)
-        grad_den = out[..., channels:].copy_(scaled.sum(-1))
+    else:
+        grad_num = write_into(out[..., :channels].unflatten(-1, mixed.shape[-2:]), torch.div, gated, denominator)
+        grad_den = write_into(out[..., channels:], torch.sum, scaled, -1)
     grad_den = grad_den.div_(denominator.squeeze(-1)).neg_()  # (..., Ck)
     grad_q = scaled.mul_(gate_q.neg_().add_(1.0))  # times 1 - sigmoid(q)
     return grad_q.flatten(-2), grad_num.flatten(-2), grad_den

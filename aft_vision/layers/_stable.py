@@ -42,12 +42,24 @@ def capturing() -> bool:
         return exporting() or torch.compiler.is_compiling()
 
 
-def any_flagged(bad: torch.Tensor, policy: str = 'cpu') -> bool:
-    """Whether any entry needs the exact recomputation: asked on the host under the 'cpu' policy only; always False
-    under the 'cuda' policy, on meta tensors and while capturing a graph (no data-dependent branch there)."""
-    if policy != 'cpu' or bad.device.type == 'meta' or capturing():
-        return False
-    return bool(bad.any())
+def flag_below(values: torch.Tensor, threshold: torch.Tensor, policy: str = 'cpu') -> Optional[torch.Tensor]:
+    """The entries of ``values`` below ``threshold`` (which broadcasts to them), to be recomputed exactly, or None
+    where none is below or the policy recomputes nothing: always None under the 'cuda' policy, on meta tensors and
+    while capturing a graph (no data-dependent branch there).
+
+    Asked on the host under the 'cpu' policy by one reduction, the minimum of ``values`` over the dimensions along
+    which ``threshold`` is constant; the mask is built only when some entry is below (a NaN is never below)."""
+    if policy != 'cpu' or values.device.type == 'meta' or capturing() or values.numel() == 0:
+        return None
+    offset = values.dim() - threshold.dim()
+    dims: List[int] = []
+    for dim in range(values.dim()):
+        if dim < offset or threshold.shape[dim - offset] == 1:
+            dims.append(dim)
+    least = values.amin(dim=dims, keepdim=True) if len(dims) > 0 else values
+    if not bool((least < threshold).any()):
+        return None
+    return values < threshold
 
 
 def conv_bias_rows(w: torch.Tensor, grid_w: int, num_keys: int, head: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -88,7 +100,7 @@ def recompute_flagged(
         gate: Optional[torch.Tensor] = None,
         chunk_elements: int = _CHUNK_ELEMENTS,
 ) -> torch.Tensor:
-    """Replace flagged entries of ``out`` by the exact weighted average (call it when ``any_flagged(bad)``).
+    """Replace flagged entries of ``out`` by the exact weighted average (the mask ``flag_below`` returns).
 
     Args:
         out: Fast-path averages (B, T, C), finite everywhere (flagged entries are overwritten).

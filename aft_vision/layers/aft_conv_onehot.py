@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from timm.layers import register_notrace_function
 from torch import nn
 
-from ._stable import TINY, any_flagged
+from ._stable import TINY, flag_below
 from .policy import get_device_policy, no_autocast
 from .aft_conv import AFTConv2d
 from ._checks import check_conv_inputs, check_tokens
@@ -121,7 +121,7 @@ def _aft_conv2d_onehot(
         policy = 'cpu'
     else:
         policy = get_device_policy(q.device)
-    if any_flagged(denominator < limit, policy):
+    if flag_below(denominator, limit, policy) is not None:
         return aft_conv2d(q, k, v, onehot_bias(w, index)).to(out_dtype)
     mixed = (numerator / denominator).reshape(batch, height, width, channels)
     out = torch.sigmoid(q) * mixed

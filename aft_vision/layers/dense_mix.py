@@ -24,7 +24,8 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from ._gate import gate, gate_backward
+from ._gate import gate, gate_backward, gate_inplace
+from ._write import write_into
 from .policy import no_autocast
 
 __all__ = ['DenseMix', 'dense_mix', 'log_weights', 'dense_sums']
@@ -84,19 +85,20 @@ def _tokens(k: torch.Tensor, v: torch.Tensor, heads: int):
 
 
 def _tokens_into(k: torch.Tensor, v: torch.Tensor, heads: int):
-    """X per head (G, T, B * n) written in place (no autograd), and its views exp(k - kmax) (B, T, Ck) and
-    exp(k - kmax) v (B, T, Ck, C / Ck)."""
+    """X per head (G, T, B * n) written in place (no autograd), exp(k - kmax) (B, T, Ck, contiguous) and the view
+    exp(k - kmax) v (B, T, Ck, C / Ck) of X. exp runs on a contiguous tensor (on a strided view CPU kernels take a
+    scalar path, 10x slower) and is copied into X; the product is written straight into its view."""
     batch, num_keys, channels = v.shape
     key_channels = k.shape[-1]
     per_head = channels // heads
     tokens = v.new_empty(heads, num_keys, batch, per_head + key_channels // heads)  # (G, T, B, n)
     layout = tokens.permute(2, 1, 0, 3)  # (B, T, G, n), a view
-    keys = layout[..., per_head:].copy_(k.view(batch, num_keys, heads, -1))  # (B, T, G, Ck / G)
-    keys.sub_(k.amax(dim=1).view(batch, 1, heads, -1)).exp_()  # max 1 per image and channel
+    exp_k = torch.sub(k, k.amax(dim=1, keepdim=True)).exp_()  # (B, T, Ck), max 1 per image and channel
+    keys = exp_k.view(batch, num_keys, heads, -1)  # (B, T, G, Ck / G)
+    layout[..., per_head:].copy_(keys)
     values = layout[..., :per_head].unflatten(-1, (-1, channels // key_channels))  # (B, T, G, Ck / G, C / Ck)
-    values.copy_(v.view(values.shape)).mul_(keys.unsqueeze(-1))
-    exp_k, exp_kv = keys.flatten(2), values.flatten(2, 3)  # views where G = 1 or G = Ck
-    return tokens.view(heads, num_keys, -1), exp_k, exp_kv
+    write_into(values, torch.mul, v.view(values.shape), keys.unsqueeze(-1))
+    return tokens.view(heads, num_keys, -1), exp_k, values.flatten(2, 3)  # exp_kv a view where G = 1 or G = Ck
 
 
 def _split(sums: torch.Tensor, batch: int, channels: int, key_channels: int, reverse: bool):
@@ -156,7 +158,7 @@ class DenseMix(torch.autograd.Function):
         tokens, _, _ = _tokens_into(k, v, log_w.shape[0])
         numerator, denominator = dense_sums(k, v, log_w, grid is not None, mm_dtype, tokens)
         ctx.mark_non_differentiable(denominator)
-        return gate(q, numerator, denominator), denominator
+        return gate_inplace(q, numerator, denominator), denominator
 
     @staticmethod
     def backward(ctx, grad_out, _grad_denominator):

@@ -19,7 +19,8 @@ from typing import Tuple
 import torch
 import torch.nn.functional as F
 
-from ._gate import gate, gate_backward
+from ._gate import gate, gate_backward, gate_inplace
+from ._write import write_into
 from .dispatch import choose_depthwise_backward
 from .policy import no_autocast
 
@@ -35,14 +36,16 @@ def _tokens(k: torch.Tensor, v: torch.Tensor):
 
 
 def _tokens_into(k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """X (B, H, W, C + h) written in place (no autograd), and its views exp(k - kmax) (B, H, W, h) and
-    exp(k - kmax) v (B, H, W, h, d)."""
+    """X (B, H, W, C + h) written in place (no autograd), exp(k - kmax) (B, H, W, h, contiguous) and the view
+    exp(k - kmax) v (B, H, W, h, d) of X. exp runs on a contiguous tensor (on a strided view CPU kernels take a scalar
+    path, 10x slower) and is copied into X; the product is written straight into its view."""
     batch, height, width, num_heads = k.shape
     channels = v.shape[-1]
     tokens = v.new_empty(batch, height, width, channels + num_heads)
-    exp_k = tokens[..., channels:].copy_(k).sub_(k.amax(dim=(1, 2), keepdim=True)).exp_()  # max 1 per image and head
+    exp_k = torch.sub(k, k.amax(dim=(1, 2), keepdim=True)).exp_()  # (B, H, W, h), max 1 per image and head
+    tokens[..., channels:].copy_(exp_k)
     exp_kv = tokens[..., :channels].unflatten(-1, (num_heads, -1))  # (B, H, W, h, d), a view
-    exp_kv.copy_(v.view(batch, height, width, num_heads, -1)).mul_(exp_k.unsqueeze(-1))
+    write_into(exp_kv, torch.mul, v.view(batch, height, width, num_heads, -1), exp_k.unsqueeze(-1))
     return tokens, exp_k, exp_kv
 
 
@@ -137,7 +140,7 @@ class DepthwiseMix(torch.autograd.Function):
         sums, global_term, _ = _sums_into(tokens, kernel, floor, contiguous)
         denominator, scale = sums[..., channels:], global_term[..., channels:]
         ctx.mark_non_differentiable(denominator, scale)
-        return gate(q, sums[..., :channels], denominator), denominator, scale
+        return gate_inplace(q, sums[..., :channels], denominator), denominator, scale
 
     @staticmethod
     def backward(ctx, grad_out, _grad_denominator, _grad_scale):

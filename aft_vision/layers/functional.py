@@ -20,7 +20,7 @@ import torch
 from timm.layers import register_notrace_function
 
 from ._checks import check_bias, check_conv_inputs, check_qkv, check_tensor
-from ._stable import TINY, any_flagged, exporting, recompute_flagged
+from ._stable import TINY, exporting, flag_below, recompute_flagged
 from .dense_mix import dense_mix, log_weights
 from .depthwise_mix import depthwise_mix
 from .dispatch import choose_conv_method
@@ -83,8 +83,8 @@ def _aft_full(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor
               mm_dtype: torch.dtype, policy: str, tiny: float = TINY) -> torch.Tensor:
     w = w.to(q.device)
     out, denominator = dense_mix(q, k, v, w, None, causal, dtype, mm_dtype)
-    bad = denominator < tiny  # (B, T, C): the largest joint term underflowed
-    if any_flagged(bad, policy):
+    bad = flag_below(denominator, denominator.new_full((), tiny), policy)  # (B, T, C): the largest term underflowed
+    if bad is not None:
         log_bias = log_weights(w.to(dtype), None, causal)[0].t()  # (T queries, T keys)
         out = recompute_flagged(out, bad, k.to(dtype), v.to(dtype), 'pairwise', bias=log_bias, gate=q.to(dtype))
     return out
@@ -155,8 +155,8 @@ def _aft_simple(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     dtype = _compute_dtype([q, k, v])
     out, denominator = simple_mix(q, k, v, causal, dtype)
     if causal:  # a prefix whose keys all lie far below the sequence's largest
-        bad = denominator < tiny
-        if any_flagged(bad, policy):
+        bad = flag_below(denominator, denominator.new_full((), tiny), policy)
+        if bad is not None:
             out = recompute_flagged(out, bad, k.to(dtype), v.to(dtype), 'none', causal=True, gate=q.to(dtype))
     return out.to(out_dtype)
 
@@ -236,11 +236,12 @@ def _aft_conv2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tens
         out, denominator = dense_mix(q.reshape(batch, num_keys, channels), k.reshape(batch, num_keys, num_heads),
                                      v.reshape(batch, num_keys, channels), w, (height, width), False, dtype, mm_dtype)
         out, denominator = out.view(q.shape), denominator.view(k.shape)
-        bad = denominator < tiny  # (B, H, W, h): the largest joint term underflowed
+        threshold = denominator.new_full((), tiny)  # the largest joint term underflowed
     else:
         out, denominator, scale = depthwise_mix(q, k, v, w, policy == 'cuda', dtype)
-        bad = denominator < (scale * cancel_tol).clamp_min(tiny)  # mostly cancellation (or underflow)
-    if any_flagged(bad, policy):
+        threshold = (scale * cancel_tol).clamp_min(tiny)  # (B, 1, 1, h): mostly cancellation (or underflow)
+    bad = flag_below(denominator, threshold, policy)  # (B, H, W, h)
+    if bad is not None:
         flags = bad.unsqueeze(-1).expand(batch, height, width, num_heads, channels // num_heads)
         out = recompute_flagged(
             out.reshape(batch, num_keys, channels), flags.reshape(batch, num_keys, channels),
