@@ -265,11 +265,11 @@ def test_aft_conv_module_applies_eq8_reparameterisation():
         module.pos_gamma.copy_(torch.tensor([1.5, -0.5]))
         module.pos_beta.copy_(torch.tensor([0.2, 1.0]))
     raw = module.pos_weight
-    expected = torch.stack([
-        g * (r - r.mean()) / r.std(unbiased=False) + b
+    expected = torch.stack([  # Eq. 8 with the module's eps inside the square root
+        g * (r - r.mean()) / torch.sqrt(r.var(unbiased=False) + module.eps) + b
         for r, g, b in zip(raw, module.pos_gamma, module.pos_beta)
     ])
-    torch.testing.assert_close(module.effective_bias(), expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(module.effective_bias(), expected)  # float64 throughout: torch's default tolerance
     x = torch.randn(2, 4, 3, 8, dtype=torch.float64)
     q, k, v = module.qkv(x).split([8, 2, 8], dim=-1)
     torch.testing.assert_close(module(x), module.proj(conv_reference(q, k, v, module.effective_bias())))
