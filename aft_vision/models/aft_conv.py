@@ -137,6 +137,12 @@ class AFTConvTransformer(AFTTransformerBase):
             info['reduction'] = self.patch_embed.feat_ratio()
         self._record_input_size(self.patch_embed.img_size)
 
+    def _embed(self, x: torch.Tensor) -> torch.Tensor:
+        """Images (B, C, H, W) -> contiguous token map (B, H/p, W/p, C). timm's NHWC ``PatchEmbed`` returns a permuted
+        view of its convolution's output; the residual adds would keep that layout through every block, and each
+        LayerNorm copy its input, forward and backward: one copy here instead."""
+        return self.patch_embed(x).contiguous()
+
     def forward_intermediates(
             self,
             x: torch.Tensor,
@@ -165,7 +171,7 @@ class AFTConvTransformer(AFTTransformerBase):
         take_indices, max_index = block_indices(len(self.blocks), indices)
 
         self._check_input(x)
-        x = self.patch_embed(x)  # (B, H, W, C)
+        x = self._embed(x)  # (B, H, W, C)
         if torch.jit.is_scripting() or not stop_early:  # can't slice blocks in torchscript
             blocks = self.blocks
         else:
@@ -187,7 +193,7 @@ class AFTConvTransformer(AFTTransformerBase):
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, C, H, W) -> normalised token map (B, H/p, W/p, C)."""
         self._check_input(x)
-        x = self.patch_embed(x)  # (B, H, W, C)
+        x = self._embed(x)  # (B, H, W, C)
         if self.grad_checkpointing and not torch.jit.is_scripting():
             x = checkpoint_seq(self.blocks, x)
         else:
