@@ -31,7 +31,8 @@ Which file tests what:
 * test_visualize.py: position-bias and key maps, and the one-hot AFT-conv against the plain operator.
 
 Shared fixtures: ``hostile_pickle`` (a pickle that would run code) and ``offline_hub`` (an offline Hub cache).
-Tests marked ``slow`` are deselected by ``-m "not slow"``.
+Tests marked ``slow`` (those that train to a result, export, benchmark, or start other processes or a virtual
+environment: 4-25 s each here) are deselected by ``-m "not slow"``.
 """
 import os
 import shlex

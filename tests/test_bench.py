@@ -12,6 +12,7 @@ FIGURES = {'model', 'params', 'gmacs', 'infer_img_s', 'infer_gflop_s', 'infer_pe
            'train_saved_mb'}
 
 
+@pytest.mark.slow
 def test_quick_bench_writes_json_table_and_plot(tmp_path, capsys):
     assert cli_main(['bench', '--quick', '--out-dir', str(tmp_path)]) == 0
     report = json.loads((tmp_path / 'bench.json').read_text())
@@ -29,6 +30,7 @@ def test_quick_bench_writes_json_table_and_plot(tmp_path, capsys):
     assert 'aft_conv_test' in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_no_train_prints_a_dash_for_the_skipped_figures(tmp_path, capsys):
     assert cli_main(['bench', '--quick', '--no-train', '--out-dir', str(tmp_path)]) == 0
     table = (tmp_path / 'bench.md').read_text()

@@ -39,6 +39,7 @@ def _pip(target: Path, *requirements: str, deps: bool = True) -> None:
         raise AssertionError(f'pip install {" ".join(requirements)} failed:\n{done.stderr}')
 
 
+@pytest.mark.slow
 def test_the_package_runs_on_its_declared_minimum_dependencies(tmp_path):
     floors = declared_floors()
     assert set(FLOORED) <= set(floors), floors

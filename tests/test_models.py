@@ -376,6 +376,7 @@ def test_autocast(name):
     aft_reference.assert_model_agrees(out, exact, eager, torch.bfloat16, name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name', TEST_MODELS)
 def test_onnx_export(name, tmp_path):
     """ONNX (torch.export based) with a dynamic batch, and dynamic height and width (multiples of the patch) for

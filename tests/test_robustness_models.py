@@ -42,6 +42,7 @@ def scale_key_projection(model, factor):
             attn.qkv.bias[keys] *= factor
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name', sorted(TINY))
 @pytest.mark.parametrize('precision', ['fp32', 'bf16'])
 @pytest.mark.parametrize('key_scale', [1.0, 50.0])

@@ -128,6 +128,7 @@ def _torchrun(*args: str, env=None, timeout: int = 300) -> subprocess.CompletedP
     return done
 
 
+@pytest.mark.slow
 def test_ddp_two_processes_end_with_identical_weights(tmp_path):
     data = _tiny_image_folder(tmp_path / 'data')
     out = tmp_path / 'out'
