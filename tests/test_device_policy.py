@@ -318,3 +318,26 @@ def test_environment_variable_sets_the_process_default():
     env['AFT_DEVICE_POLICY'] = 'gpu'
     out = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and 'AFT_DEVICE_POLICY must be one of cpu, cuda' in out.stderr
+
+
+@pytest.mark.parametrize('threshold_shape', [(), (1,), (2, 1, 1, 3), (1, 4, 1, 1), (2, 4, 5, 3)])
+def test_flag_below_is_the_plain_mask_or_none(threshold_shape):
+    """The repair's trigger (one min reduction over the dimensions the threshold is constant along) flags exactly
+    ``values < threshold``: per (image, head) thresholds with some pairs below, none below, NaN, and never under
+    'cuda'."""
+    from aft_vision.layers._stable import flag_below
+    gen = torch.Generator().manual_seed(len(threshold_shape))
+    values = torch.rand(2, 4, 5, 3, generator=gen)  # (B, H, W, h)
+    threshold = torch.rand(threshold_shape, generator=gen) * 0.3
+    mask = flag_below(values, threshold, 'cpu')
+    expected = values < threshold
+    assert expected.any() and not expected.all()  # the case flags some entries, not all
+    assert mask is not None and torch.equal(mask, expected)
+    assert flag_below(values, threshold - 1.0, 'cpu') is None  # nothing below
+    assert flag_below(values, threshold, 'cuda') is None  # no host decision under the 'cuda' policy
+    values[0, 0, 0, 0] = float('nan')
+    mask = flag_below(values, threshold, 'cpu')
+    assert mask is not None and torch.equal(mask, values < threshold) and not mask[0, 0, 0, 0]
+    above = torch.full_like(values, 0.9)  # every entry above the threshold but one NaN: nothing to recompute
+    above[1, 2, 3, 1] = float('nan')
+    assert flag_below(above, threshold, 'cpu') is None

@@ -48,7 +48,8 @@ def flag_below(values: torch.Tensor, threshold: torch.Tensor, policy: str = 'cpu
     while capturing a graph (no data-dependent branch there).
 
     Asked on the host under the 'cpu' policy by one reduction, the minimum of ``values`` over the dimensions along
-    which ``threshold`` is constant; the mask is built only when some entry is below (a NaN is never below)."""
+    which ``threshold`` is constant; the mask is built only when some minimum is below or NaN (``amin`` propagates
+    NaN, which would hide the entries below it in its group; a NaN itself is never below)."""
     if policy != 'cpu' or values.device.type == 'meta' or capturing() or values.numel() == 0:
         return None
     offset = values.dim() - threshold.dim()
@@ -57,9 +58,10 @@ def flag_below(values: torch.Tensor, threshold: torch.Tensor, policy: str = 'cpu
         if dim < offset or threshold.shape[dim - offset] == 1:
             dims.append(dim)
     least = values.amin(dim=dims, keepdim=True) if len(dims) > 0 else values
-    if not bool((least < threshold).any()):
+    if not bool(((least < threshold) | torch.isnan(least)).any()):
         return None
-    return values < threshold
+    below = values < threshold
+    return below if bool(below.any()) else None
 
 
 def conv_bias_rows(w: torch.Tensor, grid_w: int, num_keys: int, head: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
