@@ -34,6 +34,19 @@ def exporting() -> bool:
         return (is_exporting is not None and is_exporting()) or torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()
 
 
+def tracing() -> bool:
+    """True while ``torch.jit.trace`` records a TorchScript graph, which is how ``torch.onnx.export(dynamo=False)``
+    and timm's ``onnx_export`` (by default) export. The operators then take their plain-autograd form instead of their
+    autograd Functions: the tracer records a Function as a ``prim::PythonOp`` whose subgraph lists the outputs in the
+    order ``forward`` created them, not the order it returned them, and the exporter inlines that subgraph, so a
+    Function returning (output, denominator) put the denominator in the output's place; ``torch.jit.save`` cannot
+    store such an op at all."""
+    if torch.jit.is_scripting():
+        return False
+    else:
+        return torch.jit.is_tracing()
+
+
 def capturing() -> bool:
     """True while a graph is recorded (export, tracing) or compiled: no host synchronisation is allowed."""
     if torch.jit.is_scripting():

@@ -73,7 +73,10 @@ class AFTConv2d(nn.Module):
         raw = self.pos_weight
         mean = raw.mean(dim=(1, 2), keepdim=True)
         var = raw.var(dim=(1, 2), unbiased=False, keepdim=True)
-        scale = self.pos_gamma.view(-1, 1, 1) * torch.rsqrt(var + self.eps)  # (h, 1, 1)
+        # gamma / std per head, formed on (h,) vectors so that gamma never meets rsqrt's ONNX form Div(1, sqrt)
+        # directly: onnxruntime's DivMulFusion then loses gamma where the TorchScript exporter made it an Identity of
+        # an equal parameter (every layer's zeros at initialisation) and refuses the graph
+        scale = (self.pos_gamma * torch.rsqrt(var + self.eps).view(-1)).view(-1, 1, 1)  # (h, 1, 1)
         # gamma * (raw - mean) / std + beta as one scale and shift of the parameter: autograd keeps no (h, s, s) copy
         return raw * scale + (self.pos_beta.view(-1, 1, 1) - mean * scale)
 

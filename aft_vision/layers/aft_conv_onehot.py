@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from timm.layers import register_notrace_function
 from torch import nn
 
-from ._stable import TINY, flag_below
+from ._stable import TINY, flag_below, tracing
 from .policy import get_device_policy, no_autocast
 from .aft_conv import AFTConv2d
 from ._checks import check_conv_inputs, check_tokens
@@ -88,11 +88,12 @@ def _aft_conv2d_onehot(
 
     # per (position, head): the head's d values of exp(k) * v, then exp(k); position T is a key off the map (zeros)
     buffer = q.new_empty(batch, num_keys + 1, num_heads, head_dim + 1)  # (B, T + 1, h, d + 1)
-    buffer[:, num_keys] = 0.0
+    buffer[:, -1] = 0.0  # row T, by a negative index: a symbolic size there would fix the map's size in an export
     exp_kv = buffer[:, :num_keys, :, :head_dim]  # (B, T, h, d), a view
     exp_k = buffer[:, :num_keys, :, head_dim]  # (B, T, h), a view
     values = v.view(batch, num_keys, num_heads, head_dim)
-    if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):  # autograd: copy into the buffer
+    # autograd, or a graph recorded by the TorchScript tracer (one branch whatever the grad mode): copy into the buffer
+    if tracing() or (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)):
         keys = torch.exp(k - k.amax(dim=(1, 2), keepdim=True).detach()).view(batch, num_keys, num_heads)
         buffer[:, :num_keys, :, head_dim] = keys
         buffer[:, :num_keys, :, :head_dim] = keys.unsqueeze(-1) * values

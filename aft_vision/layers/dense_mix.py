@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from ._gate import gate, gate_backward, gate_inplace
 from ._write import write_into
+from ._stable import tracing
 from .policy import no_autocast
 
 __all__ = ['DenseMix', 'dense_mix', 'log_weights', 'dense_sums']
@@ -195,8 +196,9 @@ def dense_mix(
         dtype: torch.dtype,
         mm_dtype: torch.dtype,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``sigmoid(q) * N / D`` and D by ``DenseMix`` (plain autograd while scripting). See ``DenseMix``."""
-    if torch.jit.is_scripting():
+    """``sigmoid(q) * N / D`` and D by ``DenseMix`` (plain autograd while scripted or traced into TorchScript,
+    ``_stable.tracing``). See ``DenseMix``."""
+    if torch.jit.is_scripting() or tracing():
         q, k, v, w = q.to(dtype), k.to(dtype), v.to(dtype), w.to(dtype)
         numerator, denominator = dense_sums(k, v, log_weights(w, grid, causal), grid is not None, mm_dtype)
         return gate(q, numerator, denominator), denominator

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from ._gate import gate, gate_backward, gate_inplace
 from ._write import write_into
 from .dispatch import choose_depthwise_backward
+from ._stable import tracing
 from .policy import no_autocast
 
 __all__ = ['DepthwiseMix', 'depthwise_mix', 'depthwise_sums', 'depthwise_conv_backward']
@@ -174,9 +175,9 @@ def depthwise_mix(
         contiguous: bool,
         dtype: torch.dtype,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``sigmoid(q) * N / D``, D and its scale by ``DepthwiseMix`` (plain autograd while scripting). See
-    ``DepthwiseMix``."""
-    if torch.jit.is_scripting():
+    """``sigmoid(q) * N / D``, D and its scale by ``DepthwiseMix`` (plain autograd while scripted or traced into
+    TorchScript, ``_stable.tracing``). See ``DepthwiseMix``."""
+    if torch.jit.is_scripting() or tracing():
         q, k, v, w = q.to(dtype), k.to(dtype), v.to(dtype), w.to(dtype)
         sums, scale = depthwise_sums(k, v, w, contiguous)
         channels = q.shape[-1]

@@ -8,6 +8,7 @@ from typing import Tuple
 import torch
 
 from ._gate import gate, gate_backward
+from ._stable import tracing
 
 __all__ = ['SimpleMix', 'simple_mix']
 
@@ -55,8 +56,9 @@ class SimpleMix(torch.autograd.Function):
 
 def simple_mix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``sigmoid(q) * N / D`` and D by ``SimpleMix`` (plain autograd while scripting)."""
-    if torch.jit.is_scripting():
+    """``sigmoid(q) * N / D`` and D by ``SimpleMix`` (plain autograd while scripted or traced into TorchScript,
+    ``_stable.tracing``)."""
+    if torch.jit.is_scripting() or tracing():
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         numerator, denominator, _ = simple_sums(k, v, causal)
         return gate(q, numerator, denominator), denominator
