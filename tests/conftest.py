@@ -16,6 +16,8 @@ Which file tests what:
 * test_device_policy.py: the CUDA behaviour of the operators (no host copies, autocast, graph capture) on the CPU.
 * test_docs.py: README.md and docs/*.md against the code (code blocks run, commands parsed, links resolved).
 * test_entry_points.py: every entry point that reads weights refuses bad files clearly and leaves nothing behind.
+* test_export.py: every export path (ONNX by both exporters and timm's onnx_export in onnxruntime, TorchScript,
+  torch.export) against the float64 model, a wrong graph rejected, exported operators on hostile inputs.
 * test_hub.py: DeiT -> AFT transfer, pretrained tags, publishing and Hub / local-dir loading, all offline.
 * test_imports.py: the package's import graph has no circles.
 * test_io.py: weight files: safetensors or tensor-only pickles only; atomic writes that never clobber silently.

@@ -376,34 +376,6 @@ def test_autocast(name):
     aft_reference.assert_model_agrees(out, exact, eager, torch.bfloat16, name)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize('name', TEST_MODELS)
-def test_onnx_export(name, tmp_path):
-    """ONNX (torch.export based) with a dynamic batch, and dynamic height and width (multiples of the patch) for
-    AFT-conv; checked against eager in onnxruntime where it is installed."""
-    pytest.importorskip('onnxscript')
-    from torch.export import Dim
-    torch.manual_seed(0)
-    model = _create(name).eval()
-    is_conv = isinstance(model, AFTConvTransformer)
-    patch = model.patch_embed.patch_size[0]
-    batch = Dim('batch', min=1, max=64)
-    dims = {0: batch}
-    if is_conv:  # any multiple of the patch size
-        dims.update({2: patch * Dim('grid_h', min=1, max=64), 3: patch * Dim('grid_w', min=1, max=64)})
-    path = tmp_path / f'{name}.onnx'
-    torch.onnx.export(model, (_input(model),), str(path), dynamo=True, dynamic_shapes={'x': dims})
-    ort = pytest.importorskip('onnxruntime')
-    session = ort.InferenceSession(str(path))
-    sizes = [(3, 64, 64)] + ([(1, 40, 96)] if is_conv else [])
-    for b, h, w in sizes:
-        x = torch.randn(b, 3, h, w)
-        out = session.run(None, {session.get_inputs()[0].name: x.numpy()})[0]
-        with torch.no_grad():
-            exact = copy.deepcopy(model).double()(x.double())
-            aft_reference.assert_model_agrees(torch.from_numpy(out), exact, model(x), label=f'{name} {h}x{w}')
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # any resolution
 

@@ -181,8 +181,9 @@ def aft_conv2d(
     * ``'conv'``: one depthwise convolution plus a global sum (``depthwise_mix.py``), O(T s^2 C), in float32 (a
       contiguous NCHW input under the 'cuda' policy, where cuDNN's channels-last depthwise path is slow).
     * ``'triton'``: the fused windowed kernel (``aft_conv_triton.py``), where Triton can run.
-    * ``'auto'`` (default): ``dispatch.choose_conv_method`` from the tables measured per device type; always
-      ``'conv'`` while exporting (torch.export / ONNX) or scripted, so the graph works at any input size.
+    * ``'auto'`` (default): ``dispatch.choose_conv_method`` from the tables measured per device type. While exporting
+      (torch.export, ONNX, ``torch.jit.trace``) or scripted, ``'auto'`` and ``'triton'`` take ``'conv'``, so the graph
+      works at any input size and on any runtime.
 
     Exactness: under the 'cpu' policy every entry whose denominator underflowed (dense) or cancelled (conv) is
     recomputed exactly on the host. Under 'cuda' (and in exported or compiled graphs) nothing is recomputed: the
@@ -209,8 +210,10 @@ def aft_conv2d(
         return _aft_conv2d(q, k, v, w, 'dense' if method == 'dense' else 'conv', dtype, dtype, 'cpu').to(out_dtype)
     else:
         policy = get_device_policy(q.device)
-        if method == 'auto':  # exported graphs take the convolution: it holds for every input size
-            method = 'conv' if exporting() else choose_conv_method(
+        if exporting() and method in ('auto', 'triton'):  # exported graphs take the convolution: any input size
+            method = 'conv'
+        elif method == 'auto':
+            method = choose_conv_method(
                 policy, out_dtype, q.shape[0], q.shape[1], q.shape[2], q.shape[3], k.shape[-1], w.shape[-1])
         if method == 'triton':
             return _aft_conv2d_triton(q, k, v, w)

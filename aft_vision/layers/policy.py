@@ -14,7 +14,8 @@ Two behaviours, chosen per call from the input's device type unless ``device_pol
 
 ``device_policy('cuda')`` makes the operators behave on any tensors as they do on CUDA, which is how the CPU tests
 prove the CUDA behaviour. While exporting (torch.export, ONNX, jit tracing) or compiling, the data-dependent repair is
-off whatever the policy.
+off whatever the policy: an exported graph keeps the 'cuda' policy's guarantee (finite for any finite input, exact to
+rounding within the bounds ``functional.py`` states; docs/deployment.md).
 """
 import contextlib
 import os
