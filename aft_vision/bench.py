@@ -8,9 +8,11 @@ resolution (e.g. fewer images for the training step at 768 px); ``--readme`` is 
 step), peak memory (process RSS growth over a first call in a fresh process on CPU, ``max_memory_allocated`` on
 CUDA), the bytes autograd saves for the backward pass (parameters excluded, each storage once), parameters, GMACs
 (torch's flop counter on one image) and achieved GFLOP/s, and each AFT / DeiT ratio; the plot draws the ratios against
-resolution. ``--compile`` times
-``torch.compile(model, fullgraph=True)`` for both; ``--ops`` times the AFT-conv methods per layer instead
-(``bench_ops.py``).
+resolution. ``--runtime`` picks what runs both models: eager PyTorch (default), ``compile``
+(``torch.compile(model, fullgraph=True)``, also ``--compile``) or ``onnxruntime`` (each model exported by the
+TorchScript-based ONNX exporter at opset 18, as timm's ``onnx_export`` does, then run by onnxruntime's CPU provider
+with its default graph optimisations and torch's thread count: inference in float32 only). ``--ops`` times the
+AFT-conv methods per layer instead (``bench_ops.py``).
 """
 import argparse
 import contextlib
@@ -19,8 +21,10 @@ import json
 import multiprocessing
 import os
 import statistics
+import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -31,7 +35,9 @@ from tqdm import tqdm
 
 from ._io import save_figure
 
-__all__ = ['run_benchmark', 'add_arguments', 'main']
+__all__ = ['run_benchmark', 'add_arguments', 'main', 'RUNTIMES']
+
+RUNTIMES = ('eager', 'compile', 'onnxruntime')
 
 DEFAULT_MODELS = ['aft_conv_small', 'aft_conv_small_11_h16', 'aft_conv_tiny', 'aft_full_tiny']
 BASELINES = {192: 'deit_tiny_patch16_224', 384: 'deit_small_patch16_224', 768: 'deit_base_patch16_224'}
@@ -86,11 +92,12 @@ class _Case:
     """One model at one resolution: its inference and training-step closures."""
 
     def __init__(self, name: str, img_size: int, batch_size: int, device: torch.device, precision: str,
-                 compile_model: bool = False, train_batch_size: Optional[int] = None):
+                 runtime: str = 'eager', train_batch_size: Optional[int] = None):
         self.name, self.device, self.precision = name, device, precision
         self.eager = timm.create_model(name, img_size=img_size, num_classes=1000).to(device)
-        self.model = torch.compile(self.eager, fullgraph=True) if compile_model else self.eager
+        self.model = torch.compile(self.eager, fullgraph=True) if runtime == 'compile' else self.eager
         self.images = torch.randn(batch_size, 3, img_size, img_size, device=device)
+        self.session = _onnx_session(self.eager, self.images) if runtime == 'onnxruntime' else None
         train_batch_size = train_batch_size or batch_size
         self.train_images = self.images if train_batch_size == batch_size else \
             torch.randn(train_batch_size, 3, img_size, img_size, device=device)
@@ -99,6 +106,9 @@ class _Case:
         self.params = sum(p.numel() for p in self.model.parameters())
 
     def infer(self):
+        if self.session is not None:
+            self.session.run(None, {'x': self.images.numpy()})
+            return
         self.model.eval()
         with torch.inference_mode(), _autocast(self.device, self.precision):
             self.model(self.images)
@@ -162,6 +172,22 @@ class _Case:
         args = (self.name, images.shape[-1], images.shape[0], self.precision, method, torch.get_num_threads())
         with multiprocessing.get_context('spawn').Pool(1) as pool:
             return pool.apply(_fresh_process_rss_peak, args)
+
+
+def _onnx_session(model: torch.nn.Module, images: torch.Tensor):
+    """``model`` exported at ``images``' shape (TorchScript-based exporter, opset 18) in an onnxruntime session on the
+    CPU with torch's thread count."""
+    import onnxruntime
+
+    model.eval()
+    with tempfile.TemporaryDirectory() as folder, warnings.catch_warnings():
+        warnings.simplefilter('ignore')  # the tracer's warnings on shape checks
+        path = os.path.join(folder, 'model.onnx')
+        torch.onnx.export(model, (images,), path, dynamo=False, opset_version=18, input_names=['x'])
+        options = onnxruntime.SessionOptions()
+        options.intra_op_num_threads = torch.get_num_threads()
+        options.inter_op_num_threads = 1
+        return onnxruntime.InferenceSession(path, options, providers=['CPUExecutionProvider'])
 
 
 def _fresh_process_rss_peak(name: str, img_size: int, batch_size: int, precision: str, method: str,
@@ -232,7 +258,7 @@ def run_benchmark(
         precision: str = 'fp32',
         train: bool = True,
         baselines: Optional[Dict[str, str]] = None,
-        compile_model: bool = False,
+        runtime: str = 'eager',
         pairs: Optional[List[Tuple[str, str, List[int]]]] = None,
         batch_at: Optional[Dict[int, Tuple[int, int]]] = None,
         peak_memory: bool = True,
@@ -249,12 +275,17 @@ def run_benchmark(
         precision: 'fp32', or the autocast dtype 'bf16' / 'fp16'.
         train: Also time the training step (forward + backward + AdamW) and count its saved bytes.
         baselines: Model -> baseline (default: the DeiT of the model's width).
-        compile_model: Time ``torch.compile(model, fullgraph=True)``.
+        runtime: 'eager', 'compile' (``torch.compile(model, fullgraph=True)``) or 'onnxruntime' (float32 inference
+            on the CPU only: ``train`` and ``peak_memory`` must be off).
         pairs: Extra (model, baseline, resolutions) cases.
         batch_at: Resolution -> (inference batch, training batch).
         peak_memory: Measure peak memory (a fresh process per model and figure on CPU).
     """
     device = torch.device(device)
+    if runtime not in RUNTIMES:
+        raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
+    if runtime == 'onnxruntime' and (train or peak_memory or precision != 'fp32' or device.type != 'cpu'):
+        raise ValueError('the onnxruntime runtime times float32 inference on the CPU: no training step, no peak memory')
     baselines = baselines or {name: _baseline_for(name) for name in models}
     cases = [(name, baselines[name], res) for res in resolutions for name in models]
     cases += [(name, baseline, res) for name, baseline, res_list in pairs or [] for res in res_list]
@@ -265,7 +296,7 @@ def run_benchmark(
     for (res, baseline), names in groups.items():
         infer_batch, train_batch = batch_at.get(res, (batch_size, batch_size))
         bar.set_postfix_str(f'{res} px: {", ".join(names)} vs {baseline}')
-        group = {who: _Case(who, res, infer_batch, device, precision, compile_model, train_batch)
+        group = {who: _Case(who, res, infer_batch, device, precision, runtime, train_batch)
                  for who in [baseline, *names]}
         tasks = {'infer': 'infer', 'train': 'train_step'} if train else {'infer': 'infer'}
         times = {(who, task): [] for who in group for task in tasks}
@@ -280,7 +311,7 @@ def run_benchmark(
         for name in names:
             row = {'resolution': res, 'batch_size': infer_batch, 'train_batch_size': train_batch,
                    'device': str(device), 'precision': precision, 'threads': torch.get_num_threads(),
-                   'compiled': compile_model, 'aft': records[name], 'deit': records[baseline]}
+                   'runtime': runtime, 'aft': records[name], 'deit': records[baseline]}
             row['ratio'] = {key: row['aft'][key] / row['deit'][key] for key in row['aft']
                             if key not in ('model', 'params', 'gmacs') and row['deit'][key]}
             rows.append(row)
@@ -386,8 +417,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--no-train', action='store_true', help='skip the training-step figures')
     parser.add_argument('--no-peak-memory', action='store_true',
                         help='skip peak memory (on CPU a fresh process per model and figure)')
-    parser.add_argument('--compile', action='store_true',
-                        help='time torch.compile(model, fullgraph=True) for AFT and DeiT alike')
+    parser.add_argument('--runtime', choices=RUNTIMES, default='eager',
+                        help='what runs both models: eager PyTorch, torch.compile(fullgraph=True), or onnxruntime '
+                             '(float32 inference on the CPU: implies --no-train --no-peak-memory)')
+    parser.add_argument('--compile', action='store_true', help='the same as --runtime compile')
     parser.add_argument('--ops', action='store_true',
                         help='time every AFT-conv method on the layers of --models instead (the dispatch tables)')
     parser.add_argument('--ops-methods', nargs='+', default=None, metavar='VARIANT',
@@ -416,12 +449,19 @@ def main(args: argparse.Namespace) -> int:
     for name in models + [model for pair in pairs for model in pair[:2]]:
         if not timm.is_model(name):
             raise ValueError(f'unknown model {name!r}; AFT models: {", ".join(timm.list_models("aft_*"))}')
+    if args.compile and args.runtime not in ('eager', 'compile'):
+        raise ValueError(f'--compile contradicts --runtime {args.runtime}')
+    runtime = 'compile' if args.compile else args.runtime
+    if runtime == 'onnxruntime':
+        if args.precision != 'fp32' or args.device != 'cpu':
+            raise ValueError('--runtime onnxruntime times float32 on the CPU: use --precision fp32 --device cpu')
+        args.no_train, args.no_peak_memory = True, True
     torch.manual_seed(0)
     if args.ops:
         from .bench_ops import main as ops_main
         return ops_main(args, models, resolutions)
     rows = run_benchmark(models, resolutions, args.batch_size, args.repeats, args.warmup, args.device,
-                         args.precision, train=not args.no_train, baselines=baselines, compile_model=args.compile,
+                         args.precision, train=not args.no_train, baselines=baselines, runtime=runtime,
                          pairs=pairs, batch_at=batch_at, peak_memory=not args.no_peak_memory)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -89,3 +89,20 @@ def test_ops_times_forward_and_backward_apart_for_the_chosen_variants(tmp_path, 
     assert cli_main(['bench', '--ops', '--models', 'aft_conv_test', '--resolutions', '32', '--ops-methods',
                      'conv:convolution_backward', '--out-dir', str(tmp_path)]) == 2  # the default backward missing
     assert '--ops-methods' in capsys.readouterr().err
+
+
+def test_onnxruntime_runtime_times_inference_of_both_models(tmp_path):
+    assert cli_main(['bench', '--quick', '--runtime', 'onnxruntime', '--out-dir', str(tmp_path)]) == 0
+    (row,) = json.loads((tmp_path / 'bench.json').read_text())['rows']
+    assert row['runtime'] == 'onnxruntime' and row['precision'] == 'fp32'
+    for who in ('aft', 'deit'):  # inference only: no training step, no peak memory in a fresh process
+        assert set(row[who]) == {'model', 'params', 'gmacs', 'infer_img_s', 'infer_gflop_s'}
+        assert row[who]['infer_img_s'] > 0
+    assert row['ratio']['infer_img_s'] == row['aft']['infer_img_s'] / row['deit']['infer_img_s']
+
+
+@pytest.mark.parametrize('options', [['--runtime', 'onnxruntime', '--precision', 'bf16'],
+                                     ['--runtime', 'onnxruntime', '--compile']])
+def test_onnxruntime_runtime_refuses_what_it_cannot_time(options, tmp_path, capsys):
+    assert cli_main(['bench', '--quick', *options, '--out-dir', str(tmp_path)]) == 2
+    assert '--runtime onnxruntime' in capsys.readouterr().err

@@ -7,6 +7,7 @@ counted at the dispatcher over whole models; graph capture is checked with ``tor
 """
 import copy
 import os
+from unittest import mock
 import subprocess
 import sys
 
@@ -296,6 +297,37 @@ def test_dispatch_differs_where_the_tables_do():
     assert choose_conv_method('cuda', torch.bfloat16, 64, 48, 48, 384, 384, 15) == 'conv'  # 768 px: E would be 4 GB
     shape = (8, 24, 24, 384, 384, 15)
     assert choose_conv_method('mps', f32, *shape) == choose_conv_method('cpu', f32, *shape)
+
+
+class _Kernels(TorchDispatchMode):
+    """Records the matrix products and the convolutions' input layouts."""
+
+    def __init__(self):
+        super().__init__()
+        self.products, self.conv_channels_last = 0, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.bmm.default, torch.ops.aten.mm.default):
+            self.products += 1
+        if func == torch.ops.aten.convolution.default:
+            self.conv_channels_last.append(args[0].is_contiguous(memory_format=torch.channels_last))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize('policy', ['cpu', 'cuda'])
+def test_method_and_layout_follow_the_device_not_the_policy(policy):
+    """On CPU tensors the 'cuda' policy runs the CPU table's method on a channels-last input, like the 'cpu' policy:
+    its CUDA choices (the dense form here, a contiguous NCHW convolution) were 5-15x slower on the CPU."""
+    batch, side, channels, heads, s = 64, 24, 384, 384, 15  # the 'cuda' table picks the dense form for this layer
+    assert choose_conv_method('cuda', torch.float32, batch, side, side, channels, heads, s) == 'dense'
+    assert choose_conv_method('cpu', torch.float32, batch, side, side, channels, heads, s) == 'conv'
+    q, v = torch.randn(2, 2, side, side, channels).unbind(0)  # 2 images: the method depends on the shapes only
+    k, w = torch.randn(2, side, side, heads), torch.randn(heads, s, s)
+    with mock.patch('aft_vision.layers.functional.choose_conv_method',
+                    lambda device_type, *rest: choose_conv_method(device_type, rest[0], batch, *rest[2:])):
+        with device_policy(policy), _Kernels() as kernels:
+            aft_conv2d(q, k, v, w)
+    assert kernels.products == 0 and kernels.conv_channels_last == [True]
 
 
 @pytest.mark.parametrize('method', ['dense', 'conv'])

@@ -179,7 +179,8 @@ def aft_conv2d(
     * ``'dense'``: the (h, T, T) positive per-head weight matrix times ``[exp(k - kmax) v, exp(k - kmax)]``, the batch
       as the product's N dimension (``dense_mix.py``), O(T^2 C); its denominator cannot cancel.
     * ``'conv'``: one depthwise convolution plus a global sum (``depthwise_mix.py``), O(T s^2 C), in float32 (a
-      contiguous NCHW input under the 'cuda' policy, where cuDNN's channels-last depthwise path is slow).
+      contiguous NCHW input on CUDA, where cuDNN's channels-last depthwise path is slow; a channels-last view elsewhere,
+      where oneDNN's NCHW depthwise path is slow).
     * ``'triton'``: the fused windowed kernel (``aft_conv_triton.py``), where Triton can run.
     * ``'auto'`` (default): ``dispatch.choose_conv_method`` from the tables measured per device type. While exporting
       (torch.export, ONNX, ``torch.jit.trace``) or scripted, ``'auto'`` and ``'triton'`` take ``'conv'``, so the graph
@@ -213,8 +214,8 @@ def aft_conv2d(
         if exporting() and method in ('auto', 'triton'):  # exported graphs take the convolution: any input size
             method = 'conv'
         elif method == 'auto':
-            method = choose_conv_method(
-                policy, out_dtype, q.shape[0], q.shape[1], q.shape[2], q.shape[3], k.shape[-1], w.shape[-1])
+            method = choose_conv_method(  # the device's speed table, whatever arithmetic the policy asks for
+                q.device.type, out_dtype, q.shape[0], q.shape[1], q.shape[2], q.shape[3], k.shape[-1], w.shape[-1])
         if method == 'triton':
             return _aft_conv2d_triton(q, k, v, w)
         mm_dtype = product_dtype(q.device, out_dtype, dtype, policy)
@@ -241,7 +242,8 @@ def _aft_conv2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tens
         out, denominator = out.view(q.shape), denominator.view(k.shape)
         threshold = denominator.new_full((), tiny)  # the largest joint term underflowed
     else:
-        out, denominator, scale = depthwise_mix(q, k, v, w, policy == 'cuda', dtype)
+        # the layout is the device's (cuDNN's channels-last depthwise path is slow), whatever the policy
+        out, denominator, scale = depthwise_mix(q, k, v, w, q.device.type == 'cuda', dtype)
         threshold = (scale * cancel_tol).clamp_min(tiny)  # (B, 1, 1, h): mostly cancellation (or underflow)
     bad = flag_below(denominator, threshold, policy)  # (B, H, W, h)
     if bad is not None:

@@ -8,14 +8,16 @@ Two behaviours, chosen per call from the input's device type unless ``device_pol
 * ``'cuda'`` (default on CUDA): no host synchronisation and no data-dependent branch, so CUDA graphs and
   ``torch.compile(fullgraph=True)`` capture the operators. The matrix products run in the autocast dtype (bfloat16 /
   float16, float32 accumulation) on the positive, max-shifted form of the sums; the depthwise convolution runs in
-  float32 on a contiguous NCHW input. Denominators are floored at ``TINY`` instead of repaired, so the result is
+  float32. Denominators are floored at ``TINY`` instead of repaired, so the result is
   finite for any finite input and exact to rounding while every query's bias row spans less than ~50 in log space
   (see ``functional.py`` for the per-method bound).
 
 ``device_policy('cuda')`` makes the operators behave on any tensors as they do on CUDA, which is how the CPU tests
-prove the CUDA behaviour. While exporting (torch.export, ONNX, jit tracing) or compiling, the data-dependent repair is
-off whatever the policy: an exported graph keeps the 'cuda' policy's guarantee (finite for any finite input, exact to
-rounding within the bounds ``functional.py`` states; docs/deployment.md).
+prove the CUDA behaviour. The policy sets the arithmetic only: which method ``'auto'`` picks and the convolution's
+memory layout follow the tensors' device (``dispatch.py``), so the 'cuda' policy on CPU tensors runs CPU kernels.
+While exporting (torch.export, ONNX, jit tracing) or compiling, the data-dependent repair is off whatever the policy:
+an exported graph keeps the 'cuda' policy's guarantee (finite for any finite input, exact to rounding within the
+bounds ``functional.py`` states; docs/deployment.md).
 """
 import contextlib
 import os
