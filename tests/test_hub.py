@@ -170,6 +170,33 @@ def test_publish_dry_run_round_trips_through_local_dir_and_hf_hub(tmp_path, offl
     assert torch.equal(remote(x), expected)
 
 
+@pytest.mark.parametrize('name', ['aft_conv_test', 'aft_full_test', 'aft_simple_test'])
+def test_resized_model_records_what_timm_records_and_round_trips(name, tmp_path):
+    """``set_input_size`` records image and patch size as timm's own ViT does; the folder ``save_for_hf`` writes, and
+    the one ``publish`` writes from the weights, rebuild the resized model with identical outputs."""
+    torch.manual_seed(0)
+    model = timm.create_model(name, num_classes=5).eval()
+    model.set_input_size(img_size=(64, 64), patch_size=(4, 4))
+    vit = timm.create_model('test_vit', img_size=64, patch_size=8, num_classes=5)
+    vit.set_input_size(img_size=(64, 64), patch_size=(4, 4))
+    for resized in (model, vit):  # timm's own test_vit: what timm records
+        args = timm.models.get_model_args(resized)
+        assert (args['img_size'], args['patch_size']) == ((64, 64), (4, 4)), type(resized).__name__
+
+    x = torch.randn(2, 3, 64, 64)
+    expected = model(x)
+    save_for_hf(model, str(tmp_path / 'saved'), safe_serialization=True)
+    reloaded = timm.create_model(f'local-dir:{tmp_path / "saved"}', pretrained=True).eval()
+    assert reloaded.patch_embed.patch_size == (4, 4) and torch.equal(reloaded(x), expected)
+
+    from aft_vision._io import save_weights
+    save_weights(model.state_dict(), tmp_path / 'trained.safetensors')
+    publish(str(tmp_path / 'trained.safetensors'), name, 'someone/resized', out_dir=str(tmp_path / 'published'),
+            dry_run=True, model_kwargs={'patch_size': 4}, data_config={'input_size': 64})
+    published = timm.create_model(f'local-dir:{tmp_path / "published"}', pretrained=True).eval()
+    assert torch.equal(published(x), expected)
+
+
 def test_publish_refuses_bad_inputs_and_leaves_nothing(tmp_path):
     checkpoint = tmp_path / 'bad.safetensors'
     checkpoint.write_bytes(b'not a safetensors file at all')
