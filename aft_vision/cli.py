@@ -75,6 +75,8 @@ def _add_transfer(subparsers) -> None:
     p.add_argument('--num-classes', type=int, default=0,
                    help='classes of a fresh AFT head (default: 0, a backbone like the .deit_in1k tags)')
     p.add_argument('--force', action='store_true', help='overwrite --out if it exists')
+    p.add_argument('--no-ema', dest='use_ema', action='store_false',
+                   help='take a training checkpoint\'s trained weights, not its EMA weights (timm\'s default)')
 
 
 def _cmd_transfer(args: argparse.Namespace) -> int:
@@ -88,7 +90,7 @@ def _cmd_transfer(args: argparse.Namespace) -> int:
     else:
         import timm
         source = timm.create_model(args.src, pretrained=True).state_dict()
-    state_dict, report = transfer_vit_weights(source, model)
+    state_dict, report = transfer_vit_weights(source, model, use_ema=args.use_ema)
     model.load_state_dict(state_dict)
     digest = save_weights(state_dict, args.out, force=args.force,
                           metadata={'source': str(args.src), 'architecture': args.model})
@@ -125,6 +127,8 @@ def _add_publish(subparsers) -> None:
     p.add_argument('--base-model', default=None, help='Hub id the weights were initialised from')
     p.add_argument('--training', default=None, help='one paragraph on how the model was trained')
     p.add_argument('--private', action='store_true', help='create the Hub repository as private')
+    p.add_argument('--no-ema', dest='use_ema', action='store_false',
+                   help='publish a training checkpoint\'s trained weights, not its EMA weights (timm\'s default)')
     data = p.add_argument_group('data config (how the weights were trained and evaluated; overrides the run record)')
     data.add_argument('--input-size', type=int, nargs='+', default=None, metavar='N',
                       help='evaluation size: N, H W or C H W (timm\'s pretrained_cfg input_size)')
@@ -159,13 +163,14 @@ def _cmd_publish(args: argparse.Namespace) -> int:
             args.checkpoint, args.model, args.repo_id, out_dir=args.out_dir, dry_run=args.dry_run, force=args.force,
             label_names=_read_labels(args.labels), results_file=args.results, datasets=args.dataset,
             base_model=args.base_model, training=args.training, private=args.private,
-            model_kwargs=args.model_kwargs, data_config=overrides,
+            model_kwargs=args.model_kwargs, data_config=overrides, use_ema=args.use_ema,
         )
     for warning in caught:
         if str(warning.message).startswith('publishing '):
             print(f'warning: {warning.message}', file=sys.stderr)
         else:
             warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+    print(f'weights: {result["weights"]}')
     print(f'data config: {result["data_config_source"]}')
     where = result.get('folder') or result.get('url')
     print(f'{"wrote" if args.dry_run else "uploaded"} {where}  model.safetensors sha256 {result["sha256"]}')

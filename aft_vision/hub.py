@@ -15,10 +15,11 @@ the main job's ``results.json`` or timm ``train.py``'s ``args.yaml``) and checke
 """
 import inspect
 import json
+import logging
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import timm
 import torch
@@ -27,11 +28,14 @@ from timm.models import parse_model_name, save_for_hf
 from ._io import atomic_dir, load_weights, sha256sum
 from .hub_data_config import CROP_MODES, INTERPOLATIONS, resolve_publish_data_config
 from .hub_records import DATA_CONFIG_KEYS, TrainingRecord, _read_json_object, read_training_record, source_architecture
-from .transfer import unwrap_state_dict
+from .transfer import select_weights
 from .version import __version__
 
-__all__ = ['build_hub_folder', 'publish', 'load_checkpoint_into', 'source_architecture', 'read_training_record',
-           'resolve_publish_data_config', 'TrainingRecord', 'DATA_CONFIG_KEYS', 'CROP_MODES', 'INTERPOLATIONS']
+__all__ = ['build_hub_folder', 'publish', 'load_checkpoint_into', 'model_from_checkpoint', 'source_architecture',
+           'read_training_record', 'resolve_publish_data_config', 'TrainingRecord', 'DATA_CONFIG_KEYS', 'CROP_MODES',
+           'INTERPOLATIONS']
+
+_logger = logging.getLogger(__name__)
 
 # numeric entries of the main job's results.json that are settings of the run, not metrics for the model card
 _RUN_SETTINGS = ('epochs', 'img_size', 'eval_img_size', 'world_size', 'wall_seconds', 'seed')
@@ -68,13 +72,22 @@ def _strip_client_args(model: torch.nn.Module, config_file: Path) -> Dict[str, A
     return config
 
 
-def load_checkpoint_into(model_name: str, checkpoint: str, **model_kwargs) -> torch.nn.Module:
-    """Build ``model_name`` sized to the checkpoint's head and load the checkpoint strictly.
+def model_from_checkpoint(
+        model_name: str,
+        checkpoint: str,
+        use_ema: bool = True,
+        **model_kwargs,
+) -> Tuple[torch.nn.Module, str]:
+    """Build ``model_name`` sized to the checkpoint's head and load the checkpoint strictly, its weights taken as timm
+    takes them (``select_weights``: EMA first unless ``use_ema`` is False, DDP / compile prefixes stripped).
+
+    Returns:
+        The model in eval mode, and which of the checkpoint's weights it holds.
 
     Raises:
         ValueError: The file is unreadable or its tensors do not fit the architecture (key and shapes named).
     """
-    state_dict = unwrap_state_dict(load_weights(checkpoint))
+    state_dict, weights = select_weights(load_weights(checkpoint), use_ema)
     head = state_dict.get('head.weight')
     if head is not None and 'num_classes' not in model_kwargs:
         model_kwargs['num_classes'] = head.shape[0]
@@ -89,7 +102,13 @@ def load_checkpoint_into(model_name: str, checkpoint: str, **model_kwargs) -> to
             raise ValueError(f'{checkpoint} does not fit {model_name}: {key!r} has shape {list(tensor.shape)}, '
                              f'the model expects {list(expected[key].shape)}')
     model.load_state_dict(state_dict)
-    return model.eval()
+    _logger.info('loaded %s of %s', weights, checkpoint)
+    return model.eval(), weights
+
+
+def load_checkpoint_into(model_name: str, checkpoint: str, use_ema: bool = True, **model_kwargs) -> torch.nn.Module:
+    """``model_from_checkpoint``'s model: ``model_name`` holding the checkpoint's weights (EMA first)."""
+    return model_from_checkpoint(model_name, checkpoint, use_ema, **model_kwargs)[0]
 
 
 def _model_card(
@@ -105,6 +124,8 @@ def _model_card(
         data_config_source: Optional[str],
 ) -> str:
     """The README.md model card: YAML metadata, then what the model is, its training, metrics, usage, citation."""
+    # not timm's generate_readme: it writes no base_model:, lowercases dataset names (Hub ids are case-sensitive)
+    # and has no place for the preprocessing, metrics and the aft_vision import the usage needs
     cfg = pretrained_cfg
     num_params = sum(p.numel() for p in model.parameters())
     meta = ['---', 'library_name: timm', f'license: {license_name}', 'pipeline_tag: image-classification', 'tags:']
@@ -224,6 +245,7 @@ def publish(
         private: bool = False,
         model_kwargs: Optional[Dict] = None,
         data_config: Optional[Dict[str, Any]] = None,
+        use_ema: bool = True,
 ) -> Dict[str, str]:
     """Publish an AFT checkpoint: a local folder (``dry_run``) or a Hub upload.
 
@@ -239,10 +261,11 @@ def publish(
             them in config.json.
         data_config: Overrides of the recorded preprocessing (``input_size``, ``test_input_size``, ``crop_pct``,
             ``crop_mode``, ``interpolation``, ``mean``, ``std``).
+        use_ema: Publish a training checkpoint's EMA weights where it has them (timm's rule), else its trained ones.
 
     Returns:
         ``{'folder' or 'url': ..., 'sha256': sha256 of model.safetensors, 'data_config_source': where the
-        preprocessing came from}``.
+        preprocessing came from, 'weights': which of the checkpoint's weights were published}``.
 
     Raises:
         ValueError: Bad checkpoint, repo id, labels, results file, run record or data config; no architecture.
@@ -265,7 +288,7 @@ def publish(
             kwargs = {**record.model_kwargs, **kwargs}
         if parse_model_name(model_name)[0]:  # a published folder or Hub repo: its architecture and saved arguments
             model_name, kwargs = source_architecture(model_name, kwargs)
-    model = load_checkpoint_into(model_name, checkpoint, **kwargs)
+    model, weights = model_from_checkpoint(model_name, checkpoint, use_ema, **kwargs)
     data_config, source = resolve_publish_data_config(model, record, data_config)
     if data_config is None:
         warnings.warn(f'publishing {checkpoint} with {source}; give the run record or --input-size / --crop-pct',
@@ -277,7 +300,7 @@ def publish(
         with atomic_dir(out_dir, force=force) as staging:
             build_hub_folder(model, staging, **folder_args)
         return {'folder': str(out_dir), 'sha256': sha256sum(Path(out_dir) / 'model.safetensors'),
-                'data_config_source': source}
+                'data_config_source': source, 'weights': weights}
 
     from huggingface_hub import HfApi
     with tempfile.TemporaryDirectory(prefix='aft-publish-') as staging:
@@ -292,4 +315,5 @@ def publish(
             commit = api.upload_folder(repo_id=repo_id, folder_path=staging, commit_message='Add AFT model')
         except Exception as error:
             raise RuntimeError(f'uploading to {repo_id} failed: {type(error).__name__}: {error}') from None
-    return {'url': str(getattr(commit, 'commit_url', commit)), 'sha256': digest, 'data_config_source': source}
+    return {'url': str(getattr(commit, 'commit_url', commit)), 'sha256': digest, 'data_config_source': source,
+            'weights': weights}

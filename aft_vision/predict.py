@@ -9,7 +9,7 @@ from PIL import Image, UnidentifiedImageError
 from timm.data import ImageNetInfo, create_transform, resolve_data_config
 from timm.utils import ParseKwargs
 
-from .hub import load_checkpoint_into
+from .hub import model_from_checkpoint
 from .models import check_pretrained, create_aft_model
 
 __all__ = ['predict', 'add_arguments', 'main']
@@ -55,6 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group()
     source.add_argument('--checkpoint', default=None, help='AFT weights (.safetensors or weights-only .pth)')
     source.add_argument('--pretrained', action='store_true', help='the model\'s pretrained tag (downloads)')
+    parser.add_argument('--no-ema', dest='use_ema', action='store_false',
+                        help='a training checkpoint\'s trained weights, not its EMA weights (timm\'s default)')
     parser.add_argument('--img-size', type=int, default=None, help='crop size (default: the model\'s data config)')
     parser.add_argument('--topk', type=int, default=5)
 
@@ -81,7 +83,8 @@ def _check_classifier(args: argparse.Namespace) -> None:
 def main(args: argparse.Namespace) -> int:
     _check_classifier(args)
     if args.checkpoint:
-        model = load_checkpoint_into(args.model, args.checkpoint, **args.model_kwargs)
+        model, weights = model_from_checkpoint(args.model, args.checkpoint, args.use_ema, **args.model_kwargs)
+        print(f'aft-vision: {args.checkpoint}: {weights}', file=sys.stderr)
     else:
         model = create_aft_model(args.model, pretrained=True, **args.model_kwargs)
     if not model.num_classes:

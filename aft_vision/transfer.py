@@ -18,14 +18,18 @@ from typing import Dict, List, Mapping, Tuple
 
 import torch
 from timm.layers import resample_abs_pos_embed
+from timm.models import clean_state_dict
 
-__all__ = ['TransferReport', 'transfer_vit_weights', 'unwrap_state_dict', 'is_vit_state_dict']
+__all__ = ['TransferReport', 'transfer_vit_weights', 'select_weights', 'unwrap_state_dict', 'is_vit_state_dict']
 
 _logger = logging.getLogger(__name__)
 
 _QKV = re.compile(r'blocks\.(\d+)\.attn\.qkv\.(weight|bias)$')
 _DISTILLATION = ('dist_token', 'head_dist.weight', 'head_dist.bias')
 _CLASSIFIER = ('head.weight', 'head.bias')
+# the entries of a training checkpoint that hold weights, in the order timm's load_state_dict takes them
+EMA_KEYS = ('state_dict_ema', 'model_ema')
+WEIGHT_KEYS = EMA_KEYS + ('state_dict', 'model')
 
 
 @dataclass
@@ -36,6 +40,7 @@ class TransferReport:
     partial: Dict[str, str] = field(default_factory=dict)
     skipped: Dict[str, str] = field(default_factory=dict)  # source key -> reason
     fresh: List[str] = field(default_factory=list)
+    weights: str = ''  # which of the source checkpoint's weights were taken (``select_weights``)
 
     def summary(self) -> str:
         """A short human-readable report, one section per outcome."""
@@ -48,6 +53,8 @@ class TransferReport:
                 lines.append(f'  {title:9s} {key}: {why}')
         for key in _collapse(dict.fromkeys(self.fresh, '')):
             lines.append(f'  fresh     {key}')
+        if self.weights:
+            lines.append(f'  source    {self.weights}')
         return '\n'.join(lines)
 
 
@@ -59,18 +66,41 @@ def _collapse(items: Mapping[str, str]) -> Dict[str, str]:
     return folded
 
 
-def unwrap_state_dict(checkpoint: Mapping) -> Dict[str, torch.Tensor]:
-    """Return the tensors of a checkpoint saved bare, as ``{'model': ...}``, ``{'state_dict': ...}`` or by DDP."""
-    for wrapper in ('model', 'state_dict', 'model_ema', 'state_dict_ema'):
-        if isinstance(checkpoint.get(wrapper), Mapping):
-            checkpoint = checkpoint[wrapper]
-            break
-    state_dict = {}
-    for key, value in checkpoint.items():
+def select_weights(checkpoint: Mapping, use_ema: bool = True) -> Tuple[Dict[str, torch.Tensor], str]:
+    """The weights of a checkpoint, taken as timm's ``load_state_dict`` takes them, and which were taken.
+
+    A training checkpoint's EMA weights (``state_dict_ema``, ``model_ema``) unless ``use_ema`` is False, else its
+    ``state_dict`` or ``model``; a bare state dict as it is. timm's ``clean_state_dict`` strips the prefixes of a DDP
+    (``module.``) or ``torch.compile`` (``_orig_mod.``) model. timm's ``load_state_dict`` reads a file itself and does
+    not say which weights it took: its order of keys is kept here, on a checkpoint ``_io.load_weights`` read safely.
+
+    Returns:
+        The tensors, and which weights they are (e.g. ``"the EMA weights ('state_dict_ema')"``).
+
+    Raises:
+        ValueError: An entry is not a tensor (not a state dict).
+    """
+    keys = WEIGHT_KEYS if use_ema else WEIGHT_KEYS[len(EMA_KEYS):]
+    taken = next((key for key in keys if isinstance(checkpoint.get(key), Mapping)), '')
+    state_dict = clean_state_dict(checkpoint[taken] if taken else checkpoint)
+    for key, value in state_dict.items():
         if not isinstance(value, torch.Tensor):
             raise ValueError(f'checkpoint entry {key!r} is a {type(value).__name__}, not a tensor: not a state dict')
-        state_dict[key[len('module.'):] if key.startswith('module.') else key] = value
-    return state_dict
+    has_ema = any(isinstance(checkpoint.get(key), Mapping) for key in EMA_KEYS)
+    if taken in EMA_KEYS:
+        weights = f"the EMA weights ('{taken}'; use_ema=False / --no-ema for the trained ones)"
+    elif taken:
+        why = ', not the EMA ones (use_ema=False)' if has_ema else ' (the checkpoint holds no EMA copy)'
+        weights = f"the '{taken}' weights{why}"
+    else:
+        weights = 'a bare state dict'
+    return state_dict, weights
+
+
+def unwrap_state_dict(checkpoint: Mapping, use_ema: bool = True) -> Dict[str, torch.Tensor]:
+    """The tensors of a checkpoint saved bare, as ``{'model': ...}`` / ``{'state_dict': ...}`` (EMA weights first
+    unless ``use_ema`` is False), by DDP or from a compiled model (``select_weights``)."""
+    return select_weights(checkpoint, use_ema)[0]
 
 
 def is_vit_state_dict(state_dict: Mapping[str, torch.Tensor]) -> bool:
@@ -117,12 +147,14 @@ def _map_qkv(key: str, source: torch.Tensor, target: torch.Tensor, values_only: 
 def transfer_vit_weights(
         state_dict: Mapping[str, torch.Tensor],
         model: torch.nn.Module,
+        use_ema: bool = True,
 ) -> Tuple[Dict[str, torch.Tensor], TransferReport]:
     """Map a DeiT / ViT state dict onto an AFT model.
 
     Args:
-        state_dict: Source tensors, in timm's ViT layout or wrapped as in the DeiT release.
+        state_dict: Source tensors, in timm's ViT layout, wrapped as in the DeiT release or a training checkpoint.
         model: The AFT model to fill; tensors it starts fresh are taken from its current state.
+        use_ema: Take a training checkpoint's EMA weights where it has them (``select_weights``).
 
     Returns:
         A complete state dict for ``model`` (``load_state_dict(strict=True)`` accepts it) and the report.
@@ -131,7 +163,7 @@ def transfer_vit_weights(
         ValueError: The source is not a ViT / DeiT layout, or its width, depth or a tensor shape does not fit,
             naming the key and both shapes.
     """
-    source = unwrap_state_dict(state_dict)
+    source, weights = select_weights(state_dict, use_ema)
     target = model.state_dict()
     for required in ('patch_embed.proj.weight', 'blocks.0.attn.qkv.weight'):
         if required not in source:
@@ -146,7 +178,7 @@ def transfer_vit_weights(
         raise ValueError(f'width mismatch at patch_embed.proj.weight: checkpoint {list(src_patch.shape)}, '
                          f'model {list(dst_patch.shape)}')
 
-    report = TransferReport()
+    report = TransferReport(weights=weights)
     mapped = dict(target)
     num_prefix = getattr(model, 'num_prefix_tokens', 1)
     values_only = any(key.endswith('.attn.pos_weight') for key in target)  # AFT-conv

@@ -196,6 +196,7 @@ def load_model(
         name: str,
         checkpoint: Optional[PathLike] = None,
         pretrained: bool = False,
+        use_ema: bool = True,
         **model_kwargs,
 ) -> nn.Module:
     """An AFT model in eval mode: ``name`` built fresh, with its pretrained weights, or sized to a checkpoint.
@@ -205,6 +206,7 @@ def load_model(
             (whose weights are always loaded).
         checkpoint: Weights file (safetensors, or a weights-only PyTorch file) loaded strictly into ``name``.
         pretrained: Load the model's pretrained weights (exclusive with ``checkpoint``).
+        use_ema: Take a training checkpoint's EMA weights where it has them (timm's rule), else its trained ones.
         **model_kwargs: Passed to ``timm.create_model`` (e.g. ``patch_size=4, kernel_size=15``).
     """
     from .hub import load_checkpoint_into
@@ -215,7 +217,7 @@ def load_model(
     if checkpoint is not None:
         if not Path(checkpoint).is_file():
             raise FileNotFoundError(f'checkpoint file not found: {checkpoint}')
-        return load_checkpoint_into(name, str(checkpoint), **model_kwargs).eval()
+        return load_checkpoint_into(name, str(checkpoint), use_ema=use_ema, **model_kwargs).eval()
     return create_aft_model(name, pretrained=pretrained or ':' in name, **model_kwargs).eval()
 
 
@@ -465,6 +467,8 @@ def add_arguments(parser: argparse.ArgumentParser, keys: bool = False) -> None:
     source.add_argument('--pretrained', action='store_true', help='the model\'s pretrained tag (downloads)')
     parser.add_argument('--model-kwargs', nargs='*', default={}, action=ParseKwargs, metavar='KEY=VALUE',
                         help='model arguments the checkpoint was built with, e.g. patch_size=4 kernel_size=15')
+    parser.add_argument('--no-ema', dest='use_ema', action='store_false',
+                        help='a training checkpoint\'s trained weights, not its EMA weights (timm\'s default)')
     parser.add_argument('--heads', type=int, default=16,
                         help='columns: first N heads (AFT-full / simple keys: key channels) (default: 16)')
     if keys:
@@ -484,7 +488,7 @@ def show_bias(args: argparse.Namespace) -> np.ndarray:
     """``aft-vision show-bias``: load the model, draw its position biases to ``args.out``; returns the maps."""
     start = time.perf_counter()
     _check_plotting(args)
-    model = load_model(args.model, args.checkpoint, args.pretrained, **args.model_kwargs)
+    model = load_model(args.model, args.checkpoint, args.pretrained, args.use_ema, **args.model_kwargs)
     if _mixers(model, (AFTConv2d,)):
         maps = position_bias_maps(model, num_heads=args.heads)
         plot_position_bias(maps, args.out, log_scale=args.log_scale, force=args.force, dpi=args.dpi,
@@ -509,7 +513,7 @@ def show_keys(args: argparse.Namespace) -> np.ndarray:
     _check_plotting(args)
     if not Path(args.image).is_file():
         raise FileNotFoundError(f'image not found: {args.image}')
-    model = load_model(args.model, args.checkpoint, args.pretrained, **args.model_kwargs)
+    model = load_model(args.model, args.checkpoint, args.pretrained, args.use_ema, **args.model_kwargs)
     tensor, shown = load_image(args.image, model, args.img_size)
     keys = key_maps(model, tensor, num_maps=args.heads)
     label = 'head' if _mixers(model, (AFTConv2d,)) else 'channel'

@@ -14,7 +14,7 @@ from timm.models import save_for_hf
 
 import aft_vision  # noqa: F401  (registers the models)
 from aft_vision.cli import main as cli_main
-from aft_vision.hub import publish
+from aft_vision.hub import model_from_checkpoint, publish
 from aft_vision.transfer import transfer_vit_weights
 
 
@@ -168,6 +168,107 @@ def test_publish_dry_run_round_trips_through_local_dir_and_hf_hub(tmp_path, offl
     offline_hub('someone/aft-test', folder)
     remote = timm.create_model('hf-hub:someone/aft-test', pretrained=True).eval()
     assert torch.equal(remote(x), expected)
+
+
+@pytest.mark.parametrize('name', ['aft_conv_test', 'aft_full_test', 'aft_simple_test'])
+def test_resized_model_records_what_timm_records_and_round_trips(name, tmp_path):
+    """``set_input_size`` records image and patch size as timm's own ViT does; the folder ``save_for_hf`` writes, and
+    the one ``publish`` writes from the weights, rebuild the resized model with identical outputs."""
+    torch.manual_seed(0)
+    model = timm.create_model(name, num_classes=5).eval()
+    model.set_input_size(img_size=(64, 64), patch_size=(4, 4))
+    vit = timm.create_model('test_vit', img_size=64, patch_size=8, num_classes=5)
+    vit.set_input_size(img_size=(64, 64), patch_size=(4, 4))
+    for resized in (model, vit):  # timm's own test_vit: what timm records
+        args = timm.models.get_model_args(resized)
+        assert (args['img_size'], args['patch_size']) == ((64, 64), (4, 4)), type(resized).__name__
+
+    x = torch.randn(2, 3, 64, 64)
+    expected = model(x)
+    save_for_hf(model, str(tmp_path / 'saved'), safe_serialization=True)
+    reloaded = timm.create_model(f'local-dir:{tmp_path / "saved"}', pretrained=True).eval()
+    assert reloaded.patch_embed.patch_size == (4, 4) and torch.equal(reloaded(x), expected)
+
+    from aft_vision._io import save_weights
+    save_weights(model.state_dict(), tmp_path / 'trained.safetensors')
+    publish(str(tmp_path / 'trained.safetensors'), name, 'someone/resized', out_dir=str(tmp_path / 'published'),
+            dry_run=True, model_kwargs={'patch_size': 4}, data_config={'input_size': 64})
+    published = timm.create_model(f'local-dir:{tmp_path / "published"}', pretrained=True).eval()
+    assert torch.equal(published(x), expected)
+
+
+CHECKPOINT_KINDS = ['bare', 'plain', 'ema', 'compiled', 'ddp', 'compiled-ddp']
+
+
+def training_checkpoint(kind, trained, ema):
+    """A checkpoint as each trainer writes it: bare weights, ``{'state_dict'}`` (timm train.py without EMA), with
+    ``state_dict_ema``, and the weights of a ``torch.compile`` model (``_orig_mod.``), a data-parallel one
+    (``module.``; DataParallel names them as DDP does) and a compiled data-parallel one."""
+    wrapped = {'compiled': torch.compile(trained), 'ddp': torch.nn.DataParallel(trained),
+               'compiled-ddp': torch.compile(torch.nn.DataParallel(trained))}.get(kind, trained)
+    state_dict = wrapped.state_dict()
+    if kind == 'bare':
+        return state_dict
+    checkpoint = {'epoch': 3, 'arch': 'aft_conv_test', 'state_dict': state_dict}
+    if kind == 'ema':
+        checkpoint['state_dict_ema'] = ema.state_dict()
+    return checkpoint
+
+
+@pytest.mark.parametrize('kind', CHECKPOINT_KINDS)
+def test_training_checkpoints_load_as_timm_loads_them(kind, tmp_path):
+    """Every kind of training checkpoint loads (EMA weights first, wrapper prefixes stripped), the same tensors
+    timm's own ``load_state_dict`` takes from the file, and ``use_ema=False`` takes the trained weights."""
+    torch.manual_seed(0)
+    trained = timm.create_model('aft_conv_test').eval()
+    ema = timm.create_model('aft_conv_test').eval()  # other random weights
+    path = tmp_path / 'checkpoint.pth.tar'
+    torch.save(training_checkpoint(kind, trained, ema), path)
+    for use_ema in (True, False):
+        expected = ema if kind == 'ema' and use_ema else trained
+        model, weights = model_from_checkpoint('aft_conv_test', str(path), use_ema=use_ema)
+        timm_state = timm.models.load_state_dict(str(path), use_ema=use_ema)
+        assert model.state_dict().keys() == timm_state.keys()
+        for key, tensor in model.state_dict().items():
+            assert torch.equal(tensor, expected.state_dict()[key]) and torch.equal(tensor, timm_state[key]), key
+        assert ('EMA weights' in weights) == (kind == 'ema' and use_ema), weights
+        assert ('not the EMA ones' in weights) == (kind == 'ema' and not use_ema), weights
+    overlay = timm.create_model(  # timm's loader, then the filter
+        'aft_conv_test', pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))
+    in_memory = timm.create_model(  # the filter alone
+        'aft_conv_test', pretrained=True, pretrained_cfg_overlay=dict(state_dict=torch.load(path)))
+    expected = ema if kind == 'ema' else trained
+    for loaded in (overlay, in_memory):
+        assert all(torch.equal(v, expected.state_dict()[k]) for k, v in loaded.state_dict().items())
+
+
+def test_publish_and_transfer_say_which_weights_they_took(tmp_path, capsys):
+    torch.manual_seed(0)
+    trained = timm.create_model('aft_conv_test', num_classes=5).eval()
+    ema = timm.create_model('aft_conv_test', num_classes=5).eval()
+    path = tmp_path / 'checkpoint.pth.tar'
+    torch.save(training_checkpoint('ema', trained, ema), path)
+    x = torch.randn(2, 3, 64, 64)
+    for flags, expected in (([], ema), (['--no-ema'], trained)):
+        folder = tmp_path / f'published{len(flags)}'
+        assert cli_main(['publish', str(path), '--model', 'aft_conv_test', '--repo-id', 'me/aft', '--dry-run',
+                         '--out-dir', str(folder), '--input-size', '64', *flags]) == 0
+        printed = capsys.readouterr().out
+        assert ("weights: the EMA weights ('state_dict_ema'" in printed) == (not flags), printed
+        published = timm.create_model(f'local-dir:{folder}', pretrained=True).eval()
+        assert torch.equal(published(x), expected(x))
+
+    torch.manual_seed(1)
+    deit, deit_ema = (timm.create_model('deit_tiny_patch16_224') for _ in range(2))
+    deit_file = tmp_path / 'deit.pth'
+    torch.save({'model': deit.state_dict(), 'model_ema': deit_ema.state_dict()}, deit_file)
+    for flags, source in (([], deit_ema), (['--no-ema'], deit)):
+        out = tmp_path / f'aft{len(flags)}.safetensors'
+        assert cli_main(['transfer', '--src', str(deit_file), '--model', 'aft_full_tiny', '--out', str(out),
+                         *flags]) == 0
+        assert ("source    the EMA weights ('model_ema'" in capsys.readouterr().out) == (not flags)
+        key = 'blocks.0.mlp.fc1.weight'
+        assert torch.equal(load_file(str(out))[key], source.state_dict()[key])
 
 
 def test_publish_refuses_bad_inputs_and_leaves_nothing(tmp_path):

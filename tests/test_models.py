@@ -234,6 +234,25 @@ def test_features_head_and_pooling(name):
 
 
 @pytest.mark.parametrize('name', TEST_MODELS)
+@pytest.mark.parametrize('pool', ['avg', 'max', 'avgmax'])
+def test_pool_types(name, pool):
+    """Every pool type timm's models offer, built in and by ``reset_classifier``, over the patch tokens only."""
+    torch.manual_seed(0)
+    model = _create(name, global_pool=pool).eval()
+    x = _input(model)
+    with torch.no_grad():
+        features = model.forward_features(x)
+        tokens = features.flatten(1, 2) if isinstance(model, AFTConvTransformer) else features[:, 1:]  # (B, H*W, C)
+        mean, peak = tokens.mean(dim=1), tokens.amax(dim=1)
+        expected = {'avg': mean, 'max': peak, 'avgmax': (mean + peak) / 2}[pool]
+        torch.testing.assert_close(model.forward_head(features, pre_logits=True), expected)
+        model.reset_classifier(0, 'avg' if pool != 'avg' else 'max')
+        assert model.global_pool != pool and model(x).shape == (2, model.num_features)
+    with pytest.raises(ValueError, match="unknown global_pool 'mean'"):
+        _create(name, global_pool='mean')
+
+
+@pytest.mark.parametrize('name', TEST_MODELS)
 def test_forward_intermediates(name):
     torch.manual_seed(0)
     model = _create(name).eval()
@@ -494,6 +513,22 @@ def test_aft_conv_img_size_kwarg_and_checkpoint():
     loaded = _create('aft_conv_test', img_size=96, pretrained=True,
                      pretrained_cfg_overlay=dict(state_dict={'state_dict': small.state_dict()}))
     assert all(torch.equal(a, b) for a, b in zip(small.state_dict().values(), loaded.state_dict().values()))
+
+
+@pytest.mark.parametrize('name', TEST_MODELS)
+def test_checkpoint_filter_resamples_the_patch_kernel(name):
+    """A patch-8 checkpoint loads into a patch-4 model through the filter (timm's kernel resample, and for AFT-full
+    the position tensors) exactly as ``set_input_size(patch_size=4)`` turns the patch-8 model into it."""
+    torch.manual_seed(0)
+    model = _create(name).eval()
+    loaded = _create(name, patch_size=4, pretrained=True,
+                     pretrained_cfg_overlay=dict(state_dict={'model': model.state_dict()})).eval()
+    model.set_input_size(patch_size=4)
+    resized = model.state_dict()
+    assert loaded.state_dict().keys() == resized.keys()
+    for key, tensor in loaded.state_dict().items():
+        torch.testing.assert_close(tensor, resized[key], rtol=0, atol=1e-6, msg=key)
+    assert resized['patch_embed.proj.weight'].shape[-2:] == (4, 4)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

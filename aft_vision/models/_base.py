@@ -5,15 +5,17 @@ and ``AFTTransformerBase``, the trunk (blocks, norm, head) with the timm model i
 add their patch embedding, position handling, ``forward_features`` and ``forward_intermediates``.
 """
 import logging
+from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Type, Union
 
 import torch
 from torch import nn
 from torch.jit import Final
 
-from timm.layers import DropPath, LayerNorm, LayerScale, Mlp, calculate_drop_path_rates, get_device_dtype, \
-    trunc_normal_
+from timm.layers import DropPath, LayerNorm, LayerScale, Mlp, calculate_drop_path_rates, get_device_dtype
 from timm.models import named_apply, register_notrace_function
+from timm.models._features import feature_take_indices  # timm's own models import it from here (not re-exported)
+from timm.models.vision_transformer import init_weights_vit_timm
 
 from aft_vision.transfer import is_vit_state_dict, transfer_vit_weights, unwrap_state_dict
 
@@ -92,16 +94,6 @@ class Block(nn.Module):
         return x
 
 
-def init_weights_aft(module: nn.Module, name: str = '') -> None:
-    """timm's ViT init: truncated-normal Linear weights (std .02), zero biases; AFT mixers re-init their biases."""
-    if isinstance(module, nn.Linear):
-        trunc_normal_(module.weight, std=.02)
-        if module.bias is not None:
-            nn.init.zeros_(module.bias)
-    elif hasattr(module, 'init_weights'):
-        module.init_weights()
-
-
 class AFTTransformerBase(nn.Module):
     """An isotropic AFT transformer's trunk (``blocks``, ``norm``, ``head_drop``, ``head``) and the timm interface that
     only depends on it: init, weight-decay and layer-decay groups, gradient checkpointing, classifier reset, pruning,
@@ -169,7 +161,9 @@ class AFTTransformerBase(nn.Module):
         """timm's ViT init (``mode`` accepted for API parity, only '' is supported)."""
         if mode:
             raise ValueError(f"unknown init mode {mode!r}: only '' is supported")
-        named_apply(init_weights_aft, self)
+        # needs_reset=False as timm's VisionTransformer builds: the modules initialised themselves, and a reset would
+        # redraw the patch embedding's convolution (other random weights than the ones this model always had)
+        named_apply(partial(init_weights_vit_timm, needs_reset=False), self)
 
     @torch.jit.ignore
     def no_weight_decay(self) -> Set[str]:
@@ -210,21 +204,13 @@ class AFTTransformerBase(nn.Module):
             prune_head: bool = True,
     ) -> List[int]:
         """Drop the blocks after the last requested intermediate (and the norm / head if asked)."""
-        take_indices, max_index = block_indices(len(self.blocks), indices)
+        take_indices, max_index = take_block_indices(len(self.blocks), indices)
         self.blocks = self.blocks[:max_index + 1]
         if prune_norm:
             self.norm = nn.Identity()
         if prune_head:
             self.reset_classifier(0, '')
         return take_indices
-
-    def _record_input_size(self, img_size: Tuple[int, int]) -> None:
-        """Keep timm's record of the model input size (read by ``timm.models.get_model_input_config`` and Hub
-        export) in step with ``set_input_size``."""
-        if hasattr(self, '_traits'):
-            self._traits = dict(self._traits, img_size=tuple(img_size))
-        if hasattr(self, '_model_args'):
-            self._model_args = dict(self._model_args, img_size=tuple(img_size))
 
     def _fixed_img_size(self) -> Optional[Tuple[int, int]]:
         """The only input size the model accepts, or None when any multiple of the patch size runs."""
@@ -245,30 +231,24 @@ class AFTTransformerBase(nn.Module):
         return x
 
 
-def block_indices(num_blocks: int, indices: Optional[Union[int, List[int]]] = None) -> Tuple[List[int], int]:
-    """Absolute block indices to take intermediates from (timm's ``forward_intermediates`` convention).
-
-    Args:
-        num_blocks: Number of blocks.
-        indices: None for all blocks, an int n for the last n, or a list of indices (negative from the end).
+def take_block_indices(num_blocks: int, indices: Optional[Union[int, List[int]]] = None) -> Tuple[List[int], int]:
+    """timm's ``feature_take_indices`` over the blocks (None: all, n: the last n, a list: those, negative from the
+    end); outside TorchScript a bad index raises ValueError where timm asserts, so it reads as bad input.
 
     Returns:
         The absolute indices, in the given order, and the largest one.
     """
-    if indices is None:
-        indices = num_blocks
-    if isinstance(indices, int):
-        if indices < 1 or indices > num_blocks:
-            raise ValueError(f'cannot take the last {indices} blocks of {num_blocks}: use 1 to {num_blocks}')
-        taken = [num_blocks - indices + i for i in range(indices)]
-    else:
-        taken: List[int] = []
-        for i in indices:
-            idx = num_blocks + i if i < 0 else i
-            if idx < 0 or idx >= num_blocks:
-                raise ValueError(f'block index {i} is out of range for {num_blocks} blocks')
-            taken.append(idx)
-    return taken, max(taken)
+    if not torch.jit.is_scripting():
+        return _take_block_indices_eager(num_blocks, indices)
+    return feature_take_indices(num_blocks, indices)
+
+
+@torch.jit.unused  # TorchScript has no try blocks
+def _take_block_indices_eager(num_blocks: int, indices: Optional[Union[int, List[int]]]) -> Tuple[List[int], int]:
+    try:
+        return feature_take_indices(num_blocks, indices)
+    except AssertionError as error:
+        raise ValueError(f'{error}: the model has {num_blocks} blocks') from None
 
 
 @register_notrace_function  # an fx leaf: the checks run on real shapes, not on proxies
@@ -332,10 +312,12 @@ def check_image(
 
 
 def adapt_vit_checkpoint(state_dict: Dict[str, torch.Tensor], model: nn.Module) -> Dict[str, torch.Tensor]:
-    """Unwrap a training checkpoint; map a DeiT / ViT one onto the AFT ``model`` (report logged at INFO). The DeiT
-    classifier is dropped (``transfer_vit_weights``): the converted weights are a backbone."""
+    """Take a training checkpoint's weights as timm does (``unwrap_state_dict``); map a DeiT / ViT one onto the AFT
+    ``model`` (report logged at INFO). The DeiT classifier is dropped (``transfer_vit_weights``): the converted
+    weights are a backbone. An AFT-simple checkpoint has a ViT's very keys: one with exactly the model's keys loads as
+    it is (timm's loader drops a classifier of another class count)."""
     state_dict = unwrap_state_dict(state_dict)
-    if is_vit_state_dict(state_dict):
+    if is_vit_state_dict(state_dict) and set(state_dict) != set(model.state_dict()):
         state_dict, report = transfer_vit_weights(state_dict, model)
         _logger.info('DeiT -> %s transfer: %s', type(model).__name__, report.summary())
     return state_dict

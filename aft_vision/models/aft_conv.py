@@ -21,11 +21,12 @@ import torch
 from torch import nn
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import PatchEmbed, LayerNorm, get_act_layer, get_norm_layer
+from timm.layers import PatchEmbed, LayerNorm, get_act_layer, get_norm_layer, resample_patch_embed
 from timm.models import build_model_with_cfg, checkpoint, checkpoint_seq, generate_default_cfgs, register_model
+from timm.models._input import update_model_input_size  # what timm's ViT records on a resize (not re-exported)
 
 from aft_vision.layers import AFTConv2d, AFTConv2dOneHot
-from ._base import PAPER_ID, AFTTransformerBase, Block, adapt_vit_checkpoint, block_indices, deit_init_cfg, \
+from ._base import PAPER_ID, AFTTransformerBase, Block, adapt_vit_checkpoint, deit_init_cfg, take_block_indices, \
     untrained_cfg
 
 __all__ = ['AFTConvTransformer']  # register_model adds each entry point
@@ -131,11 +132,17 @@ class AFTConvTransformer(AFTTransformerBase):
             patch_size: Optional[Union[int, Tuple[int, int]]] = None,
     ) -> None:
         """Change the nominal input size (nothing to resample: the model is fully convolutional) or the patch size
-        (the patch-embedding kernel is resampled)."""
+        (the patch-embedding kernel is resampled). Both are recorded as timm's ViT records them, so
+        ``save_for_hf`` writes the arguments that rebuild this model.
+
+        Args:
+            img_size: New nominal input size, None keeps the current one.
+            patch_size: New patch size, None keeps the current one.
+        """
         self.patch_embed.set_input_size(img_size=img_size, patch_size=patch_size)
         for info in self.feature_info:
             info['reduction'] = self.patch_embed.feat_ratio()
-        self._record_input_size(self.patch_embed.img_size)
+        update_model_input_size(self, self.patch_embed.img_size, patch_size=patch_size)
 
     def _embed(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, C, H, W) -> contiguous token map (B, H/p, W/p, C). timm's NHWC ``PatchEmbed`` returns a permuted
@@ -168,7 +175,7 @@ class AFTConvTransformer(AFTTransformerBase):
         if output_fmt not in ('NCHW', 'NHWC'):
             raise ValueError(f"output_fmt must be 'NCHW' or 'NHWC', got '{output_fmt}'")
         intermediates = []
-        take_indices, max_index = block_indices(len(self.blocks), indices)
+        take_indices, max_index = take_block_indices(len(self.blocks), indices)
 
         self._check_input(x)
         x = self._embed(x)  # (B, H, W, C)
@@ -220,13 +227,30 @@ def _mixer_class(mixer_layer: Union[str, Callable[..., nn.Module]]) -> Callable[
     return MIXER_LAYERS[mixer_layer]
 
 
-def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: AFTConvTransformer) -> Dict[str, torch.Tensor]:
-    """Adapt an AFT-conv checkpoint to ``model``: unwraps ``{'model': ...}`` / ``{'state_dict': ...}``.
+def checkpoint_filter_fn(
+        state_dict: Dict[str, torch.Tensor],
+        model: AFTConvTransformer,
+        interpolation: str = 'bicubic',
+        antialias: bool = True,
+) -> Dict[str, torch.Tensor]:
+    """Adapt an AFT-conv checkpoint to ``model``.
 
-    Nothing depends on the input size, so a checkpoint of any resolution loads as it is. DeiT / ViT checkpoints are
-    mapped onto the model by ``transfer_vit_weights`` (values, MLPs, norms, patch embedding; the rest fresh).
+    * takes the weights of a training checkpoint as timm does (EMA first, ``module.`` / ``_orig_mod.`` stripped);
+    * maps DeiT / ViT checkpoints onto the model by ``transfer_vit_weights`` (values, MLPs, norms, patch embedding;
+      the rest fresh);
+    * resamples the patch-embedding kernel to the model's patch size (timm's ``resample_patch_embed``, as timm's ViT
+      filter does; that filter itself needs a ``pos_embed``, which AFT-conv has not).
+
+    Nothing else depends on the input size, so a checkpoint of any resolution loads as it is.
     """
-    return adapt_vit_checkpoint(state_dict, model)
+    state_dict = adapt_vit_checkpoint(state_dict, model)
+    kernel = state_dict.get('patch_embed.proj.weight')
+    model_kernel = model.patch_embed.proj.weight
+    if kernel is not None and kernel.dim() == 4 and kernel.shape[-2:] != model_kernel.shape[-2:]:
+        state_dict = dict(state_dict)
+        state_dict['patch_embed.proj.weight'] = resample_patch_embed(
+            kernel, list(model_kernel.shape[-2:]), interpolation=interpolation, antialias=antialias)
+    return state_dict
 
 
 def _cfg(url: str = '', **kwargs) -> Dict[str, Any]:

@@ -25,17 +25,20 @@ from torch import nn
 from torch.jit import Final
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import LayerNorm, PatchEmbed, get_act_layer, get_norm_layer, resample_abs_pos_embed, to_2tuple, \
-    trunc_normal_
+from timm.layers import LayerNorm, PatchEmbed, get_act_layer, get_norm_layer, global_pool_nlc, resample_abs_pos_embed, \
+    to_2tuple, trunc_normal_
 from timm.models import build_model_with_cfg, checkpoint, generate_default_cfgs, register_model
+from timm.models._input import get_pretrained_grid_size, update_model_input_size  # as timm's ViT (not re-exported)
+from timm.models.vision_transformer import checkpoint_filter_fn as vit_checkpoint_filter_fn
 
 from aft_vision.layers import AFTFull, AFTSimple, aft_full
-from ._base import PAPER_ID, AFTTransformerBase, Block, adapt_vit_checkpoint, block_indices, deit_init_cfg, \
+from ._base import PAPER_ID, AFTTransformerBase, Block, adapt_vit_checkpoint, deit_init_cfg, take_block_indices, \
     untrained_cfg
 
 __all__ = ['AFTVisionTransformer', 'GridAFTFull']  # register_model adds each entry point
 
 MIXERS = ('full', 'simple')
+GLOBAL_POOLS = ('', 'avg', 'max', 'avgmax', 'token')  # timm's global_pool_nlc
 
 
 def resample_pos_rows(
@@ -154,7 +157,7 @@ class AFTVisionTransformer(AFTTransformerBase):
         patch_size: Patch size.
         in_chans: Number of image channels.
         num_classes: Classifier classes, 0 for no classifier.
-        global_pool: 'token' (class token), 'avg' (mean of the patch tokens) or '' (no pooling).
+        global_pool: 'token' (class token), 'avg', 'max' or 'avgmax' (of the patch tokens), or '' (no pooling).
         embed_dim: Token width.
         depth: Number of blocks.
         mixer: Token mixer, 'full' (AFT-full, Eq. 2 + Eq. 7) or 'simple' (AFT-simple, Eq. 5).
@@ -255,8 +258,8 @@ class AFTVisionTransformer(AFTTransformerBase):
             nn.init.normal_(self.cls_token, std=1e-6)
 
     def _check_global_pool(self, global_pool: str) -> None:
-        if global_pool not in ('', 'avg', 'token'):
-            raise ValueError(f"unknown global_pool {global_pool!r}: choose 'token', 'avg' or '' (no pooling)")
+        if global_pool not in GLOBAL_POOLS:
+            raise ValueError(f'unknown global_pool {global_pool!r}: choose one of {GLOBAL_POOLS} ("" for no pooling)')
         if global_pool == 'token' and not self.has_class_token:
             raise ValueError("global_pool='token' needs the class token (class_token=True); use 'avg' without it")
 
@@ -267,6 +270,8 @@ class AFTVisionTransformer(AFTTransformerBase):
             patch_size: Optional[Union[int, Tuple[int, int]]] = None,
     ) -> None:
         """Rebuild for another input size (or patch size): resample the position embedding and AFT-full's u, v.
+        Both sizes are recorded as timm's ViT records them, so ``save_for_hf`` writes the arguments that rebuild
+        this model.
 
         Args:
             img_size: New input size, None keeps the current one.
@@ -289,7 +294,7 @@ class AFTVisionTransformer(AFTTransformerBase):
                     blk.attn.set_grid_size(grid_size)
         for info in self.feature_info:
             info['reduction'] = self.patch_embed.feat_ratio()
-        self._record_input_size(self.patch_embed.img_size)
+        update_model_input_size(self, self.patch_embed.img_size, patch_size=patch_size)
 
     def _pos_embed(self, x: torch.Tensor) -> Tuple[torch.Tensor, Optional[List[int]]]:
         """Add the position embedding and prepend the class token.
@@ -348,7 +353,7 @@ class AFTVisionTransformer(AFTTransformerBase):
             raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got '{output_fmt}'")
         reshape = output_fmt == 'NCHW'
         intermediates = []
-        take_indices, max_index = block_indices(len(self.blocks), indices)
+        take_indices, max_index = take_block_indices(len(self.blocks), indices)
 
         self._check_input(x)
         B, _, height, width = x.shape
@@ -397,22 +402,10 @@ class AFTVisionTransformer(AFTTransformerBase):
         return self.norm(x)
 
     def pool(self, x: torch.Tensor, pool_type: Optional[str] = None) -> torch.Tensor:
-        """Pool tokens (B, T, C) -> (B, C): class token ('token') or mean of the patch tokens ('avg'); '' keeps x."""
+        """Pool tokens (B, T, C) -> (B, C) by timm's ``global_pool_nlc``: the class token ('token'), or the mean
+        ('avg'), maximum ('max') or both averaged ('avgmax') of the patch tokens; '' keeps x."""
         pool_type = self.global_pool if pool_type is None else pool_type
-        if pool_type == 'token':
-            return x[:, 0]
-        if pool_type == 'avg':
-            return x[:, self.num_prefix_tokens:].mean(dim=1)
-        return x
-
-
-def _state_dict_grid(num_grid_tokens: int, name: str) -> Tuple[int, int]:
-    side = int(round(num_grid_tokens ** 0.5))
-    if side * side != num_grid_tokens:
-        raise ValueError(
-            f'cannot infer the patch grid of checkpoint tensor {name!r}: {num_grid_tokens} grid rows is not a square; '
-            f'build the model at the checkpoint image size, load it, then call set_input_size()')
-    return side, side
+        return global_pool_nlc(x, pool_type=pool_type, num_prefix_tokens=self.num_prefix_tokens)
 
 
 def checkpoint_filter_fn(
@@ -423,33 +416,48 @@ def checkpoint_filter_fn(
 ) -> Dict[str, torch.Tensor]:
     """Adapt an AFT-full/simple checkpoint to ``model``.
 
-    * unwraps ``{'model': ...}`` / ``{'state_dict': ...}`` training checkpoints;
-    * resamples ``pos_embed`` and AFT-full's ``blocks.N.attn.pos_u``/``pos_v`` from the checkpoint's (square) patch
-      grid to the model's, over the 2-D grid with the class-token row kept.
-
-    DeiT / ViT checkpoints are first mapped onto the model by ``transfer_vit_weights``.
+    * takes the weights of a training checkpoint as timm does (EMA first, ``module.`` / ``_orig_mod.`` stripped);
+      DeiT / ViT checkpoints are then mapped onto the model by ``transfer_vit_weights``;
+    * timm's ViT filter resamples ``pos_embed`` to the model's patch grid and the patch-embedding kernel to its
+      patch size;
+    * AFT-full's ``blocks.N.attn.pos_u``/``pos_v`` are resampled from the checkpoint's grid (found as timm finds the
+      ``pos_embed`` grid) to the model's, over the 2-D grid with the class-token row kept.
     """
     state_dict = adapt_vit_checkpoint(state_dict, model)
+    source_kernel = state_dict.get('patch_embed.proj.weight')  # before timm's filter resamples it
     num_prefix_tokens = model.num_prefix_tokens
     grid_size = tuple(model.patch_embed.grid_size)
-
-    def _resample(name: str, rows: torch.Tensor) -> torch.Tensor:
-        """Rows (T, D) of the checkpoint grid -> rows of the model grid."""
-        old_size = _state_dict_grid(rows.shape[0] - num_prefix_tokens, name)
-        if old_size == grid_size:
-            return rows
-        return resample_pos_rows(
-            rows, grid_size, old_size, num_prefix_tokens, interpolation=interpolation, antialias=antialias)
-
     num_tokens = num_prefix_tokens + grid_size[0] * grid_size[1]
+
+    def _source_grid(name: str, rows: int) -> Optional[Tuple[int, int]]:
+        """The checkpoint grid of a per-token tensor, None when it is the model's (nothing to resample)."""
+        old_size = get_pretrained_grid_size(model, source_kernel, rows - num_prefix_tokens)
+        if rows == num_tokens and old_size in (None, grid_size):
+            return None
+        return old_size or _square_grid(rows - num_prefix_tokens, name)
+
+    if 'pos_embed' in state_dict:
+        _source_grid('pos_embed', state_dict['pos_embed'].shape[1])  # a clear error before timm's filter fails
+    state_dict = vit_checkpoint_filter_fn(state_dict, model, interpolation=interpolation, antialias=antialias)
     out_dict = {}
     for k, v in state_dict.items():
-        if k == 'pos_embed' and v.shape[1] != num_tokens:
-            v = _resample(k, v.squeeze(0)).unsqueeze(0)
-        elif k.endswith(('.attn.pos_u', '.attn.pos_v')) and v.shape[0] != num_tokens:
-            v = _resample(k, v)
+        if k.endswith(('.attn.pos_u', '.attn.pos_v')):
+            old_size = _source_grid(k, v.shape[0])
+            if old_size is not None:
+                v = resample_pos_rows(
+                    v, grid_size, old_size, num_prefix_tokens, interpolation=interpolation, antialias=antialias)
         out_dict[k] = v
     return out_dict
+
+
+def _square_grid(num_grid_tokens: int, name: str) -> Tuple[int, int]:
+    """The square grid of ``num_grid_tokens`` rows, as ``resample_abs_pos_embed`` assumes without a known size."""
+    side = int(round(num_grid_tokens ** 0.5))
+    if side * side != num_grid_tokens:
+        raise ValueError(
+            f'cannot infer the patch grid of checkpoint tensor {name!r}: {num_grid_tokens} grid rows is not a square; '
+            f'build the model at the checkpoint image size, load it, then call set_input_size()')
+    return side, side
 
 
 def _cfg(url: str = '', **kwargs) -> Dict[str, Any]:
