@@ -89,3 +89,17 @@ def test_ops_times_forward_and_backward_apart_for_the_chosen_variants(tmp_path, 
     assert cli_main(['bench', '--ops', '--models', 'aft_conv_test', '--resolutions', '32', '--ops-methods',
                      'conv:convolution_backward', '--out-dir', str(tmp_path)]) == 2  # the default backward missing
     assert '--ops-methods' in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_dense_bench_times_dpt_on_both_backbones(tmp_path):
+    pytest.importorskip('segmentation_models_pytorch')
+    assert cli_main(['bench', '--dense', '--quick', '--out-dir', str(tmp_path)]) == 0
+    (row,) = json.loads((tmp_path / 'bench_dense.json').read_text())['rows']
+    assert row['network'] == 'smp.DPT' and row['resolution'] == 64 and row['batch_size'] == 1
+    assert row['aft']['model'] == 'aft_conv_test' and row['deit']['model'] == 'test_vit'
+    for who in ('aft', 'deit'):
+        assert {'infer_img_s', 'train_img_s', 'train_saved_mb', 'gmacs'} <= set(row[who])
+        assert all(row[who][key] > 0 for key in ('infer_img_s', 'train_img_s', 'train_saved_mb', 'gmacs'))
+    assert abs(row['ratio']['train_saved_mb'] - row['aft']['train_saved_mb'] / row['deit']['train_saved_mb']) < 1e-9
+    assert '| 64 | aft_conv_test |' in (tmp_path / 'bench_dense.md').read_text()
