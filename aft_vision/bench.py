@@ -426,6 +426,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--ops-methods', nargs='+', default=None, metavar='VARIANT',
                         help='--ops: the variants to time (default: all of dense, conv:forward_conv, '
                              'conv:convolution_backward and, on CUDA, triton)')
+    parser.add_argument('--dense', action='store_true',
+                        help=f'time whole segmentation networks instead: {DENSE_PAIR[0]} against {DENSE_PAIR[1]} '
+                             f'(dynamic_img_size=True) in the same smp DPT, batch 1 (--resolutions, default '
+                             f'{DENSE_RESOLUTIONS}; needs aft-vision[dense])')
     parser.add_argument('--quick', action='store_true', help='tiny run: aft_conv_test vs test_vit at 64 px')
     parser.add_argument('--readme', action='store_true',
                         help=f'the run behind docs/performance.md: {README_RUN} (--repeats, --warmup still apply)')
@@ -457,6 +461,8 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError('--runtime onnxruntime times float32 on the CPU: use --precision fp32 --device cpu')
         args.no_train, args.no_peak_memory = True, True
     torch.manual_seed(0)
+    if args.dense:
+        return dense_main(args)
     if args.ops:
         from .bench_ops import main as ops_main
         return ops_main(args, models, resolutions)
@@ -474,4 +480,73 @@ def main(args: argparse.Namespace) -> int:
         print('matplotlib is not installed (pip install aft-vision[demo]): no plot written')
     print(table)
     print(f'wrote {out}/bench.json, bench.md, bench.png')
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# --dense: the whole DPT segmentation network on AFT-conv against the same network on DeiT
+
+DENSE_PAIR = ('aft_conv_small', 'deit_small_patch16_224')
+DENSE_RESOLUTIONS = [512, 1024]
+DENSE_CLASSES = 19  # Cityscapes' classes: the decoder's output width
+
+
+class _DenseCase(_Case):
+    """smp's DPT (default decoder, ``decoder_readout='ignore'`` for both backbones) on a timm backbone, timed on
+    (B, 3, S, S) images and (B, S, S) class maps; the figures of ``_Case``, without peak memory."""
+
+    def __init__(self, name: str, img_size: int, batch_size: int, device: torch.device, precision: str):
+        import segmentation_models_pytorch as smp
+
+        self.name, self.device, self.precision = name, device, precision
+        kwargs = {} if name.startswith('aft_') else {'dynamic_img_size': True}
+        self.eager = self.model = smp.DPT(f'tu-{name}', encoder_weights=None, classes=DENSE_CLASSES,
+                                          decoder_readout='ignore', **kwargs).to(device)
+        self.images = self.train_images = torch.randn(batch_size, 3, img_size, img_size, device=device)
+        self.labels = torch.randint(0, DENSE_CLASSES, (batch_size, img_size, img_size), device=device)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-6)
+        self.params = sum(p.numel() for p in self.model.parameters())
+        self.session = None  # eager PyTorch only
+
+
+def dense_main(args: argparse.Namespace) -> int:
+    """``aft-vision bench --dense``: inference and training-step throughput and saved activations of DPT on AFT-conv
+    small and on DeiT-S, round-robin at each resolution (batch 1); ``bench_dense.json`` and ``bench_dense.md``."""
+    if args.runtime != 'eager' or args.compile:
+        raise ValueError('--dense times eager PyTorch only: leave out --runtime and --compile')
+    aft, deit = ('aft_conv_test', 'test_vit') if args.quick else DENSE_PAIR
+    given = args.resolutions != [224, 384, 512, 768]  # not the classification default
+    resolutions = [64] if args.quick else args.resolutions if given else DENSE_RESOLUTIONS
+    if any(res % 32 for res in resolutions):
+        raise ValueError(f'--resolutions {resolutions}: DPT needs multiples of 32')
+    repeats, warmup = (1, 1) if args.quick else (args.repeats, args.warmup)
+    device = torch.device(args.device)
+    rows = []
+    for res in tqdm(resolutions, desc='bench --dense', unit='res'):
+        torch.manual_seed(0)
+        group = {who: _DenseCase(who, res, 1, device, args.precision) for who in (deit, aft)}
+        times = {(who, task): [] for who in group for task in ('infer', 'train')}
+        for task, method in (('infer', 'infer'), ('train', 'train_step')):
+            for case in group.values():
+                for _ in range(warmup):
+                    getattr(case, method)()
+            for _ in range(repeats):  # round-robin: deit, aft, deit, aft, ...
+                for who, case in group.items():
+                    times[who, task].append(case.seconds(getattr(case, method)))
+        records = {who: _record(case, times, train=True, peak_memory=False) for who, case in group.items()}
+        row = {'resolution': res, 'batch_size': 1, 'train_batch_size': 1, 'device': str(device),
+               'precision': args.precision, 'threads': torch.get_num_threads(), 'runtime': 'eager',
+               'network': 'smp.DPT', 'aft': records[aft], 'deit': records[deit]}
+        row['ratio'] = {key: row['aft'][key] / row['deit'][key] for key in row['aft']
+                        if key not in ('model', 'params', 'gmacs') and row['deit'][key]}
+        rows.append(row)
+        del group
+        gc.collect()
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    table = markdown_table(rows)
+    (out / 'bench_dense.json').write_text(json.dumps({'command': vars(args), 'rows': rows}, indent=2))
+    (out / 'bench_dense.md').write_text(table + '\n')
+    print(table)
+    print(f'wrote {out}/bench_dense.json, bench_dense.md')
     return 0

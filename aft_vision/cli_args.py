@@ -10,7 +10,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ['LIMITS', 'Parser', 'check_args', 'parse_device', 'run_command']
+__all__ = ['LIMITS', 'TASK_DEFAULTS', 'Parser', 'check_args', 'fill_task_defaults', 'parse_device', 'run_command']
 
 
 def parse_device(name: str) -> torch.device:
@@ -32,8 +32,15 @@ LIMITS: Dict[str, Tuple[Optional[float], Optional[float], bool]] = {
     'input_size': (1, None, False), 'test_input_size': (1, None, False), 'topk': (1, None, False),
     'heads': (1, None, False), 'query': (0, None, False), 'dpi': (10, 1200, False), 'num_classes': (0, None, False),
     'lr': (0, None, True), 'sparsity_weight': (0, None, False), 'crop_pct': (0, 1, True), 'std': (0, None, True),
-    'mean': (None, None, False),
+    'mean': (None, None, False), 'scenes': (1, None, False),
 }
+# ``train --task``: the defaults of the options left unset, and the options a task does not use
+TASK_DEFAULTS: Dict[str, Dict[str, object]] = {
+    'classify': dict(epochs=30, img_size=32, eval_img_size=48, batch_size=64, lr=5e-3, out_dir='outputs/digits'),
+    'segment': dict(epochs=10, img_size=64, eval_img_size=96, batch_size=32, lr=2e-3, out_dir='outputs/segment',
+                    scenes=1024),
+}
+TASK_REFUSES = {'classify': ('scenes',), 'segment': ('data_dir', 'pretrained', 'sparsity_weight')}
 # options naming files that must exist, and output files with the suffix they must have (unless --force)
 INPUT_FILES = ('checkpoint', 'image', 'labels', 'results')
 OUTPUT_FILES = {'out': {'transfer': '.safetensors', 'show-bias': '.png', 'show-keys': '.png'}}
@@ -68,10 +75,29 @@ def _check_model(name: str) -> Optional[str]:
     return None
 
 
+def fill_task_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """Give every option of ``train`` left unset (None) its ``--task``'s default (``TASK_DEFAULTS``)."""
+    for dest, value in TASK_DEFAULTS[args.task].items():
+        if getattr(args, dest, None) is None:
+            setattr(args, dest, value)
+    return args
+
+
+def _check_task(options: Dict) -> Optional[str]:
+    for dest in TASK_REFUSES[options['task']]:
+        if options.get(dest):
+            return f'{_option(dest)}: not used by --task {options["task"]}'
+    return None
+
+
 def check_args(args: argparse.Namespace) -> Optional[str]:
     """The first problem with a parsed command line, as '--option: why', or None: numbers in range, input files
     present, output files of the right kind and not silently replaced, model names registered, devices available."""
     options = vars(args)
+    if options.get('task') is not None:
+        problem = _check_task(options)
+        if problem:
+            return problem
     for dest, value in options.items():
         if dest in LIMITS and value is not None:
             for number in value if isinstance(value, list) else [value]:
@@ -135,6 +161,8 @@ def run_command(parser: argparse.ArgumentParser, argv: Sequence[str],
     """
     try:
         args = parser.parse_args(argv)
+        if getattr(args, 'task', None) is not None:
+            fill_task_defaults(args)
         problem = check_args(args)
         if problem:  # as argparse reports a bad value, on one line
             parser.exit(2, f'{parser.prog} {args.command}: error: argument {problem}\n')

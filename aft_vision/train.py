@@ -34,7 +34,7 @@ from torchvision.datasets import ImageFolder
 from tqdm import tqdm
 
 from ._io import save_figure, save_weights
-from .cli_args import Parser, run_command
+from .cli_args import TASK_DEFAULTS, Parser, fill_task_defaults, run_command
 from .hub import publish, source_architecture
 from .models import check_pretrained, create_aft_model
 from .regularizers import position_bias_entropy
@@ -235,7 +235,12 @@ def _check_model_and_sizes(args: argparse.Namespace, model_kwargs: Dict) -> None
 
 
 def run(args: argparse.Namespace) -> Dict:
-    """The whole job; returns the results written to ``results.json`` (an empty dict on ranks other than 0)."""
+    """The whole job; returns the results written to ``results.json`` (an empty dict on ranks other than 0).
+    ``--task segment`` runs the dense job (``aft_vision.segment``) instead."""
+    fill_task_defaults(args)
+    if args.task == 'segment':
+        from .segment import run as run_segment
+        return run_segment(args)
     start = time.perf_counter()
     if args.pretrained:
         check_pretrained(args.model)
@@ -341,7 +346,15 @@ def add_subcommand(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
+def _task_default(option: str) -> str:
+    return ', '.join(f'{task}: {defaults[option]}' for task, defaults in TASK_DEFAULTS.items() if option in defaults)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument('--task', default='classify', choices=sorted(TASK_DEFAULTS),
+                        help='classify the digits (the main job), or segment scenes composed from them with '
+                             'AFT-conv in smp\'s DPT (aft_vision.segment; needs aft-vision[dense]) '
+                             '(default: %(default)s)')
     parser.add_argument('--data-dir', default=None, help='ImageFolder with train/ and val/ (default: the digits)')
     parser.add_argument('--model', default='aft_conv_test', help='registered AFT model (default: %(default)s)')
     parser.add_argument('--model-kwargs', nargs='*', default={}, action=ParseKwargs, metavar='KEY=VALUE',
@@ -349,15 +362,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              'changes to its small default)')
     parser.add_argument('--pretrained', action='store_true',
                         help='fine-tune from the pretrained tag (or the weights of a local-dir: / hf-hub: --model)')
-    parser.add_argument('--epochs', type=int, default=30)
-    parser.add_argument('--img-size', type=int, default=32, help='training and evaluation resolution')
-    parser.add_argument('--eval-img-size', type=int, default=48, help='the larger evaluation resolution')
-    parser.add_argument('--batch-size', type=int, default=64, help='images per step and per process')
-    parser.add_argument('--lr', type=float, default=5e-3)
+    parser.add_argument('--epochs', type=int, default=None, help=f'default: {_task_default("epochs")}')
+    parser.add_argument('--img-size', type=int, default=None,
+                        help=f'training and evaluation resolution (default: {_task_default("img_size")})')
+    parser.add_argument('--eval-img-size', type=int, default=None,
+                        help=f'the larger evaluation resolution (default: {_task_default("eval_img_size")})')
+    parser.add_argument('--batch-size', type=int, default=None,
+                        help=f'images per step and per process (default: {_task_default("batch_size")})')
+    parser.add_argument('--lr', type=float, default=None, help=f'default: {_task_default("lr")}')
+    parser.add_argument('--scenes', type=int, default=None,
+                        help=f'--task segment: training scenes, and a quarter as many held out at each size '
+                             f'(default: {_task_default("scenes")})')
     parser.add_argument('--seed', type=int, default=0)
     parser.add_argument('--sparsity-weight', type=float, default=0.0,
                         help='weight of the Eq. 9 entropy regulariser (the paper: 0.001)')
-    parser.add_argument('--out-dir', default='outputs/digits', help='where weights, hub folder and plots go')
+    parser.add_argument('--out-dir', default=None,
+                        help=f'where weights, hub folder and plots go (default: {_task_default("out_dir")})')
     parser.add_argument('--device', default='cpu', help='cpu or cuda (under torchrun: one GPU per process)')
 
 

@@ -12,6 +12,8 @@ Which file tests what:
 * test_cli_args.py: every option of every subcommand is checked before the subcommand starts (one line, exit 2).
 * test_clients.py: a published model as timm's data config, transformers' pipeline and timm's config reader see it.
 * test_dependency_floors.py: the package runs on the minimum timm, huggingface_hub and safetensors of setup.cfg.
+* test_dense.py: the simple feature pyramid (levels, ViTDet's init, tracing, ONNX) and the dense clients on it (smp's
+  DPT, torchvision's Faster / Mask R-CNN and FPN).
 * test_depthwise_backward.py: AFT-conv's depthwise backward by forward convolutions, and gradcheck of the operator.
 * test_device_policy.py: the CUDA behaviour of the operators (no host copies, autocast, graph capture) on the CPU.
 * test_docs.py: README.md and docs/*.md against the code (code blocks run, commands parsed, links resolved).
@@ -28,6 +30,7 @@ Which file tests what:
 * test_robustness_models.py: models train stably, give batch- and thread-independent results, survive hostile input.
 * test_robustness_ops.py: property-based tests of the functional operators against the reference.
 * test_run.py: ``python -m aft_vision.run SCRIPT ARGS`` runs the script with the AFT models registered.
+* test_segment.py: the dense job (``train --task segment``) beats any image-blind predictor; its scenes and options.
 * test_train.py: the main job's pipeline on a reduced budget, the Eq. 9 regulariser, two-process DDP on the CPU.
 * test_triton_kernel.py: the fused windowed AFT-conv Triton kernel against the float64 reference.
 * test_visualize.py: position-bias and key maps, and the one-hot AFT-conv against the plain operator.

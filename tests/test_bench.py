@@ -106,3 +106,17 @@ def test_onnxruntime_runtime_times_inference_of_both_models(tmp_path):
 def test_onnxruntime_runtime_refuses_what_it_cannot_time(options, tmp_path, capsys):
     assert cli_main(['bench', '--quick', *options, '--out-dir', str(tmp_path)]) == 2
     assert '--runtime onnxruntime' in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_dense_bench_times_dpt_on_both_backbones(tmp_path):
+    pytest.importorskip('segmentation_models_pytorch')
+    assert cli_main(['bench', '--dense', '--quick', '--out-dir', str(tmp_path)]) == 0
+    (row,) = json.loads((tmp_path / 'bench_dense.json').read_text())['rows']
+    assert row['network'] == 'smp.DPT' and row['resolution'] == 64 and row['batch_size'] == 1
+    assert row['aft']['model'] == 'aft_conv_test' and row['deit']['model'] == 'test_vit'
+    for who in ('aft', 'deit'):
+        assert {'infer_img_s', 'train_img_s', 'train_saved_mb', 'gmacs'} <= set(row[who])
+        assert all(row[who][key] > 0 for key in ('infer_img_s', 'train_img_s', 'train_saved_mb', 'gmacs'))
+    assert abs(row['ratio']['train_saved_mb'] - row['aft']['train_saved_mb'] / row['deit']['train_saved_mb']) < 1e-9
+    assert '| 64 | aft_conv_test |' in (tmp_path / 'bench_dense.md').read_text()
