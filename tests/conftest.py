@@ -35,7 +35,8 @@ Which file tests what:
 * test_triton_kernel.py: the fused windowed AFT-conv Triton kernel against the float64 reference.
 * test_visualize.py: position-bias and key maps, and the one-hot AFT-conv against the plain operator.
 
-Shared fixtures: ``hostile_pickle`` (a pickle that would run code) and ``offline_hub`` (an offline Hub cache).
+Shared fixtures: ``hostile_pickle`` (a pickle that would run code), ``offline_hub`` (an offline Hub cache) and
+``one_thread`` (one torch thread).
 Tests marked ``slow`` (those that train to a result, export, benchmark, or start other processes or a virtual
 environment: 4-25 s each here) are deselected by ``-m "not slow"``.
 """
@@ -98,3 +99,13 @@ def offline_hub(tmp_path, monkeypatch):
             (repo / 'refs' / 'main').write_text(HUB_COMMIT)
 
     return add
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test: the digits models' ops are small, a second thread gains little and spins when
+    other jobs share the CPU (the main job's and the segment job's training tests)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -34,14 +34,6 @@ def blind_miou_bound(scenes: Scenes, log_inv_delta: float = 16.0) -> float:
     return (2 + math.sqrt(log_inv_delta / 2 * squares)) / NUM_CLASSES
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.slow
 def test_segment_job_learns_and_segments_a_larger_size(tmp_path, capsys, one_thread):
     pytest.importorskip('segmentation_models_pytorch')

@@ -28,15 +28,6 @@ TINY_MODEL = ['patch_size=8', 'embed_dim=32', 'depth=1', 'num_heads=4', 'kernel_
 TINY_KWARGS = {key: int(value) for key, value in (arg.split('=') for arg in TINY_MODEL)}
 
 
-@pytest.fixture
-def one_thread():
-    """The digits model's ops are small: a second thread gains little and spins when other jobs share the CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def above_chance(num_val: int, num_classes: int, sigmas: float = 5.0) -> float:
     """Top-1 (%) that guessing reaches with probability below ~3e-7: chance plus ``sigmas`` binomial deviations."""
     chance = 1 / num_classes
