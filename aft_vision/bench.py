@@ -298,28 +298,39 @@ def run_benchmark(
         bar.set_postfix_str(f'{res} px: {", ".join(names)} vs {baseline}')
         group = {who: _Case(who, res, infer_batch, device, precision, runtime, train_batch)
                  for who in [baseline, *names]}
-        tasks = {'infer': 'infer', 'train': 'train_step'} if train else {'infer': 'infer'}
-        times = {(who, task): [] for who in group for task in tasks}
-        for task, method in tasks.items():
-            for case in group.values():
-                for _ in range(warmup):
-                    getattr(case, method)()
-            for _ in range(repeats):  # round-robin: deit, aft_1, aft_2, deit, aft_1, ...
-                for who, case in group.items():
-                    times[who, task].append(case.seconds(getattr(case, method)))
+        times = _time_round_robin(group, train, warmup, repeats)
         records = {who: _record(case, times, train, peak_memory) for who, case in group.items()}
         for name in names:
             row = {'resolution': res, 'batch_size': infer_batch, 'train_batch_size': train_batch,
                    'device': str(device), 'precision': precision, 'threads': torch.get_num_threads(),
                    'runtime': runtime, 'aft': records[name], 'deit': records[baseline]}
-            row['ratio'] = {key: row['aft'][key] / row['deit'][key] for key in row['aft']
-                            if key not in ('model', 'params', 'gmacs') and row['deit'][key]}
+            row['ratio'] = _ratios(row['aft'], row['deit'])
             rows.append(row)
             bar.update()
         del group
         gc.collect()
     bar.close()
     return rows
+
+
+def _time_round_robin(group: Dict[str, _Case], train: bool, warmup: int, repeats: int) -> Dict:
+    """{(model, 'infer' | 'train'): seconds per call}: each figure warmed up, then timed round-robin over the group
+    (baseline, AFT 1, AFT 2, baseline, ...), so slow drifts of the machine hit all alike."""
+    tasks = {'infer': 'infer', 'train': 'train_step'} if train else {'infer': 'infer'}
+    times = {(who, task): [] for who in group for task in tasks}
+    for task, method in tasks.items():
+        for case in group.values():
+            for _ in range(warmup):
+                getattr(case, method)()
+        for _ in range(repeats):
+            for who, case in group.items():
+                times[who, task].append(case.seconds(getattr(case, method)))
+    return times
+
+
+def _ratios(aft: Dict, deit: Dict) -> Dict:
+    """AFT / baseline for every measured figure but the model's name and size."""
+    return {key: aft[key] / deit[key] for key in aft if key not in ('model', 'params', 'gmacs') and deit[key]}
 
 
 def _record(case: _Case, times: Dict, train: bool, peak_memory: bool) -> Dict:
@@ -525,20 +536,12 @@ def dense_main(args: argparse.Namespace) -> int:
     for res in tqdm(resolutions, desc='bench --dense', unit='res'):
         torch.manual_seed(0)
         group = {who: _DenseCase(who, res, 1, device, args.precision) for who in (deit, aft)}
-        times = {(who, task): [] for who in group for task in ('infer', 'train')}
-        for task, method in (('infer', 'infer'), ('train', 'train_step')):
-            for case in group.values():
-                for _ in range(warmup):
-                    getattr(case, method)()
-            for _ in range(repeats):  # round-robin: deit, aft, deit, aft, ...
-                for who, case in group.items():
-                    times[who, task].append(case.seconds(getattr(case, method)))
+        times = _time_round_robin(group, True, warmup, repeats)
         records = {who: _record(case, times, train=True, peak_memory=False) for who, case in group.items()}
         row = {'resolution': res, 'batch_size': 1, 'train_batch_size': 1, 'device': str(device),
                'precision': args.precision, 'threads': torch.get_num_threads(), 'runtime': 'eager',
                'network': 'smp.DPT', 'aft': records[aft], 'deit': records[deit]}
-        row['ratio'] = {key: row['aft'][key] / row['deit'][key] for key in row['aft']
-                        if key not in ('model', 'params', 'gmacs') and row['deit'][key]}
+        row['ratio'] = _ratios(row['aft'], row['deit'])
         rows.append(row)
         del group
         gc.collect()
