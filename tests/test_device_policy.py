@@ -1,10 +1,13 @@
-"""The CUDA behaviour of the AFT operators, proved on the CPU with ``device_policy('cuda')``.
+"""The CUDA behaviour of the AFT operators, proved on the CPU with ``device_policy('cuda')``, and the 'cpu' policy's
+arithmetic beside it.
 
 Under the 'cuda' policy the operators copy nothing to the host, run their matrix products in the autocast dtype and
-save only their inputs for the backward pass. Accuracy is held to aft_reference.py's plain float64 softmax over the
+save only their inputs for the backward pass; the 'cpu' policy runs them in bfloat16 under bfloat16 and repairs what
+underflowed or cancelled, for any finite input. Accuracy is held to aft_reference.py's plain float64 softmax over the
 joint logits ``k + w`` (Eqs. 2, 4, 5 and 6, independent of the package), gradients included; host syncs are
 counted at the dispatcher over whole models; graph capture is checked with ``torch.compile(fullgraph=True)``.
 """
+import contextlib
 import copy
 import os
 from unittest import mock
@@ -18,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import aft_vision  # noqa: F401  (registers the models)
 from aft_vision.layers import aft_conv2d, aft_full, aft_local, aft_simple, choose_conv_method, device_policy
+from aft_vision.layers import functional
 from aft_vision.layers.policy import get_device_policy
 
 import aft_reference as ref
@@ -72,25 +76,47 @@ def upstream(q, seed=1):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Accuracy under the 'cuda' policy: keys up to scale 20, biases up to scale 3 (what Eq. 8 gives a trained model),
-# within the per-entry rounding bound of aft_reference.py (float32 sums; bfloat16 operands under autocast).
+# Accuracy, within the per-entry rounding bound of aft_reference.py (float32 sums; bfloat16 operands under autocast):
+# the 'cuda' policy with keys up to scale 20 and biases up to scale 3 (what Eq. 8 gives a trained model); the 'cpu'
+# policy also far beyond, where the shifted sums underflow or cancel and the host recomputes the entries, its dense
+# products in bfloat16 under bfloat16 all the same.
+
+CASES = [('cuda', 1.0, 1.0), ('cuda', 20.0, 3.0), ('cpu', 1.0, 1.0), ('cpu', 20.0, 3.0), ('cpu', 60.0, 40.0)]
+
 
 @pytest.mark.parametrize('op', OPS)
-@pytest.mark.parametrize('key_scale,bias_scale', [(1.0, 1.0), (20.0, 3.0)])
+@pytest.mark.parametrize('policy,key_scale,bias_scale', CASES)
 @pytest.mark.parametrize('precision', ['fp32', 'bf16'])
-def test_cuda_policy_output_and_gradients_match_reference(op, key_scale, bias_scale, precision):
-    if op in CAUSAL:  # a prefix's keys must lie within ~50 of the sequence's largest (README, limits)
+def test_policy_output_and_gradients_match_reference(op, policy, key_scale, bias_scale, precision):
+    if policy == 'cuda' and op in CAUSAL:  # a prefix's keys must lie within ~50 of the sequence's largest (limits)
         key_scale = min(key_scale, 5.0)
     q, k, v, w = inputs(op, key_scale, bias_scale)
     operand = torch.float32 if precision == 'fp32' else torch.bfloat16
     grad_out = upstream(q).to(operand)
-    with device_policy('cuda'):
-        assert get_device_policy(q.device) == 'cuda'
+    recompute = mock.patch('aft_vision.layers.functional.recompute_flagged', wraps=functional.recompute_flagged)
+    with device_policy(policy), recompute as recomputed:
+        assert get_device_policy(q.device) == policy
         results = run_with_grads(op, q, k, v, w, grad_out, None if precision == 'fp32' else operand)
+    if bias_scale > 3.0 and op != 'simple':  # the case the repair exists for (non-causal AFT-simple cannot underflow)
+        assert recomputed.called, f'{op}: nothing was recomputed at key scale {key_scale}, bias scale {bias_scale}'
     # the reference takes the operator's inputs as it saw them: q, k, v rounded to the autocast dtype
     problem = ref.problem_for(op, q.to(operand), k.to(operand), v.to(operand), w)
-    bounds = ref.bound(problem, grad_out, ref.terms_for(op, 'cuda'), torch.float32, operand)
-    ref.assert_within(results, ref.evaluate(problem, grad_out), bounds, f'{op} {precision}')
+    bounds = ref.bound(problem, grad_out, ref.terms_for(op, policy), torch.float32, operand)
+    ref.assert_within(results, ref.evaluate(problem, grad_out), bounds, f'{op} {policy} {precision}')
+
+
+@pytest.mark.parametrize('op', ['full', 'causal', 'local', 'dense'])
+def test_float16_products_would_break_the_cpu_policy(op):
+    """Why the 'cpu' policy takes 16-bit products in bfloat16 only: float16's range (normal above 2^-14) turns weights
+    the host check trusts into zeros and subnormals, and the result leaves its bound (or is not finite)."""
+    q, k, v, w = inputs(op, 60.0, 40.0)
+    grad_out = upstream(q).to(torch.bfloat16)
+    with device_policy('cpu'), mock.patch('aft_vision.layers.functional.product_dtype', lambda *_: torch.float16):
+        results = run_with_grads(op, q, k, v, w, grad_out, torch.bfloat16)
+    problem = ref.problem_for(op, q.bfloat16(), k.bfloat16(), v.bfloat16(), w)
+    bounds = ref.bound(problem, grad_out, ref.terms_for(op, 'cpu'), torch.float32, torch.bfloat16)
+    with pytest.raises(AssertionError, match='its rounding bound'):
+        ref.assert_within(results, ref.evaluate(problem, grad_out), bounds, f'{op} float16 products (must fail)')
 
 
 @pytest.mark.parametrize('mutation', list(ref.MUTATIONS))
@@ -133,8 +159,14 @@ def test_cuda_policy_is_finite_for_extreme_inputs(op, precision):
         assert result is None or torch.isfinite(result).all(), name
 
 
-def test_cuda_policy_products_run_in_the_autocast_dtype():
-    q, k, v, w = inputs('dense', 1.0, 1.0)
+@pytest.mark.parametrize('policy,half,expected', [
+    ('cuda', torch.bfloat16, torch.bfloat16), ('cuda', torch.float16, torch.float16),
+    ('cpu', torch.bfloat16, torch.bfloat16), ('cpu', torch.float16, torch.float32),  # float16 would hide underflow
+])
+@pytest.mark.parametrize('autocast', [True, False], ids=['autocast', 'model_cast'])
+@pytest.mark.parametrize('op', ['full', 'dense'])
+def test_products_run_in_the_policy_product_dtype(op, policy, half, expected, autocast):
+    q, k, v, w = inputs(op, 1.0, 1.0)
     seen = []
 
     class Products(TorchDispatchMode):
@@ -143,12 +175,11 @@ def test_cuda_policy_products_run_in_the_autocast_dtype():
                 seen.append(args[0].dtype)
             return func(*args, **(kwargs or {}))
 
-    for policy, expected in (('cuda', torch.bfloat16), ('cpu', torch.float32)):
-        seen.clear()
-        with device_policy(policy), torch.autocast('cpu', dtype=torch.bfloat16), Products():
-            out = aft_conv2d(q.bfloat16(), k.bfloat16(), v.bfloat16(), w, method='dense')
-        assert out.dtype == torch.bfloat16
-        assert seen and set(seen) == {expected}, (policy, seen)
+    context = torch.autocast('cpu', dtype=half) if autocast else contextlib.nullcontext()
+    with device_policy(policy), context, Products():
+        out = call(op, q.to(half), k.to(half), v.to(half), w)
+    assert out.dtype == half
+    assert seen and set(seen) == {expected}, (policy, seen)
 
 
 def test_device_policy_restores_and_rejects_unknown_names():

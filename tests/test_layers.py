@@ -121,7 +121,7 @@ def test_gradients_finite_for_extreme_inputs(op):
 
 
 @pytest.mark.parametrize('op', ['full', 'simple', 'conv'])
-def test_autocast_bfloat16_runs_in_float32(op):
+def test_autocast_bfloat16_keeps_float32_sums(op):
     if op == 'conv':
         q, k, v, w = grid_inputs(2, 4, 6, 8, 2, 5, scale=50.0)
         problem = ref.conv_problem(q.bfloat16(), k.bfloat16(), v.bfloat16(), w)
@@ -133,7 +133,7 @@ def test_autocast_bfloat16_runs_in_float32(op):
     with torch.autocast('cpu', dtype=torch.bfloat16):
         out = call(q.bfloat16(), k.bfloat16(), v.bfloat16())
     assert out.dtype == torch.bfloat16
-    # float32 sums on the bfloat16 inputs, then the result rounded to bfloat16: the bound with bfloat16 operands
+    # float32 sums on the bfloat16 inputs (AFT-full's product with bfloat16 operands), the result rounded to bfloat16
     ref.assert_output(out, problem, ref.terms_for('auto' if op == 'conv' else op, 'cpu'), torch.float32,
                       torch.bfloat16)
 

@@ -21,7 +21,9 @@ backward of one layer, every method, the layers of the registered models):
   0.42 the value that keeps every measured layer on its faster method: the convolution in all eight layers of
   aft_conv_small, _small_11_h16, _tiny and _base_25_h32 at 224 and 384 px (the closest, _base_25_h32 at 224 px,
   71 vs 85 ms), the dense form for the digits model (4 x 4 tokens, s = 5, batch 64: 1.45 vs 3.17 ms, the per-image
-  cost beta). Figures: docs/performance.md.
+  cost beta). Figures: docs/performance.md. With bfloat16 products (the 'cpu' policy under bfloat16) the dense
+  form is faster (aft_conv_small_11_h16 at 224 px: 14.0 against 18.2 ms forward and backward on a 2-core AVX512-BF16
+  CPU without AMX), but every one of those layers kept its faster method, so the table serves both dtypes.
 * ``'cuda'``: provisional, from the earlier H100 figures in docs/performance.md (float32 dense 1.4 ms vs contiguous NCHW
   depthwise 0.78 ms forward at 14 x 14, h = 384, s = 15, batch 64, before the bfloat16 products existed) and the
   arithmetic of the bfloat16 dense form; no per-image term (cuDNN's own backward); to be replaced by
@@ -102,8 +104,9 @@ def choose_conv_method(
 
     Args:
         device_type: The device type (or the device policy in force).
-        dtype: The inputs' dtype (the tables were measured in float32 on CPU; on CUDA the products run in bfloat16
-            under autocast, which the 'cuda' table assumes).
+        dtype: The dtype the dense form's products would run in (``policy.product_dtype``). On the CPU one table
+            serves float32 and bfloat16: ``bench --ops --precision bf16`` found the same faster method in every layer
+            it measured (docs/performance.md). The 'cuda' table assumes bfloat16 products (autocast).
         batch: Images per call (the dense form's fixed cost of building its weights is shared by the batch).
         height: Token-grid height H.
         width: Token-grid width W.

@@ -8,10 +8,11 @@ the mixed tokens. All of them:
 * save only their inputs for the backward pass and recompute the rest there (training memory of the order of the
   inputs, like fused attention);
 * behave as the device policy says (``policy.py``): under 'cpu' (the default on CPU) the arithmetic runs in float32
-  (float64 for float64 inputs) and every entry whose shifted sums underflowed or cancelled is recomputed exactly
-  (``_stable.py``), so the result is exact for any finite input; under 'cuda' (the default on CUDA) nothing is copied
-  to the host, matrix products run in the autocast dtype with float32 accumulation, and the result is finite for any
-  finite input and exact to rounding within the bounds each function states;
+  (float64 for float64 inputs), matrix products take bfloat16 operands under bfloat16, and every entry whose shifted
+  sums underflowed or cancelled is recomputed exactly (``_stable.py``), so the result is exact to the rounding of its
+  operands for any finite input; under 'cuda' (the default on CUDA) nothing is copied to the host, matrix products run
+  in the autocast dtype with float32 accumulation, and the result is finite for any finite input and exact to rounding
+  within the bounds each function states;
 * return the promoted input dtype (bfloat16 in, bfloat16 out under autocast) and never build a (B, T, T, C) tensor.
 """
 from typing import List
@@ -52,7 +53,8 @@ def aft_full(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor,
     One positive (T, T) weight matrix ``exp(w - rowmax w)`` times ``[exp(k - kmax) v, exp(k - kmax)]`` with the batch
     and channels as the product's N dimension (``dense_mix.py``); memory O(B * T * C) plus the (T, T) bias. Under the
     'cuda' policy the product runs in the autocast dtype and the result is exact to rounding while each row of ``w``
-    spans less than ~50 (beyond it the denominator is floored: finite, no longer exact); under 'cpu' it is exact.
+    spans less than ~50 (beyond it the denominator is floored: finite, no longer exact); under 'cpu' it runs in
+    bfloat16 under bfloat16 (float32 otherwise) and the result is exact to that rounding for any finite input.
 
     Args:
         q: Queries (B, T, C), before the sigmoid.
@@ -177,7 +179,8 @@ def aft_conv2d(
     Evaluations, chosen by ``method`` (every one selectable on every device):
 
     * ``'dense'``: the (h, T, T) positive per-head weight matrix times ``[exp(k - kmax) v, exp(k - kmax)]``, the batch
-      as the product's N dimension (``dense_mix.py``), O(T^2 C); its denominator cannot cancel.
+      as the product's N dimension (``dense_mix.py``), O(T^2 C); its denominator cannot cancel, so the product takes
+      bfloat16 operands under bfloat16 (``policy.product_dtype``).
     * ``'conv'``: one depthwise convolution plus a global sum (``depthwise_mix.py``), O(T s^2 C), in float32 (a
       contiguous NCHW input on CUDA, where cuDNN's channels-last depthwise path is slow; a channels-last view elsewhere,
       where oneDNN's NCHW depthwise path is slow).
@@ -211,14 +214,14 @@ def aft_conv2d(
         return _aft_conv2d(q, k, v, w, 'dense' if method == 'dense' else 'conv', dtype, dtype, 'cpu').to(out_dtype)
     else:
         policy = get_device_policy(q.device)
+        mm_dtype = product_dtype(q.device, out_dtype, dtype, policy)
         if exporting() and method in ('auto', 'triton'):  # exported graphs take the convolution: any input size
             method = 'conv'
         elif method == 'auto':
-            method = choose_conv_method(  # the device's speed table, whatever arithmetic the policy asks for
-                q.device.type, out_dtype, q.shape[0], q.shape[1], q.shape[2], q.shape[3], k.shape[-1], w.shape[-1])
+            method = choose_conv_method(  # the device's speed table for the dtype the dense products would run in
+                q.device.type, mm_dtype, q.shape[0], q.shape[1], q.shape[2], q.shape[3], k.shape[-1], w.shape[-1])
         if method == 'triton':
             return _aft_conv2d_triton(q, k, v, w)
-        mm_dtype = product_dtype(q.device, out_dtype, dtype, policy)
         with no_autocast(q.device):
             return _aft_conv2d(q, k, v, w, method, dtype, mm_dtype, policy).to(out_dtype)
 

@@ -2,9 +2,15 @@
 
 Two behaviours, chosen per call from the input's device type unless ``device_policy`` says otherwise:
 
-* ``'cpu'`` (default on CPU and any non-CUDA device): every exp-and-sum runs in float32 (float64 for float64 inputs)
-  with autocast disabled, and entries whose shifted sums underflowed or cancelled are found on the host and
-  recomputed exactly (``_stable.py``): exact for any finite input.
+* ``'cpu'`` (default on CPU and any non-CUDA device): every exp, sum and division runs in float32 (float64 for
+  float64 inputs) with autocast disabled, and entries whose shifted sums underflowed or cancelled are found on the host
+  and recomputed exactly (``_stable.py``): exact for any finite input. Under bfloat16 (autocast, or a model cast to
+  it) the dense form's matrix products take bfloat16 operands with float32 accumulation, as SDPA's do: bfloat16 has
+  float32's exponent range, so a weight that is normal in float32 stays normal, the host check still finds every
+  underflowed denominator, and the result is exact to the rounding of those operands (the suite's bfloat16 bound) for
+  any finite input. float16 products stay float32 here (its range would hide underflow from the check). The depthwise
+  convolution runs in float32: its windowed correction can be negative, and a bfloat16 output would be rounded before
+  the global term cancels against it.
 * ``'cuda'`` (default on CUDA): no host synchronisation and no data-dependent branch, so CUDA graphs and
   ``torch.compile(fullgraph=True)`` capture the operators. The matrix products run in the autocast dtype (bfloat16 /
   float16, float32 accumulation) on the positive, max-shifted form of the sums; the depthwise convolution runs in
@@ -74,15 +80,20 @@ def product_dtype(device: torch.device, input_dtype: torch.dtype, compute_dtype:
                   policy: str) -> torch.dtype:
     """The dtype the AFT matrix products run in (float32 accumulation).
 
-    Under the 'cuda' policy with float32 arithmetic: the autocast dtype where autocast is on, else a 16-bit input
-    dtype (a model cast to bfloat16). Otherwise ``compute_dtype`` (float32, or float64 for float64 inputs). Call it
-    before autocast is disabled.
+    With float32 arithmetic, the 16-bit dtype in use: the autocast dtype where autocast is on, else a 16-bit input
+    dtype (a model cast to it). The 'cuda' policy takes bfloat16 and float16, the 'cpu' policy bfloat16 only (module
+    docstring). Otherwise ``compute_dtype`` (float32, or float64 for float64 inputs). Call it before autocast is
+    disabled.
     """
-    if policy != 'cuda' or compute_dtype != torch.float32:
+    if compute_dtype != torch.float32:
         return compute_dtype
     if torch.is_autocast_enabled(device.type):
-        return torch.get_autocast_dtype(device.type)
-    return input_dtype if input_dtype in (torch.bfloat16, torch.float16) else compute_dtype
+        half = torch.get_autocast_dtype(device.type)
+    else:
+        half = input_dtype
+    if half == torch.bfloat16 or (half == torch.float16 and policy == 'cuda'):
+        return half
+    return compute_dtype
 
 
 def no_autocast(device: torch.device):
