@@ -37,7 +37,9 @@ reaches every term of the row through the division).
 The largest ratio of error to bound that a correct implementation produced here was 0.241 for an operator (AFT-local
 causal, bfloat16 products, the key gradient) and 0.325 for a whole model (``assert_model_agrees``, aft_conv_test),
 the same on every OpenBLAS kernel (``OPENBLAS_CORETYPE`` unset, Haswell, SkylakeX, Prescott) and with 1 and 2
-threads: margins of 4.1x and 3.1x. Run with ``AFT_BOUND_LOG=file.jsonl`` to collect the ratios yourself.
+threads: margins of 4.1x and 3.1x. The 'cpu' policy's cases at key scale 60 and bias scale 40 (entries recomputed
+on the host) reach 0.412 (causal AFT-simple, float32; it uses no BLAS) and 0.241 with bfloat16 products, on one
+AMD EPYC with 2 threads: a margin of 2.4x. Run with ``AFT_BOUND_LOG=file.jsonl`` to collect the ratios yourself.
 
 Implementations that split AFT-conv's weights into a global ``exp(-m)`` term plus a windowed correction
 ``exp(w - m) - exp(-m)`` (the depthwise convolution and the Triton kernel) sum terms of magnitude

@@ -87,7 +87,7 @@ def product_dtype(device: torch.device, input_dtype: torch.dtype, compute_dtype:
     """
     if compute_dtype != torch.float32:
         return compute_dtype
-    if torch.is_autocast_enabled(device.type):
+    if _autocast_enabled(device):
         half = torch.get_autocast_dtype(device.type)
     else:
         half = input_dtype
@@ -96,8 +96,13 @@ def product_dtype(device: torch.device, input_dtype: torch.dtype, compute_dtype:
     return compute_dtype
 
 
+def _autocast_enabled(device: torch.device) -> bool:
+    """Whether autocast is on for ``device``'s type (never on a type autocast does not know, such as meta)."""
+    return device.type in ('cpu', 'cuda', 'xpu', 'mps') and torch.is_autocast_enabled(device.type)
+
+
 def no_autocast(device: torch.device):
     """Disable autocast on ``device``'s type, so matrix products and convolutions run in the dtype cast to."""
-    if device.type in ('cpu', 'cuda', 'xpu', 'mps') and torch.is_autocast_enabled(device.type):
+    if _autocast_enabled(device):
         return torch.autocast(device_type=device.type, enabled=False)
     return contextlib.nullcontext()
