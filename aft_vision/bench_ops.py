@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from .layers import AFTConv2d, aft_conv2d, choose_conv_method
 from .layers.dispatch import DEPTHWISE_BACKWARD_METHODS, choose_depthwise_backward, depthwise_backward
+from .layers.policy import get_device_policy, product_dtype
 
 __all__ = ['layer_shape', 'time_methods', 'main']
 
@@ -93,7 +94,9 @@ def time_methods(shape: Dict[str, int], batch_size: int, device: torch.device, p
 
 def main(args: argparse.Namespace, models: List[str], resolutions: List[int]) -> int:
     device = torch.device(args.device)
-    dtype = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}[args.precision]
+    precision = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}[args.precision]
+    # what the operator asks 'auto' with: the dtype its dense products run in under this precision and policy
+    dtype = product_dtype(device, precision, torch.float32, get_device_policy(device))
     default = f'conv:{choose_depthwise_backward(device.type)}'
     variants = args.ops_methods or variants_for(device)
     unknown = set(variants) - set(variants_for(device))
