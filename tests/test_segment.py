@@ -82,26 +82,17 @@ def test_scenes_label_ink_and_box_it():
     assert torch.equal(again.images, scenes.images) and torch.equal(again.masks, scenes.masks)
 
 
-@pytest.mark.parametrize('argv,option', [
-    (['--data-dir', '.'], '--data-dir'),
+@pytest.mark.parametrize('argv,expected', [
+    (['--data-dir', '.'], '--data-dir'),  # options the task does not use
     (['--pretrained'], '--pretrained'),
     (['--sparsity-weight', '0.1'], '--sparsity-weight'),
     (['--scenes', '0'], '--scenes'),
-])
-def test_segment_options_refused_before_anything_runs(tmp_path, capsys, argv, option):
-    out = tmp_path / 'out'
-    assert cli_main(['train', '--task', 'segment', *argv, '--out-dir', str(out)]) == 2
-    err = capsys.readouterr().err
-    assert option in err and err.count('\n') == 1 and not out.exists()
-
-
-@pytest.mark.parametrize('argv,message', [
-    (['--img-size', '72'], 'multiples of 32'),
+    (['--img-size', '72'], 'multiples of 32'),  # models and sizes
     (['--eval-img-size', '100'], 'not a multiple of the patch size'),
     (['--model', 'aft_full_test'], 'needs an AFT-conv model'),
 ])
-def test_segment_models_and_sizes_checked_before_anything_runs(tmp_path, capsys, argv, message):
+def test_segment_options_models_and_sizes_refused_before_anything_runs(tmp_path, capsys, argv, expected):
     out = tmp_path / 'out'
     assert cli_main(['train', '--task', 'segment', *argv, '--out-dir', str(out)]) == 2
     err = capsys.readouterr().err
-    assert message in err and err.count('\n') == 1 and not out.exists()
+    assert expected in err and err.count('\n') == 1 and not out.exists()
