@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from aft_vision.layers._gate import gate_inplace
-from aft_vision.layers.depthwise_mix import DepthwiseMix
+from aft_vision.layers.depthwise_mix import DepthwiseMix, _kernel
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -51,11 +51,8 @@ def positive_split(q, k, v, w):
     tokens[..., channels:].copy_(exp_k)
     exp_kv = v.float().view(batch, height, width, heads, -1) * exp_k.unsqueeze(-1)  # (B, H, W, h, d)
     tokens[..., :channels].copy_(exp_kv.flatten(3))
-    shift = w.amax(dim=(1, 2)).clamp_min(0.0)  # (h,) m
-    inside = torch.exp(w - shift.view(-1, 1, 1))  # (h, s, s), positive
+    _, floor, inside = _kernel(w, channels // heads)  # exp(-m) per channel (C + h,), exp(w - m) (h, s, s) positive
     kernel = torch.cat([inside.repeat_interleave(channels // heads, 0), inside]).unsqueeze(1).bfloat16()
-    floor = torch.exp(-shift)
-    floor = torch.cat([floor.repeat_interleave(channels // heads), floor])  # (C + h,)
     x = tokens.permute(0, 3, 1, 2)  # (B, C + h, H, W), a channels-last view
     window = F.conv2d(x, kernel, padding=s // 2, groups=channels + heads).permute(0, 2, 3, 1)  # bfloat16
     exact = x.float()
