@@ -19,21 +19,13 @@ from typing import Tuple
 import torch
 import torch.nn.functional as F
 
-from ._gate import gate, gate_backward, gate_inplace
+from ._gate import gate, gate_backward, gate_inplace, per_channel
 from ._write import write_into
 from .dispatch import choose_depthwise_backward
-from ._stable import tracing
+from ._stable import exporting
 from .policy import no_autocast
 
 __all__ = ['DepthwiseMix', 'depthwise_mix', 'depthwise_sums', 'depthwise_conv_backward']
-
-
-def _tokens(k: torch.Tensor, v: torch.Tensor):
-    """X (B, H, W, C + h) by concatenation (plain autograd: TorchScript)."""
-    batch, height, width, num_heads = k.shape
-    exp_k = torch.exp(k - k.amax(dim=(1, 2), keepdim=True).detach())  # (B, H, W, h), max 1 per image and head
-    exp_kv = exp_k.unsqueeze(-1) * v.view(batch, height, width, num_heads, -1)  # (B, H, W, h, d)
-    return torch.cat([exp_kv.flatten(3), exp_k], dim=-1)
 
 
 def _tokens_into(k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -50,12 +42,17 @@ def _tokens_into(k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.
     return tokens, exp_k, exp_kv
 
 
-def _kernel(w: torch.Tensor, head_dim: int):
-    """The depthwise kernel (C + h, 1, s, s), the floor exp(-m) per channel (C + h,) and exp(w - m) (h, s, s)."""
+def _head_kernel(w: torch.Tensor):
+    """Per head: the kernel exp(w - m) - exp(-m) (h, s, s), the floor exp(-m) (h,) and exp(w - m) (h, s, s)."""
     shift = w.detach().amax(dim=(1, 2)).clamp_min(0.0)  # (h,) m
     floor = torch.exp(-shift)  # (h,) weight of a key outside the window
     inside = torch.exp(w - shift.view(-1, 1, 1))  # (h, s, s)
-    kernel = inside - floor.view(-1, 1, 1)
+    return inside - floor.view(-1, 1, 1), floor, inside
+
+
+def _kernel(w: torch.Tensor, head_dim: int):
+    """The depthwise kernel (C + h, 1, s, s), the floor exp(-m) per channel (C + h,) and exp(w - m) (h, s, s)."""
+    kernel, floor, inside = _head_kernel(w)
     kernel = torch.cat([kernel.repeat_interleave(head_dim, dim=0), kernel]).unsqueeze(1)  # (C + h, 1, s, s)
     return kernel, torch.cat([floor.repeat_interleave(head_dim), floor]), inside
 
@@ -104,14 +101,31 @@ def depthwise_conv_backward(grad: torch.Tensor, x: torch.Tensor, kernel: torch.T
     return grad_x, grad_kernel.view(kernel.shape)
 
 
-def depthwise_sums(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor,
-                   contiguous: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    """[N | D] (B, H, W, C + h) by the depthwise convolution; plain autograd (TorchScript). Also the scale of D,
-    ``exp(-m) * sum exp(k - kmax)`` (B, 1, 1, h), detached: the global term D's cancellation eats into."""
-    tokens = _tokens(k, v)
-    kernel, floor, _ = _kernel(w, v.shape[-1] // k.shape[-1])
-    global_term = tokens.sum(dim=(1, 2), keepdim=True) * floor  # (B, 1, 1, C + h)
-    return _local(_nchw(tokens, contiguous), kernel) + global_term, global_term[..., v.shape[-1]:].detach()
+def _window_sums(rows: torch.Tensor, kernel: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """The windowed sums (B, T, n) of token rows (B, T = H * W, n) by the depthwise kernel (n, 1, s, s), zero padded."""
+    x = rows.reshape(rows.shape[0], height, width, rows.shape[-1]).permute(0, 3, 1, 2)  # (B, n, H, W), channels last
+    return _local(x, kernel).flatten(1, 2)
+
+
+def depthwise_sums(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, height: int,
+                   width: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """N (B, T, C), D (B, T, h) and D's scale ``exp(-m) * sum exp(k - kmax)`` (B, 1, h; detached: the global term D's
+    cancellation eats into) for token rows k (B, T, h), v (B, T, C) of an H x W map, in plain autograd: the form that
+    exported and scripted graphs take.
+
+    It is laid out for the runtimes that run those graphs (OpenVINO, onnxruntime): the element-wise nodes work on
+    token rows with the channels innermost and on same-shaped operands (``per_channel``), where a (B, H, W, C) map is
+    taken for an NCHW tensor and laid out with H innermost; N and D come from two depthwise convolutions (no
+    concatenation of X, no split of the sums), so the only layout changes are the convolutions' own."""
+    group = int(v.shape[-1]) // int(k.shape[-1])  # a constant of the graph: the kernel's shape must be known
+    exp_k = torch.exp(k - k.amax(dim=1, keepdim=True).detach())  # (B, T, h), max 1 per image and head
+    exp_kv = per_channel(exp_k, group) * v  # (B, T, C)
+    kernel, floor, _ = _head_kernel(w)  # (h, s, s), (h,)
+    scale = exp_k.sum(dim=1, keepdim=True) * floor  # (B, 1, h)
+    numerator = _window_sums(exp_kv, kernel.repeat_interleave(group, dim=0).unsqueeze(1), height, width) \
+        + exp_kv.sum(dim=1, keepdim=True) * per_channel(floor, group)
+    denominator = _window_sums(exp_k, kernel.unsqueeze(1), height, width) + scale
+    return numerator, denominator, scale.detach()
 
 
 def _sums_into(tokens: torch.Tensor, kernel: torch.Tensor, floor: torch.Tensor, contiguous: bool):
@@ -175,12 +189,16 @@ def depthwise_mix(
         contiguous: bool,
         dtype: torch.dtype,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``sigmoid(q) * N / D``, D and its scale by ``DepthwiseMix`` (plain autograd while scripted or traced into
-    TorchScript, ``_stable.tracing``). See ``DepthwiseMix``."""
-    if torch.jit.is_scripting() or tracing():
-        q, k, v, w = q.to(dtype), k.to(dtype), v.to(dtype), w.to(dtype)
-        sums, scale = depthwise_sums(k, v, w, contiguous)
-        channels = q.shape[-1]
-        return gate(q, sums[..., :channels], sums[..., channels:]), sums[..., channels:], scale
+    """``sigmoid(q) * N / D``, D and its scale by ``DepthwiseMix``; by ``depthwise_sums`` in plain autograd while
+    scripted or exported (``_stable.exporting``: the TorchScript tracer records an autograd Function's outputs out of
+    order, and runtimes run the plain form faster). See ``DepthwiseMix``."""
+    if torch.jit.is_scripting() or exporting():
+        batch, height, width, channels = q.shape
+        num_heads = k.shape[-1]
+        numerator, denominator, scale = depthwise_sums(
+            k.to(dtype).flatten(1, 2), v.to(dtype).flatten(1, 2), w.to(dtype), height, width)
+        out = gate(q.to(dtype).flatten(1, 2), numerator, denominator)  # (B, T, C)
+        return (out.view(batch, height, width, channels), denominator.view(batch, height, width, num_heads),
+                scale.unsqueeze(1))
     else:
         return DepthwiseMix.apply(q, k, v, w, contiguous, dtype)

@@ -85,13 +85,15 @@ class Block(nn.Module):
         self.drop_path2 = DropPath(drop_path) if drop_path > 0. else nn.Identity()
 
     def forward(self, x: torch.Tensor, feat_size: Optional[List[int]] = None) -> torch.Tensor:
+        shape = x.shape
+        tokens = x.flatten(1, -2)  # (B, T, C)
         if self.grid_aware:  # a TorchScript constant: the other branch is not compiled
-            y = self.attn(self.norm1(x), feat_size)
+            y = self.attn(self.norm1(tokens).view(shape), feat_size)
         else:
-            y = self.attn(self.norm1(x))
-        x = x + self.drop_path1(self.ls1(y))
-        x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
-        return x
+            y = self.attn(self.norm1(tokens).view(shape))
+        tokens = tokens + self.drop_path1(self.ls1(y.flatten(1, -2)))
+        tokens = tokens + self.drop_path2(self.ls2(self.mlp(self.norm2(tokens))))
+        return tokens.view(shape)
 
 
 class AFTTransformerBase(nn.Module):
