@@ -9,10 +9,12 @@ step), peak memory (process RSS growth over a first call in a fresh process on C
 CUDA), the bytes autograd saves for the backward pass (parameters excluded, each storage once), parameters, GMACs
 (torch's flop counter on one image) and achieved GFLOP/s, and each AFT / DeiT ratio; the plot draws the ratios against
 resolution. ``--runtime`` picks what runs both models: eager PyTorch (default), ``compile``
-(``torch.compile(model, fullgraph=True)``, also ``--compile``) or ``onnxruntime`` (each model exported by the
+(``torch.compile(model, fullgraph=True)``, also ``--compile``), ``onnxruntime`` (each model exported by the
 TorchScript-based ONNX exporter at opset 18, as timm's ``onnx_export`` does, then run by onnxruntime's CPU provider
-with its default graph optimisations and torch's thread count: inference in float32 only). ``--ops`` times the
-AFT-conv methods per layer instead (``bench_ops.py``).
+with its default graph optimisations and torch's thread count) or ``openvino`` (``openvino.convert_model`` on the
+model, compiled for the CPU with torch's thread count); the two deployment runtimes time inference only, in float32,
+bfloat16 (OpenVINO's precision hint) or INT8 (both models quantized by ``deploy.py``'s recipe, calibrated on two
+batches of random images). ``--ops`` times the AFT-conv methods per layer instead (``bench_ops.py``).
 """
 import argparse
 import contextlib
@@ -21,10 +23,8 @@ import json
 import multiprocessing
 import os
 import statistics
-import tempfile
 import threading
 import time
-import warnings
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -37,7 +37,9 @@ from ._io import save_figure
 
 __all__ = ['run_benchmark', 'add_arguments', 'main', 'RUNTIMES']
 
-RUNTIMES = ('eager', 'compile', 'onnxruntime')
+RUNTIMES = ('eager', 'compile', 'onnxruntime', 'openvino')
+# the precisions each deployment runtime runs (inference only)
+DEPLOY_PRECISIONS = {'onnxruntime': ('fp32', 'int8'), 'openvino': ('fp32', 'bf16', 'int8')}
 
 DEFAULT_MODELS = ['aft_conv_small', 'aft_conv_small_11_h16', 'aft_conv_tiny', 'aft_full_tiny']
 BASELINES = {192: 'deit_tiny_patch16_224', 384: 'deit_small_patch16_224', 768: 'deit_base_patch16_224'}
@@ -97,7 +99,7 @@ class _Case:
         self.eager = timm.create_model(name, img_size=img_size, num_classes=1000).to(device)
         self.model = torch.compile(self.eager, fullgraph=True) if runtime == 'compile' else self.eager
         self.images = torch.randn(batch_size, 3, img_size, img_size, device=device)
-        self.session = _onnx_session(self.eager, self.images) if runtime == 'onnxruntime' else None
+        self.runner = _deployed(self.eager, self.images, runtime, precision) if runtime in DEPLOY_PRECISIONS else None
         train_batch_size = train_batch_size or batch_size
         self.train_images = self.images if train_batch_size == batch_size else \
             torch.randn(train_batch_size, 3, img_size, img_size, device=device)
@@ -106,8 +108,8 @@ class _Case:
         self.params = sum(p.numel() for p in self.model.parameters())
 
     def infer(self):
-        if self.session is not None:
-            self.session.run(None, {'x': self.images.numpy()})
+        if self.runner is not None:
+            self.runner(self.images.numpy())
             return
         self.model.eval()
         with torch.inference_mode(), _autocast(self.device, self.precision):
@@ -174,20 +176,27 @@ class _Case:
             return pool.apply(_fresh_process_rss_peak, args)
 
 
-def _onnx_session(model: torch.nn.Module, images: torch.Tensor):
-    """``model`` exported at ``images``' shape (TorchScript-based exporter, opset 18) in an onnxruntime session on the
-    CPU with torch's thread count."""
-    import onnxruntime
+def _deployed(model: torch.nn.Module, images: torch.Tensor, runtime: str, precision: str):
+    """``model`` in ``runtime`` ('onnxruntime' or 'openvino') at ``precision``, as ``deploy.py`` writes it for users:
+    a function of an image batch. INT8 is calibrated on ``images`` and one more batch of random images."""
+    import shutil
 
-    model.eval()
-    with tempfile.TemporaryDirectory() as folder, warnings.catch_warnings():
-        warnings.simplefilter('ignore')  # the tracer's warnings on shape checks
-        path = os.path.join(folder, 'model.onnx')
-        torch.onnx.export(model, (images,), path, dynamo=False, opset_version=18, input_names=['x'])
-        options = onnxruntime.SessionOptions()
-        options.intra_op_num_threads = torch.get_num_threads()
-        options.inter_op_num_threads = 1
-        return onnxruntime.InferenceSession(path, options, providers=['CPUExecutionProvider'])
+    from . import deploy
+
+    batches = [images.numpy(), torch.randn_like(images).numpy()] if precision == 'int8' else []
+    if runtime == 'openvino':
+        ov_model = deploy.convert_openvino(model, images)
+        if batches:
+            ov_model = deploy.quantize_openvino(ov_model, batches)
+        return deploy.openvino_runner(ov_model, precision)
+    path = deploy.temporary_onnx(model, images)
+    try:
+        if batches:
+            deploy.quantize_onnx(path, path + '.int8', batches)
+            path += '.int8'
+        return deploy.onnx_runner(path)
+    finally:
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
 
 
 def _fresh_process_rss_peak(name: str, img_size: int, batch_size: int, precision: str, method: str,
@@ -272,11 +281,11 @@ def run_benchmark(
         repeats: Timed calls per figure and model (median), round-robin over a baseline and its AFT models.
         warmup: Untimed calls per figure and model first.
         device: Torch device.
-        precision: 'fp32', or the autocast dtype 'bf16' / 'fp16'.
+        precision: 'fp32', the autocast dtype 'bf16' / 'fp16', or 'int8' (deployment runtimes).
         train: Also time the training step (forward + backward + AdamW) and count its saved bytes.
         baselines: Model -> baseline (default: the DeiT of the model's width).
-        runtime: 'eager', 'compile' (``torch.compile(model, fullgraph=True)``) or 'onnxruntime' (float32 inference
-            on the CPU only: ``train`` and ``peak_memory`` must be off).
+        runtime: 'eager', 'compile' (``torch.compile(model, fullgraph=True)``), 'onnxruntime' or 'openvino'
+            (inference on the CPU in ``DEPLOY_PRECISIONS[runtime]``: ``train`` and ``peak_memory`` must be off).
         pairs: Extra (model, baseline, resolutions) cases.
         batch_at: Resolution -> (inference batch, training batch).
         peak_memory: Measure peak memory (a fresh process per model and figure on CPU).
@@ -284,8 +293,12 @@ def run_benchmark(
     device = torch.device(device)
     if runtime not in RUNTIMES:
         raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
-    if runtime == 'onnxruntime' and (train or peak_memory or precision != 'fp32' or device.type != 'cpu'):
-        raise ValueError('the onnxruntime runtime times float32 inference on the CPU: no training step, no peak memory')
+    if runtime in DEPLOY_PRECISIONS and (train or peak_memory or precision not in DEPLOY_PRECISIONS[runtime]
+                                         or device.type != 'cpu'):
+        raise ValueError(f"the {runtime} runtime times inference on the CPU in "
+                         f"{' or '.join(DEPLOY_PRECISIONS[runtime])}: no training step, no peak memory")
+    if runtime not in DEPLOY_PRECISIONS and precision == 'int8':
+        raise ValueError("int8 is a precision of the deployment runtimes: --runtime onnxruntime or openvino")
     baselines = baselines or {name: _baseline_for(name) for name in models}
     cases = [(name, baselines[name], res) for res in resolutions for name in models]
     cases += [(name, baseline, res) for name, baseline, res_list in pairs or [] for res in res_list]
@@ -424,13 +437,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--warmup', type=int, default=2)
     parser.add_argument('--threads', type=int, default=None, help='torch threads (default: all cores)')
     parser.add_argument('--device', default='cpu')
-    parser.add_argument('--precision', choices=['fp32', 'bf16', 'fp16'], default='fp32', help='autocast dtype')
+    parser.add_argument('--precision', choices=['fp32', 'bf16', 'fp16', 'int8'], default='fp32',
+                        help='autocast dtype; for --runtime openvino its precision hint (fp32, bf16); int8: both '
+                             'models quantized (onnxruntime, openvino)')
     parser.add_argument('--no-train', action='store_true', help='skip the training-step figures')
     parser.add_argument('--no-peak-memory', action='store_true',
                         help='skip peak memory (on CPU a fresh process per model and figure)')
     parser.add_argument('--runtime', choices=RUNTIMES, default='eager',
-                        help='what runs both models: eager PyTorch, torch.compile(fullgraph=True), or onnxruntime '
-                             '(float32 inference on the CPU: implies --no-train --no-peak-memory)')
+                        help='what runs both models: eager PyTorch, torch.compile(fullgraph=True), onnxruntime or '
+                             'openvino (inference on the CPU: implies --no-train --no-peak-memory)')
     parser.add_argument('--compile', action='store_true', help='the same as --runtime compile')
     parser.add_argument('--ops', action='store_true',
                         help='time every AFT-conv method on the layers of --models instead (the dispatch tables)')
@@ -467,9 +482,10 @@ def main(args: argparse.Namespace) -> int:
     if args.compile and args.runtime not in ('eager', 'compile'):
         raise ValueError(f'--compile contradicts --runtime {args.runtime}')
     runtime = 'compile' if args.compile else args.runtime
-    if runtime == 'onnxruntime':
-        if args.precision != 'fp32' or args.device != 'cpu':
-            raise ValueError('--runtime onnxruntime times float32 on the CPU: use --precision fp32 --device cpu')
+    if runtime in DEPLOY_PRECISIONS:
+        if args.precision not in DEPLOY_PRECISIONS[runtime] or args.device != 'cpu':
+            raise ValueError(f'--runtime {runtime} times the CPU in --precision '
+                             f"{' or '.join(DEPLOY_PRECISIONS[runtime])}: use --device cpu and one of those")
         args.no_train, args.no_peak_memory = True, True
     torch.manual_seed(0)
     if args.dense:
@@ -517,7 +533,7 @@ class _DenseCase(_Case):
         self.labels = torch.randint(0, DENSE_CLASSES, (batch_size, img_size, img_size), device=device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-6)
         self.params = sum(p.numel() for p in self.model.parameters())
-        self.session = None  # eager PyTorch only
+        self.runner = None  # eager PyTorch only
 
 
 def dense_main(args: argparse.Namespace) -> int:

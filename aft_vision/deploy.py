@@ -1,0 +1,151 @@
+"""CPU deployment: a timm model as an ONNX file or an OpenVINO model, in float32 or INT8, and a runner for either.
+
+Every function takes the path a user takes: ``torch.onnx.export`` (the TorchScript-based exporter, as timm's
+``onnx_export``) or ``openvino.convert_model(model, example_input=x)`` on the model as built by timm; the AFT
+operators give those exporters their runtime-friendly form by themselves (``layers/depthwise_mix.py``).
+
+INT8 quantizes the linear layers and the patch embedding, per output channel, with activations calibrated on the
+user's own images, and keeps AFT's window convolution in float: NNCF's transformer preset on the OpenVINO model, or
+onnxruntime's ``quantize_static`` (QDQ) on the ONNX file with the matrix products and convolutions as the operator
+types to quantize and every grouped convolution excluded. ``docs/deployment.md`` gives the measurements behind that
+scope (quantizing everything that onnxruntime quantizes by default loses a third of the digits' accuracy).
+"""
+import os
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Callable, Iterable, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+__all__ = ['FORMATS', 'PRECISIONS', 'export_onnx', 'convert_openvino', 'quantize_onnx', 'quantize_openvino',
+           'float_convolutions', 'load_runner', 'onnx_runner', 'openvino_runner']
+
+FORMATS = ('onnx', 'openvino')
+# what a runner computes in: OpenVINO's inference precision hint, or INT8 (a quantized model, float parts in float32)
+PRECISIONS = ('fp32', 'bf16', 'int8')
+OPSET = 18
+
+
+def export_onnx(model: torch.nn.Module, example: torch.Tensor, path: os.PathLike, dynamic_size: bool = True) -> None:
+    """``model`` as an ONNX file by the TorchScript-based exporter (opset 18), input ``x`` and output ``logits`` with a
+    dynamic batch axis, and dynamic height and width where ``dynamic_size`` (fully convolutional models)."""
+    axes = {0: 'batch', 2: 'height', 3: 'width'} if dynamic_size else {0: 'batch'}
+    model.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')  # the tracer's warnings on the input checks' shape comparisons
+        torch.onnx.export(model, (example,), str(path), dynamo=False, opset_version=OPSET, input_names=['x'],
+                          output_names=['logits'], dynamic_axes={'x': axes, 'logits': {0: 'batch'}})
+
+
+def convert_openvino(model: torch.nn.Module, example: torch.Tensor):
+    """``openvino.convert_model(model, example_input=example)``: an ``openvino.Model`` (dynamic input shape)."""
+    import openvino as ov
+
+    model.eval()
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter('ignore')
+        return ov.convert_model(model, example_input=example)
+
+
+def float_convolutions(path: os.PathLike) -> List[str]:
+    """Names of the grouped (depthwise) convolutions of an ONNX file: AFT's window convolutions, kept in float."""
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    return [node.name for node in graph.node if node.op_type == 'Conv'
+            and any(attr.name == 'group' and attr.i > 1 for attr in node.attribute)]
+
+
+class _Batches:
+    """onnxruntime's ``CalibrationDataReader``: one {'x': batch} per call of ``get_next``, then None."""
+
+    def __init__(self, batches: Iterable[np.ndarray], name: str):
+        self._items = iter([{name: np.ascontiguousarray(batch, dtype=np.float32)} for batch in batches])
+
+    def get_next(self):
+        return next(self._items, None)
+
+
+def quantize_onnx(src: os.PathLike, dst: os.PathLike, batches: Sequence[np.ndarray]) -> None:
+    """INT8 ONNX file ``dst`` from ``src`` by onnxruntime's ``quantize_static``: QDQ, per-channel signed weights,
+    signed activations calibrated (min-max) on ``batches`` (N, 3, H, W); MatMul, Gemm and Conv quantized, the
+    grouped convolutions (``float_convolutions``) and every element-wise node left in float."""
+    import onnxruntime
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+    name = onnxruntime.InferenceSession(str(src), providers=['CPUExecutionProvider']).get_inputs()[0].name
+    reader = type('Reader', (_Batches, CalibrationDataReader), {})(batches, name)
+    quantize_static(str(src), str(dst), reader, quant_format=QuantFormat.QDQ, per_channel=True,
+                    activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
+                    op_types_to_quantize=['MatMul', 'Gemm', 'Conv'], nodes_to_exclude=float_convolutions(src))
+
+
+def quantize_openvino(ov_model, batches: Sequence[np.ndarray]):
+    """INT8 ``openvino.Model`` by ``nncf.quantize`` with the transformer preset less SmoothQuant, calibrated on
+    ``batches`` (N, 3, H, W), the grouped convolutions (AFT's window convolutions) left in float: NNCF then quantizes
+    the linear layers and the patch embedding."""
+    import nncf
+    from nncf.quantization.advanced_parameters import AdvancedQuantizationParameters, AdvancedSmoothQuantParameters
+
+    dataset = nncf.Dataset([np.ascontiguousarray(batch, dtype=np.float32) for batch in batches])
+    # SmoothQuant (on in the transformer preset) moved the digits model's 48 px top-1 by 1.1 points; without it 0
+    no_smooth_quant = AdvancedQuantizationParameters(smooth_quant_alphas=AdvancedSmoothQuantParameters(matmul=-1))
+    return nncf.quantize(ov_model, dataset, model_type=nncf.ModelType.TRANSFORMER, subset_size=len(batches),
+                         ignored_scope=nncf.IgnoredScope(types=['GroupConvolution'], validate=False),
+                         advanced_parameters=no_smooth_quant)
+
+
+Runner = Callable[[np.ndarray], np.ndarray]
+
+
+def onnx_runner(path: os.PathLike, threads: Optional[int] = None) -> Runner:
+    """A function of images (N, 3, H, W) float32 to logits, by onnxruntime's CPU provider with its default graph
+    optimisations and ``threads`` (torch's thread count by default)."""
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = threads or torch.get_num_threads()
+    options.inter_op_num_threads = 1
+    session = onnxruntime.InferenceSession(str(path), options, providers=['CPUExecutionProvider'])
+    name = session.get_inputs()[0].name
+    return lambda images: session.run(None, {name: np.ascontiguousarray(images, dtype=np.float32)})[0]
+
+
+def openvino_runner(ov_model, precision: str = 'fp32', threads: Optional[int] = None) -> Runner:
+    """A function of images (N, 3, H, W) float32 to logits, by OpenVINO's CPU plugin: ``precision`` 'fp32' or 'bf16'
+    is its inference precision hint (bf16 is its default where the CPU has bfloat16 instructions), 'int8' runs a
+    quantized model with its float parts in float32."""
+    import openvino as ov
+
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    config = {'INFERENCE_PRECISION_HINT': 'bf16' if precision == 'bf16' else 'f32',
+              'INFERENCE_NUM_THREADS': threads or torch.get_num_threads()}
+    request = ov.Core().compile_model(ov_model, 'CPU', config).create_infer_request()
+
+    def run(images: np.ndarray) -> np.ndarray:
+        return request.infer({0: np.ascontiguousarray(images, dtype=np.float32)})[0].copy()
+
+    return run
+
+
+def load_runner(path: os.PathLike, precision: str = 'fp32', threads: Optional[int] = None) -> Runner:
+    """The runner of a written file: ``.onnx`` by onnxruntime, ``.xml`` (OpenVINO IR) by OpenVINO."""
+    path = Path(path)
+    if path.suffix == '.onnx':
+        return onnx_runner(path, threads)
+    if path.suffix == '.xml':
+        import openvino as ov
+
+        return openvino_runner(ov.Core().read_model(str(path)), precision, threads)
+    raise ValueError(f'{path}: not an ONNX file (.onnx) or an OpenVINO IR (.xml)')
+
+
+def temporary_onnx(model: torch.nn.Module, example: torch.Tensor, dynamic_size: bool = True) -> str:
+    """``export_onnx`` into a new temporary folder; returns the file's path (the caller removes the folder)."""
+    folder = tempfile.mkdtemp(prefix='aft-onnx-')
+    path = os.path.join(folder, 'model.onnx')
+    export_onnx(model, example, path, dynamic_size)
+    return path
