@@ -216,6 +216,20 @@ def _cmd_predict(args: argparse.Namespace) -> int:
     return predict.main(args)
 
 
+def _add_export(subparsers) -> None:
+    from . import export
+
+    p = subparsers.add_parser('export', help='write an ONNX file or an OpenVINO IR, float32 or INT8, checked against '
+                                             'eager PyTorch')
+    export.add_arguments(p)
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from . import export
+
+    return export.main(args)
+
+
 def _add_show_bias(subparsers) -> None:
     from . import visualize
 
@@ -254,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(subparsers)
     _add_train(subparsers)
     _add_predict(subparsers)
+    _add_export(subparsers)
     _add_show_bias(subparsers)
     _add_show_keys(subparsers)
     return parser
