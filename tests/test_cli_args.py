@@ -34,6 +34,7 @@ def setup(tmp_path, monkeypatch):
         'bench': ['--quick', '--out-dir', str(out / 'bench')],
         'train': ['--out-dir', str(out / 'run')],
         'predict': [str(image), '--model', 'aft_conv_test', '--checkpoint', str(checkpoint)],
+        'export': ['--model', 'aft_conv_test', '--checkpoint', str(checkpoint), '--out', str(out / 'm.onnx')],
         'show-bias': ['--model', 'aft_conv_test', '--out', str(out / 'b.png')],
         'show-keys': [str(image), '--model', 'aft_conv_test', '--out', str(out / 'k.png')],
     }
