@@ -203,6 +203,20 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_study(subparsers) -> None:
+    from . import study
+
+    p = subparsers.add_parser('study', help='families, DeiT/ViT transfer, window and heads on the digits, over seeds '
+                                            '(resumable; tables and plots)')
+    study.add_arguments(p)
+
+
+def _cmd_study(args: argparse.Namespace) -> int:
+    from . import study
+
+    return study.main(args)
+
+
 def _add_predict(subparsers) -> None:
     from . import predict
 
@@ -253,6 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_publish(subparsers)
     _add_bench(subparsers)
     _add_train(subparsers)
+    _add_study(subparsers)
     _add_predict(subparsers)
     _add_show_bias(subparsers)
     _add_show_keys(subparsers)
