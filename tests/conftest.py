@@ -31,7 +31,9 @@ Which file tests what:
 * test_robustness_ops.py: property-based tests of the functional operators against the reference.
 * test_run.py: ``python -m aft_vision.run SCRIPT ARGS`` runs the script with the AFT models registered.
 * test_segment.py: the dense job (``train --task segment``) beats any image-blind predictor; its scenes and options.
-* test_train.py: the main job's pipeline on a reduced budget, the Eq. 9 regulariser, two-process DDP on the CPU.
+* test_study.py: ``aft-vision study`` at a one-epoch, one-seed budget: records, tables, plots, resuming, refusals.
+* test_train.py: the main job's pipeline on a reduced budget, the Eq. 9 regulariser, two-process DDP on the CPU, the
+  ViT baseline and its checkpoint through the transfer into a fine-tuning run.
 * test_triton_kernel.py: the fused windowed AFT-conv Triton kernel against the float64 reference.
 * test_visualize.py: position-bias and key maps, and the one-hot AFT-conv against the plain operator.
 
