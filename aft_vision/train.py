@@ -315,10 +315,10 @@ def check_model_and_sizes(model_name: str, model_kwargs: Dict, img_size: int, ev
                 probe = create_aft_model(model_name, **model_kwargs)
     except TypeError as error:  # an argument the model does not take
         raise ValueError(f'--model-kwargs: {model_name} does not take them ({error})') from None
-    for option, size in (('--img-size', img_size), ('--eval-img-size', eval_img_size)):
+    for option, size, model in (('--img-size', img_size, probe), ('--eval-img-size', eval_img_size, None)):
         try:
-            with torch.device('meta'):
-                check_input_size(at_size(probe, size), size)
+            with torch.device('meta'):  # trained as built; evaluated at the larger size as rebuilt for it
+                check_input_size(model or at_size(probe, size), size)
         except ValueError as error:
             raise ValueError(f'{option} {size}: {error}') from None
     return model_kwargs
