@@ -366,6 +366,7 @@ def plot_study(summary: Dict, records: Dict[str, Dict], folder: Path) -> List[st
     folder.mkdir(parents=True, exist_ok=True)
     tables, settings = summary['tables'], summary['settings']
     written = []
+    titles = {'families': 'Families at equal size', 'window': 'AFT-conv: kernel and heads'}
     for part in ('families', 'window'):
         if part not in tables:
             continue
@@ -380,22 +381,24 @@ def plot_study(summary: Dict, records: Dict[str, Dict], folder: Path) -> List[st
         ax.set_xticks(range(len(rows)), labels, fontsize=8)
         low = min(r[n]['mean'] - r[n]['std'] for r in rows for n in ('top1', 'top1_large'))
         ax.set(ylabel='held-out top-1 (%)', ylim=(max(0, low - 5), 100),
-               title=f'{part}: mean ± std over {settings["seeds"]} seeds')
+               title=f'{titles[part]}: mean ± std over {settings["seeds"]} seeds')
         ax.legend(fontsize=8)
         ax.grid(axis='y', alpha=0.3)
         save_figure(fig, folder / f'{part}.png')
         written.append(f'{part}.png')
     if 'transfer' in tables:
-        models = [r['key'] for r in tables['transfer'] if r['start'] == 'vit']
+        models = [(r['key'], r['label'].split(' (')[0]) for r in tables['transfer'] if r['start'] == 'vit']
         fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 3.6), squeeze=False)
-        for ax, key in zip(axes[0], models):
+        for ax, (key, title) in zip(axes[0], models):
             for r in (r for r in tables['transfer'] if r['key'] == key):
                 epochs = range(1, r['epochs'] + 1)
                 style = '-' if r['epochs'] == settings['fine_tune_epochs'] else ':'
                 name = f'{"from ViT" if r["start"] == "vit" else "random"}, {r["epochs"]} epochs'
                 line, = ax.plot(epochs, r['curve'], style, marker='o', markersize=3, label=name)
                 ax.fill_between(epochs, r['curve_min'], r['curve_max'], color=line.get_color(), alpha=0.15)
-            ax.set(xlabel='epoch', ylabel='held-out top-1 (%)', title=key, ylim=(0, 100))
+            ax.set(xlabel='epoch', ylabel='held-out top-1 (%)', ylim=(0, 100),
+                   title=f'{title}: mean and range over {settings["seeds"]} seeds')
+            ax.xaxis.get_major_locator().set_params(integer=True)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
         save_figure(fig, folder / 'transfer.png')
