@@ -41,7 +41,7 @@ from .cli_args import TASK_DEFAULTS, Parser, fill_task_defaults, run_command
 from .hub import publish, source_architecture
 from .models import check_pretrained, create_aft_model
 from .regularizers import position_bias_entropy
-from .transfer import TransferReport, is_vit_state_dict, transfer_vit_weights
+from .transfer import TransferReport, is_vit_state_dict, transfer_vit_weights, unwrap_state_dict
 
 # A small AFT-conv for 32 x 32 digits: patch 4 -> an 8 x 8 token grid, a 15 x 15 window (the whole grid), 8 heads.
 DIGITS_MODEL = dict(patch_size=4, embed_dim=64, depth=4, num_heads=8, kernel_size=15, mlp_ratio=2.)
@@ -169,11 +169,13 @@ def check_input_size(model: torch.nn.Module, img_size: int) -> None:
 
 def load_initial_weights(model: torch.nn.Module, weights: Mapping[str, torch.Tensor]) -> Optional[TransferReport]:
     """Start ``model`` from ``weights``: its own state dict (loaded strictly), or a ViT / DeiT one mapped onto an AFT
-    model by ``transfer_vit_weights`` (DeiT's classifier dropped, ``model``'s fresh head and fresh tensors kept).
+    model by ``transfer_vit_weights`` (DeiT's classifier dropped, ``model``'s fresh head and fresh tensors kept). A
+    training checkpoint is read as timm reads it (``unwrap_state_dict``).
 
     Returns:
         The transfer's report, or None when the weights were the model's own.
     """
+    weights = unwrap_state_dict(weights)  # a training checkpoint's (EMA) weights, DDP / compile prefixes stripped
     if is_vit_state_dict(weights) and not is_vit_state_dict(model.state_dict()):
         state_dict, report = transfer_vit_weights(weights, model)
         model.load_state_dict(state_dict)
