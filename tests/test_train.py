@@ -268,5 +268,11 @@ def test_vit_baseline_trains_and_its_checkpoint_transfers_into_a_fine_tuning_run
         tokens = vit.patch_embed(images)  # (B, H * W, C)
         assert torch.allclose(aft.patch_embed(images).flatten(1, 2), tokens, atol=1e-3)  # (B, H, W, C)
         assert torch.allclose(aft.blocks[0].mlp(tokens), vit.blocks[0].mlp(tokens), atol=1e-3)
+    # the same checkpoint through the transfer command: the values in place, the rest as the model made them
+    assert cli_main(['transfer', '--src', str(vit_out / 'model.safetensors'), '--model', 'aft_conv_test',
+                     '--model-kwargs', *TINY_MODEL, '--num-classes', '3',
+                     '--out', str(tmp_path / 'aft.safetensors')]) == 0
+    assert torch.equal(load_weights(tmp_path / 'aft.safetensors')['blocks.0.attn.qkv.weight'][dim + heads:],
+                       vit_qkv[2 * dim:])
     assert cli_main(['train', '--data-dir', str(data), '--init-from', str(tmp_path / 'none.safetensors'),
                      '--out-dir', str(tmp_path / 'bad')]) == 2
