@@ -68,9 +68,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _add_transfer(subparsers) -> None:
+    from timm.utils import ParseKwargs
+
     p = subparsers.add_parser('transfer', help='convert DeiT / ViT weights into an AFT model (safetensors)')
     p.add_argument('--src', required=True, help='timm DeiT / ViT name (downloads its weights) or a checkpoint file')
     p.add_argument('--model', required=True, help='registered AFT model name, e.g. aft_conv_small')
+    p.add_argument('--model-kwargs', nargs='*', default={}, action=ParseKwargs, metavar='KEY=VALUE',
+                   help='AFT model arguments matching the source\'s trunk, e.g. patch_size=4 embed_dim=64 depth=4')
     p.add_argument('--out', required=True, help='output .safetensors file')
     p.add_argument('--num-classes', type=int, default=0,
                    help='classes of a fresh AFT head (default: 0, a backbone like the .deit_in1k tags)')
@@ -84,7 +88,7 @@ def _cmd_transfer(args: argparse.Namespace) -> int:
     from .models import create_aft_model
     from .transfer import transfer_vit_weights
 
-    model = create_aft_model(args.model, num_classes=args.num_classes)
+    model = create_aft_model(args.model, num_classes=args.num_classes, **args.model_kwargs)
     if Path(args.src).is_file():
         source = load_weights(args.src)
     else:
@@ -203,6 +207,20 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_study(subparsers) -> None:
+    from . import study
+
+    p = subparsers.add_parser('study', help='families, DeiT/ViT transfer, window and heads on the digits, over seeds '
+                                            '(resumable; tables and plots)')
+    study.add_arguments(p)
+
+
+def _cmd_study(args: argparse.Namespace) -> int:
+    from . import study
+
+    return study.main(args)
+
+
 def _add_predict(subparsers) -> None:
     from . import predict
 
@@ -267,6 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_publish(subparsers)
     _add_bench(subparsers)
     _add_train(subparsers)
+    _add_study(subparsers)
     _add_predict(subparsers)
     _add_export(subparsers)
     _add_show_bias(subparsers)

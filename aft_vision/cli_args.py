@@ -32,7 +32,7 @@ LIMITS: Dict[str, Tuple[Optional[float], Optional[float], bool]] = {
     'input_size': (1, None, False), 'test_input_size': (1, None, False), 'topk': (1, None, False),
     'heads': (1, None, False), 'query': (0, None, False), 'dpi': (10, 1200, False), 'num_classes': (0, None, False),
     'lr': (0, None, True), 'sparsity_weight': (0, None, False), 'crop_pct': (0, 1, True), 'std': (0, None, True),
-    'mean': (None, None, False), 'scenes': (1, None, False),
+    'mean': (None, None, False), 'scenes': (1, None, False), 'seeds': (1, None, False),
 }
 # ``train --task``: the defaults of the options left unset, and the options a task does not use
 TASK_DEFAULTS: Dict[str, Dict[str, object]] = {

@@ -3,13 +3,16 @@ training resolution and a larger one, publish it as a Hub folder, reload it thro
 also through timm's standard data config (``resolve_data_config({}, model=...)``) that every timm client uses.
 
 ``python -m aft_vision.train`` (``bash scripts/run.sh``). ``--data-dir`` takes any ImageFolder with ``train/`` and
-``val/``, ``--model`` any registered AFT model.
+``val/``, ``--model`` any registered AFT model, or any timm model that takes the image size (a ViT baseline of the
+same width, depth, patch and MLP ratio trains under the identical recipe). ``--init-from`` starts from saved weights:
+the model's own, or a ViT / DeiT checkpoint mapped onto an AFT model by ``transfer_vit_weights``.
 
 Distributed data parallel under ``torchrun --nproc_per_node=N -m aft_vision.train ...`` (gloo on CPU, NCCL on CUDA):
 each process trains on its shard of the training set (``DistributedSampler``) with ``--batch-size`` images per step;
 rank 0 writes the data set, evaluates, saves and publishes. ``results.json`` lists every rank's final weight digest.
 """
 import argparse
+import copy
 import hashlib
 import json
 import math
@@ -18,7 +21,7 @@ import random
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 import timm
 import torch
@@ -33,11 +36,12 @@ from torch.utils.data import DataLoader, DistributedSampler
 from torchvision.datasets import ImageFolder
 from tqdm import tqdm
 
-from ._io import save_figure, save_weights
+from ._io import load_weights, save_figure, save_weights
 from .cli_args import TASK_DEFAULTS, Parser, fill_task_defaults, run_command
 from .hub import publish, source_architecture
 from .models import check_pretrained, create_aft_model
 from .regularizers import position_bias_entropy
+from .transfer import TransferReport, is_vit_state_dict, transfer_vit_weights, unwrap_state_dict
 
 # A small AFT-conv for 32 x 32 digits: patch 4 -> an 8 x 8 token grid, a 15 x 15 window (the whole grid), 8 heads.
 DIGITS_MODEL = dict(patch_size=4, embed_dim=64, depth=4, num_heads=8, kernel_size=15, mlp_ratio=2.)
@@ -124,6 +128,62 @@ def state_digest(state_dict: Mapping[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
+def fixed_img_size(model: torch.nn.Module) -> Optional[Tuple[int, int]]:
+    """The one input size a model accepts (its position embedding or AFT-full's biases are tied to the token grid), or
+    None for a model that takes any size its patch divides (AFT-conv, ``dynamic_img_size=True``, a CNN)."""
+    if hasattr(model, '_fixed_img_size'):  # the AFT models
+        return model._fixed_img_size()
+    embed = getattr(model, 'patch_embed', None)  # timm's ViT family
+    if embed is None or getattr(model, 'dynamic_img_size', False) or not getattr(embed, 'strict_img_size', True):
+        return None
+    return tuple(embed.img_size) if embed.img_size is not None else None
+
+
+def at_size(model: torch.nn.Module, img_size: int) -> torch.nn.Module:
+    """``model`` if it accepts ``img_size`` x ``img_size`` images as it is, else a copy rebuilt for that size by timm's
+    ``set_input_size`` (position embedding and AFT-full's u, v resampled over the patch grid)."""
+    fixed = fixed_img_size(model)
+    if fixed is None or fixed == (img_size, img_size):
+        return model
+    if not hasattr(model, 'set_input_size'):
+        raise ValueError(f'{type(model).__name__} is built for {fixed[0]}x{fixed[1]} px and cannot be rebuilt for '
+                         f'{img_size} px (no set_input_size)')
+    resized = copy.deepcopy(model)
+    resized.set_input_size(img_size=img_size)
+    return resized
+
+
+def check_input_size(model: torch.nn.Module, img_size: int) -> None:
+    """Raise ValueError unless ``model`` takes ``img_size`` x ``img_size`` images: the AFT models' own check, the patch
+    size dividing the size for timm's ViT family (which would otherwise crop or fail later)."""
+    if hasattr(model, '_check_input'):
+        model._check_input(torch.empty(1, model.in_chans, img_size, img_size, device='meta'))
+        return
+    embed = getattr(model, 'patch_embed', None)
+    if embed is None or getattr(embed, 'dynamic_img_pad', False):
+        return
+    patch_h, patch_w = embed.patch_size
+    if img_size % patch_h or img_size % patch_w:
+        raise ValueError(f'{img_size} px is not a multiple of the patch size {patch_h}x{patch_w}')
+
+
+def load_initial_weights(model: torch.nn.Module, weights: Mapping[str, torch.Tensor]) -> Optional[TransferReport]:
+    """Start ``model`` from ``weights``: its own state dict (loaded strictly), or a ViT / DeiT one mapped onto an AFT
+    model by ``transfer_vit_weights`` (DeiT's classifier dropped, ``model``'s fresh head and fresh tensors kept). A
+    training checkpoint is read as timm reads it (``unwrap_state_dict``).
+
+    Returns:
+        The transfer's report, or None when the weights were the model's own.
+    """
+    weights = unwrap_state_dict(weights)  # a training checkpoint's (EMA) weights, DDP / compile prefixes stripped
+    if is_vit_state_dict(weights) and not is_vit_state_dict(model.state_dict()):
+        state_dict, report = transfer_vit_weights(weights, model)
+        model.load_state_dict(state_dict)
+        return report
+    model.load_state_dict(weights)
+    return None
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, folder: Path, img_size: Optional[int] = None, batch_size: int = 256,
              data_config: Optional[Dict] = None) -> float:
@@ -159,16 +219,29 @@ def train(
         device: torch.device = torch.device('cpu'),
         rank: int = 0,
         world_size: int = 1,
+        init_weights: Optional[Mapping[str, torch.Tensor]] = None,
+        log: Callable[[str], None] = print,
 ) -> Tuple[torch.nn.Module, List[Dict], List[str]]:
-    """Train from scratch (or from the model's pretrained weights) with timm's components.
+    """Train from scratch (or from the model's pretrained weights, or from ``init_weights``) with timm's components.
 
     Under torchrun (``world_size`` > 1) the model is wrapped in DistributedDataParallel and each rank trains on its
     shard; only rank 0 evaluates (``val_top1`` in the history) and prints. Returns the unwrapped model.
+
+    Args:
+        model_name: A registered AFT model, or any timm model (e.g. a ViT baseline; give it ``img_size``).
+        init_weights: Weights to start from (``load_initial_weights``): the model's own state dict, or a ViT / DeiT
+            one that ``transfer_vit_weights`` maps onto the AFT model. Tensors the transfer leaves fresh keep the
+            initialisation ``seed`` gives, the same as a run from random weights.
+        log: Where the per-epoch lines (and a transfer's report) go.
     """
     torch.manual_seed(seed)  # the same initial weights on every rank
     classes = ImageFolder(str(data_dir / 'train')).classes
     model = create_aft_model(model_name, pretrained=pretrained, num_classes=len(classes), **(model_kwargs or {}))
     model = model.to(device)
+    if init_weights is not None:
+        report = load_initial_weights(model, init_weights)
+        if report is not None and rank == 0:
+            log(report.summary())
     random.seed(seed + rank)  # timm's crops draw from Python's random, the rest from torch: different per rank
     torch.manual_seed(seed + rank)
     train_loader = _loader(data_dir / 'train', model, img_size, True, batch_size, seed, rank, world_size)
@@ -202,7 +275,7 @@ def train(
         record = {'epoch': epoch + 1, 'loss': sum(losses) / len(losses)}
         if rank == 0:
             record['val_top1'] = evaluate(model, data_dir / 'val', img_size)
-            print(f'epoch {epoch + 1:2d}  loss {record["loss"]:.4f}  val top-1 {record["val_top1"]:.2f}%')
+            log(f'epoch {epoch + 1:2d}  loss {record["loss"]:.4f}  val top-1 {record["val_top1"]:.2f}%')
         history.append(record)
     return model, history, classes
 
@@ -224,14 +297,33 @@ def plot_curves(history: List[Dict], path: Path) -> None:
     save_figure(fig, path, dpi=100)
 
 
-def _check_model_and_sizes(args: argparse.Namespace, model_kwargs: Dict) -> None:
-    """The model's arguments and both image sizes, on a meta-device copy: before the data set or anything is written."""
-    probe = create_aft_model(args.model, device='meta', **model_kwargs)
-    for option, size in (('--img-size', args.img_size), ('--eval-img-size', args.eval_img_size)):
+def check_model_and_sizes(model_name: str, model_kwargs: Dict, img_size: int, eval_img_size: int) -> Dict:
+    """The model's arguments and both image sizes, on a meta-device copy: before the data set or anything is written.
+
+    A model tied to one input size (a ViT, AFT-full) is built for ``img_size`` unless ``model_kwargs`` names one, and
+    evaluated at ``eval_img_size`` by a copy rebuilt for it (``at_size``).
+
+    Returns:
+        ``model_kwargs``, with ``img_size`` added where the model needs it.
+
+    Raises:
+        ValueError: An unknown model, arguments it does not take, or a size it cannot take, as one line.
+    """
+    try:
+        with torch.device('meta'):
+            probe = create_aft_model(model_name, **model_kwargs)
+            if 'img_size' not in model_kwargs and fixed_img_size(probe) not in (None, (img_size, img_size)):
+                model_kwargs = dict(model_kwargs, img_size=img_size)
+                probe = create_aft_model(model_name, **model_kwargs)
+    except TypeError as error:  # an argument the model does not take
+        raise ValueError(f'--model-kwargs: {model_name} does not take them ({error})') from None
+    for option, size, model in (('--img-size', img_size, probe), ('--eval-img-size', eval_img_size, None)):
         try:
-            probe._check_input(torch.empty(1, probe.in_chans, size, size, device='meta'))
+            with torch.device('meta'):  # trained as built; evaluated at the larger size as rebuilt for it
+                check_input_size(model or at_size(probe, size), size)
         except ValueError as error:
             raise ValueError(f'{option} {size}: {error}') from None
+    return model_kwargs
 
 
 def run(args: argparse.Namespace) -> Dict:
@@ -239,6 +331,8 @@ def run(args: argparse.Namespace) -> Dict:
     ``--task segment`` runs the dense job (``aft_vision.segment``) instead."""
     fill_task_defaults(args)
     if args.task == 'segment':
+        if getattr(args, 'init_from', None):
+            raise ValueError('--init-from: not used by --task segment')
         from .segment import run as run_segment
         return run_segment(args)
     start = time.perf_counter()
@@ -247,7 +341,12 @@ def run(args: argparse.Namespace) -> Dict:
     model_kwargs = dict(args.model_kwargs or {})
     if args.model == 'aft_conv_test' and not args.data_dir:
         model_kwargs = dict(DIGITS_MODEL, **model_kwargs)
-    _check_model_and_sizes(args, model_kwargs)
+    model_kwargs = check_model_and_sizes(args.model, model_kwargs, args.img_size, args.eval_img_size)
+    init_weights = None
+    if getattr(args, 'init_from', None):
+        if args.pretrained:
+            raise ValueError('--init-from: give either --pretrained or --init-from')
+        init_weights = load_weights(args.init_from)
     rank, world_size, device = _init_distributed(args.device)
     out = Path(args.out_dir)
     try:
@@ -264,7 +363,7 @@ def run(args: argparse.Namespace) -> Dict:
                 raise FileNotFoundError(f'{data_dir / split} not found: --data-dir needs train/ and val/ ImageFolders')
         model, history, classes = train(data_dir, args.model, args.epochs, args.img_size, args.batch_size, args.lr,
                                         args.seed, args.sparsity_weight, model_kwargs, args.pretrained, device,
-                                        rank, world_size)
+                                        rank, world_size, init_weights)
         digest = state_digest(model.state_dict())
         digests = [digest] * world_size
         if world_size > 1:
@@ -276,7 +375,7 @@ def run(args: argparse.Namespace) -> Dict:
         return {}
 
     top1 = evaluate(model, data_dir / 'val', args.img_size)
-    top1_large = evaluate(model, data_dir / 'val', args.eval_img_size)
+    top1_large = evaluate(at_size(model, args.eval_img_size), data_dir / 'val', args.eval_img_size)
     weights = out / 'model.safetensors'
     sha256 = save_weights({k: v.cpu() for k, v in model.state_dict().items()}, weights, force=True)
     architecture, architecture_kwargs = source_architecture(args.model, model_kwargs)  # a folder's saved arguments
@@ -284,13 +383,15 @@ def run(args: argparse.Namespace) -> Dict:
     # should evaluate at for the best result (validate.py uses it by default): recorded only if the larger size did
     # at least as well, else validate.py would report the lower figure.
     data_config = eval_data_config(model, args.img_size)
-    if args.eval_img_size > args.img_size and top1_large >= top1:
+    if args.eval_img_size > args.img_size and top1_large >= top1 and fixed_img_size(model) is None:
         data_config['test_input_size'] = (3, args.eval_img_size, args.eval_img_size)
     results = {'top1': top1, f'top1_at_{args.eval_img_size}': top1_large, 'architecture': architecture,
                'model_kwargs': architecture_kwargs, 'data_config': data_config}
     (out / 'results.json').write_text(json.dumps(results, indent=2))
     hub_dir = out / 'hub'
     start_from = 'scratch' if not args.pretrained else args.model if ':' in args.model else 'its pretrained weights'
+    if getattr(args, 'init_from', None):
+        start_from = Path(args.init_from).name
     publish(str(weights), architecture, 'aft-vision/digits-demo', out_dir=str(hub_dir), dry_run=True, force=True,
             label_names=classes, results_file=str(out / 'results.json'),
             datasets=[] if args.data_dir else ['sklearn-digits'],
@@ -356,12 +457,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              'AFT-conv in smp\'s DPT (aft_vision.segment; needs aft-vision[dense]) '
                              '(default: %(default)s)')
     parser.add_argument('--data-dir', default=None, help='ImageFolder with train/ and val/ (default: the digits)')
-    parser.add_argument('--model', default='aft_conv_test', help='registered AFT model (default: %(default)s)')
+    parser.add_argument('--model', default='aft_conv_test',
+                        help='registered AFT model, or a timm model that takes the image size, e.g. a ViT baseline '
+                             'vit_tiny_patch16_224 with --model-kwargs patch_size=4 embed_dim=64 depth=4 num_heads=2 '
+                             'mlp_ratio=2 (default: %(default)s)')
     parser.add_argument('--model-kwargs', nargs='*', default={}, action=ParseKwargs, metavar='KEY=VALUE',
                         help='model arguments, e.g. patch_size=8 depth=2 (for aft_conv_test on the digits: '
                              'changes to its small default)')
     parser.add_argument('--pretrained', action='store_true',
                         help='fine-tune from the pretrained tag (or the weights of a local-dir: / hf-hub: --model)')
+    parser.add_argument('--init-from', default=None, metavar='WEIGHTS',
+                        help='start from these weights (.safetensors or a PyTorch checkpoint): the model\'s own, or a '
+                             'ViT / DeiT\'s, mapped onto the AFT model by transfer_vit_weights (head fresh)')
     parser.add_argument('--epochs', type=int, default=None, help=f'default: {_task_default("epochs")}')
     parser.add_argument('--img-size', type=int, default=None,
                         help=f'training and evaluation resolution (default: {_task_default("img_size")})')

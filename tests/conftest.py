@@ -11,6 +11,9 @@ Which file tests what:
 * test_bench.py: ``aft-vision bench`` end to end on tiny models (JSON fields, tables, plot, ``--ops``).
 * test_cli_args.py: every option of every subcommand is checked before the subcommand starts (one line, exit 2).
 * test_clients.py: a published model as timm's data config, transformers' pipeline and timm's config reader see it.
+* test_deploy.py: OpenVINO IRs of the test models against the float64 bound, the converted graph's layout, the INT8
+  recipes' scope in NNCF's and onnxruntime's graphs, ``aft-vision export`` (writes, checks, refuses), bench in both
+  deployment runtimes.
 * test_dependency_floors.py: the package runs on the minimum timm, huggingface_hub and safetensors of setup.cfg.
 * test_dense.py: the simple feature pyramid (levels, ViTDet's init, tracing, ONNX) and the dense clients on it (smp's
   DPT, torchvision's Faster / Mask R-CNN and FPN).
@@ -31,7 +34,9 @@ Which file tests what:
 * test_robustness_ops.py: property-based tests of the functional operators against the reference.
 * test_run.py: ``python -m aft_vision.run SCRIPT ARGS`` runs the script with the AFT models registered.
 * test_segment.py: the dense job (``train --task segment``) beats any image-blind predictor; its scenes and options.
-* test_train.py: the main job's pipeline on a reduced budget, the Eq. 9 regulariser, two-process DDP on the CPU.
+* test_study.py: ``aft-vision study`` at a one-epoch, one-seed budget: records, tables, plots, resuming, refusals.
+* test_train.py: the main job's pipeline on a reduced budget, the Eq. 9 regulariser, two-process DDP on the CPU, the
+  ViT baseline and its checkpoint through the transfer into a fine-tuning run.
 * test_triton_kernel.py: the fused windowed AFT-conv Triton kernel against the float64 reference.
 * test_visualize.py: position-bias and key maps, and the one-hot AFT-conv against the plain operator.
 

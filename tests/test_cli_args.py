@@ -33,6 +33,7 @@ def setup(tmp_path, monkeypatch):
                     '--out-dir', str(out / 'folder')],
         'bench': ['--quick', '--out-dir', str(out / 'bench')],
         'train': ['--out-dir', str(out / 'run')],
+        'study': ['--out-dir', str(out / 'study')],
         'predict': [str(image), '--model', 'aft_conv_test', '--checkpoint', str(checkpoint)],
         'export': ['--model', 'aft_conv_test', '--checkpoint', str(checkpoint), '--out', str(out / 'm.onnx')],
         'show-bias': ['--model', 'aft_conv_test', '--out', str(out / 'b.png')],
@@ -148,7 +149,8 @@ def test_existing_outputs_are_not_replaced_without_force(command, setup, capsys)
 
 @pytest.mark.parametrize('extra, words', [
     (['--img-size', '30'], '--img-size 30: input size 30x30 is not a multiple of the patch size 4x4'),
-    (['--model', 'aft_full_test'], '--img-size 32: input size 32x32 does not match the 64x64'),
+    (['--model', 'aft_full_test', '--model-kwargs', 'img_size=64'],  # built for 32 px unless img_size is named
+     '--img-size 32: input size 32x32 does not match the 64x64'),
     (['--model-kwargs', 'foo=1'], "unexpected keyword argument 'foo'"),
 ])
 def test_train_checks_the_model_and_sizes_before_writing_the_data_set(extra, words, setup, capsys):

@@ -18,7 +18,7 @@ from PIL import Image
 from aft_vision._io import load_weights
 from aft_vision.cli import main as cli_main
 from aft_vision.regularizers import add_to_timm_tasks, position_bias_entropy
-from aft_vision.train import DIGITS_MODEL, evaluate, state_digest
+from aft_vision.train import DIGITS_MODEL, at_size, check_model_and_sizes, evaluate, state_digest
 from aft_vision.transfer import unwrap_state_dict
 
 pytest.importorskip('sklearn')
@@ -219,3 +219,60 @@ def test_fine_tune_a_published_folder_into_the_onehot_variant(tmp_path, one_thre
     assert config['model_args']['mixer_layer'] == 'aft_conv_onehot' and config['model_args']['patch_size'] == 8
     reloaded = timm.create_model(f'local-dir:{sparse / "hub"}', pretrained=True)
     assert type(reloaded.blocks[0].attn).__name__ == 'AFTConv2dOneHot'
+
+
+# TINY_MODEL's trunk (aft_conv_test's MLP ratio 2) as timm's ViT
+VIT_BASELINE = ['patch_size=8', 'embed_dim=32', 'depth=1', 'num_heads=2', 'mlp_ratio=2']
+
+
+def test_models_tied_to_a_size_are_built_for_the_training_size():
+    trunk = dict(patch_size=4, embed_dim=64, depth=4, mlp_ratio=2.)
+    assert check_model_and_sizes('vit_tiny_patch16_224', dict(trunk, num_heads=2), 32, 48)['img_size'] == 32
+    assert check_model_and_sizes('aft_full_test', dict(trunk), 32, 48)['img_size'] == 32
+    assert check_model_and_sizes('aft_conv_test', DIGITS_MODEL, 32, 48) == DIGITS_MODEL  # the main job's: as it was
+    with pytest.raises(ValueError, match='--img-size 30: 30 px is not a multiple of the patch size 4x4'):
+        check_model_and_sizes('vit_tiny_patch16_224', dict(trunk, num_heads=2), 30, 48)
+
+
+def test_vit_baseline_trains_and_its_checkpoint_transfers_into_a_fine_tuning_run(tmp_path, one_thread):
+    data = _tiny_image_folder(tmp_path / 'data')
+    vit_out, aft_out = tmp_path / 'vit', tmp_path / 'aft'
+    assert cli_main(['train', '--data-dir', str(data), '--epochs', '1', '--batch-size', '4',
+                     '--model', 'vit_tiny_patch16_224', '--model-kwargs', *VIT_BASELINE,
+                     '--out-dir', str(vit_out)]) == 0
+    results = json.loads((vit_out / 'results.json').read_text())
+    assert results['model_kwargs']['img_size'] == 32  # built for the training size
+    vit = timm.create_model('vit_tiny_patch16_224', num_classes=3, **results['model_kwargs'])
+    vit_weights = load_weights(vit_out / 'model.safetensors')
+    vit.load_state_dict(vit_weights)
+    assert evaluate(at_size(vit, 48), data / 'val', 48) == results['top1_at_48']  # evaluated at 48 px, rebuilt
+    assert 'test_input_size' not in results['data_config']  # a client could not run the model at 48 px as it is
+
+    assert cli_main(['train', '--data-dir', str(data), '--epochs', '1', '--batch-size', '4', '--lr', '1e-6',
+                     '--model-kwargs', *TINY_MODEL, '--init-from', str(vit_out / 'model.safetensors'),
+                     '--out-dir', str(aft_out)]) == 0
+    tuned = load_weights(aft_out / 'model.safetensors')
+    dim, heads = TINY_KWARGS['embed_dim'], TINY_KWARGS['num_heads']
+    qkv, vit_qkv = tuned['blocks.0.attn.qkv.weight'], vit_weights['blocks.0.attn.qkv.weight']
+    near = dict(atol=1e-4, rtol=0)  # nine AdamW steps at lr 1e-6 from the ViT's weights
+    assert torch.allclose(qkv[dim + heads:], vit_qkv[2 * dim:], **near)  # the values, from the ViT's
+    assert not torch.allclose(qkv[:dim], vit_qkv[:dim], **near)  # queries fresh, as in the paper
+    for key in ('patch_embed.proj.weight', 'blocks.0.mlp.fc1.weight', 'blocks.0.attn.proj.weight', 'norm.weight'):
+        assert torch.allclose(tuned[key], vit_weights[key], **near), key
+    assert tuned['head.weight'].shape == (3, dim)
+    # the copied tensors compute what they computed in the ViT: same patch tokens, same MLP
+    aft = timm.create_model('aft_conv_test', num_classes=3, **TINY_KWARGS).eval()
+    aft.load_state_dict(tuned)
+    images = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        tokens = vit.patch_embed(images)  # (B, H * W, C)
+        assert torch.allclose(aft.patch_embed(images).flatten(1, 2), tokens, atol=1e-3)  # (B, H, W, C)
+        assert torch.allclose(aft.blocks[0].mlp(tokens), vit.blocks[0].mlp(tokens), atol=1e-3)
+    # the same checkpoint through the transfer command: the values in place, the rest as the model made them
+    assert cli_main(['transfer', '--src', str(vit_out / 'model.safetensors'), '--model', 'aft_conv_test',
+                     '--model-kwargs', *TINY_MODEL, '--num-classes', '3',
+                     '--out', str(tmp_path / 'aft.safetensors')]) == 0
+    assert torch.equal(load_weights(tmp_path / 'aft.safetensors')['blocks.0.attn.qkv.weight'][dim + heads:],
+                       vit_qkv[2 * dim:])
+    assert cli_main(['train', '--data-dir', str(data), '--init-from', str(tmp_path / 'none.safetensors'),
+                     '--out-dir', str(tmp_path / 'bad')]) == 2
