@@ -9,7 +9,6 @@ digits) with the model's timm data config; the images it holds out are what the 
 import argparse
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 from typing import Dict, List, Tuple
@@ -18,11 +17,9 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 from timm.data import create_transform, resolve_data_config
-from timm.utils import ParseKwargs
 
 from . import deploy
-from .hub import model_from_checkpoint
-from .models import create_aft_model
+from .predict import add_model_arguments, model_from_args
 
 __all__ = ['export', 'calibration_files', 'add_arguments', 'main']
 
@@ -190,14 +187,7 @@ def _check(model: torch.nn.Module, run, size, held_out, calibration, seed: int) 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument('--model', required=True, help='registered AFT model, or hf-hub:/local-dir: source')
-    parser.add_argument('--model-kwargs', nargs='*', default={}, action=ParseKwargs, metavar='KEY=VALUE',
-                        help='architecture arguments the checkpoint was trained with, e.g. patch_size=4')
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument('--checkpoint', default=None, help='AFT weights (.safetensors or weights-only .pth)')
-    source.add_argument('--pretrained', action='store_true', help='the model\'s pretrained tag (downloads)')
-    parser.add_argument('--no-ema', dest='use_ema', action='store_false',
-                        help='a training checkpoint\'s trained weights, not its EMA weights (timm\'s default)')
+    add_model_arguments(parser)
     parser.add_argument('--format', choices=deploy.FORMATS, default='onnx',
                         help='onnx (a .onnx file, onnxruntime) or openvino (an IR: .xml and .bin)')
     parser.add_argument('--out', required=True, help='the .onnx or .xml file to write')
@@ -214,11 +204,7 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError('--int8 and --calibration go together: INT8 is calibrated on your images')
     if args.calibration and args.calibration != 'digits':
         calibration_files(args.calibration, args.seed)  # a folder without images: refused before the model is built
-    if args.checkpoint:
-        model, weights = model_from_checkpoint(args.model, args.checkpoint, args.use_ema, **args.model_kwargs)
-        print(f'aft-vision: {args.checkpoint}: {weights}', file=sys.stderr)
-    else:
-        model = create_aft_model(args.model, pretrained=args.pretrained or ':' in args.model, **args.model_kwargs)
+    model = model_from_args(args)
     report = export(model, args.out, args.format, args.img_size, args.calibration, args.force, args.seed)
     size = 'x'.join(map(str, report['img_size']))
     line = (f"wrote {' and '.join(report['files'])} ({report['format']}, {report['precision']}, {size} px): "

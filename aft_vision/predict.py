@@ -12,7 +12,7 @@ from timm.utils import ParseKwargs
 from .hub import model_from_checkpoint
 from .models import check_pretrained, create_aft_model
 
-__all__ = ['predict', 'add_arguments', 'main']
+__all__ = ['predict', 'add_arguments', 'add_model_arguments', 'model_from_args', 'main']
 
 
 def _label_names(model: torch.nn.Module) -> Optional[List[str]]:
@@ -47,8 +47,8 @@ def predict(model: torch.nn.Module, paths: List[str], img_size: Optional[int] = 
     return {'results': results, 'errors': errors}
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument('images', nargs='+', help='image files')
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options that name a model and its weights (``predict``, ``export``): read by ``model_from_args``."""
     parser.add_argument('--model', required=True, help='registered AFT model, or hf-hub:/local-dir: source')
     parser.add_argument('--model-kwargs', nargs='*', default={}, action=ParseKwargs, metavar='KEY=VALUE',
                         help='architecture arguments the checkpoint was trained with, e.g. patch_size=4')
@@ -57,6 +57,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument('--pretrained', action='store_true', help='the model\'s pretrained tag (downloads)')
     parser.add_argument('--no-ema', dest='use_ema', action='store_false',
                         help='a training checkpoint\'s trained weights, not its EMA weights (timm\'s default)')
+
+
+def model_from_args(args: argparse.Namespace) -> torch.nn.Module:
+    """The model ``add_model_arguments`` names, with its weights; says on stderr which weights a checkpoint gave."""
+    if args.checkpoint:
+        model, weights = model_from_checkpoint(args.model, args.checkpoint, args.use_ema, **args.model_kwargs)
+        print(f'aft-vision: {args.checkpoint}: {weights}', file=sys.stderr)
+        return model
+    return create_aft_model(args.model, pretrained=args.pretrained or ':' in args.model, **args.model_kwargs)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument('images', nargs='+', help='image files')
+    add_model_arguments(parser)
     parser.add_argument('--img-size', type=int, default=None, help='crop size (default: the model\'s data config)')
     parser.add_argument('--topk', type=int, default=5)
 
@@ -82,11 +96,7 @@ def _check_classifier(args: argparse.Namespace) -> None:
 
 def main(args: argparse.Namespace) -> int:
     _check_classifier(args)
-    if args.checkpoint:
-        model, weights = model_from_checkpoint(args.model, args.checkpoint, args.use_ema, **args.model_kwargs)
-        print(f'aft-vision: {args.checkpoint}: {weights}', file=sys.stderr)
-    else:
-        model = create_aft_model(args.model, pretrained=True, **args.model_kwargs)
+    model = model_from_args(args)
     if not model.num_classes:
         raise ValueError(f'{args.model} has no classifier (num_classes=0): {_fine_tune_first(args.model)}')
     out = predict(model, args.images, args.img_size, args.topk)
