@@ -22,6 +22,7 @@ import gc
 import json
 import multiprocessing
 import os
+import shutil
 import statistics
 import threading
 import time
@@ -179,8 +180,6 @@ class _Case:
 def _deployed(model: torch.nn.Module, images: torch.Tensor, runtime: str, precision: str):
     """``model`` in ``runtime`` ('onnxruntime' or 'openvino') at ``precision``, as ``deploy.py`` writes it for users:
     a function of an image batch. INT8 is calibrated on ``images`` and one more batch of random images."""
-    import shutil
-
     from . import deploy
 
     batches = [images.numpy(), torch.randn_like(images).numpy()] if precision == 'int8' else []

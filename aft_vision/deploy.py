@@ -14,13 +14,13 @@ import os
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Callable, Iterable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import numpy as np
 import torch
 
 __all__ = ['FORMATS', 'PRECISIONS', 'export_onnx', 'convert_openvino', 'quantize_onnx', 'quantize_openvino',
-           'float_convolutions', 'load_runner', 'onnx_runner', 'openvino_runner']
+           'float_convolutions', 'load_runner', 'onnx_runner', 'openvino_runner', 'temporary_onnx']
 
 FORMATS = ('onnx', 'openvino')
 # what a runner computes in: OpenVINO's inference precision hint, or INT8 (a quantized model, float parts in float32)
@@ -58,16 +58,6 @@ def float_convolutions(path: os.PathLike) -> List[str]:
             and any(attr.name == 'group' and attr.i > 1 for attr in node.attribute)]
 
 
-class _Batches:
-    """onnxruntime's ``CalibrationDataReader``: one {'x': batch} per call of ``get_next``, then None."""
-
-    def __init__(self, batches: Iterable[np.ndarray], name: str):
-        self._items = iter([{name: np.ascontiguousarray(batch, dtype=np.float32)} for batch in batches])
-
-    def get_next(self):
-        return next(self._items, None)
-
-
 def quantize_onnx(src: os.PathLike, dst: os.PathLike, batches: Sequence[np.ndarray]) -> None:
     """INT8 ONNX file ``dst`` from ``src`` by onnxruntime's ``quantize_static``: QDQ, per-channel signed weights,
     signed activations calibrated (min-max) on ``batches`` (N, 3, H, W); MatMul, Gemm and Conv quantized, the
@@ -75,8 +65,17 @@ def quantize_onnx(src: os.PathLike, dst: os.PathLike, batches: Sequence[np.ndarr
     import onnxruntime
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 
+    class Reader(CalibrationDataReader):
+        """One {input name: batch} per call of ``get_next``, then None."""
+
+        def __init__(self, name: str):
+            self.items = iter([{name: np.ascontiguousarray(batch, dtype=np.float32)} for batch in batches])
+
+        def get_next(self):
+            return next(self.items, None)
+
     name = onnxruntime.InferenceSession(str(src), providers=['CPUExecutionProvider']).get_inputs()[0].name
-    reader = type('Reader', (_Batches, CalibrationDataReader), {})(batches, name)
+    reader = Reader(name)
     quantize_static(str(src), str(dst), reader, quant_format=QuantFormat.QDQ, per_channel=True,
                     activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
                     op_types_to_quantize=['MatMul', 'Gemm', 'Conv'], nodes_to_exclude=float_convolutions(src))

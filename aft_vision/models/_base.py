@@ -32,8 +32,10 @@ NO_DECAY_SUFFIXES = ('.attn.pos_u', '.attn.pos_v', '.attn.pos_weight')
 class Block(nn.Module):
     """Pre-norm transformer block with an AFT token mixer as ``attn``: ``x + attn(norm1(x))``, ``x + mlp(norm2(x))``.
 
-    Works on any token layout the mixer takes: (B, T, C) for AFT-full/simple, (B, H, W, C) for AFT-conv (LayerNorm
-    and the MLP act on the last dim). A mixer with ``grid_aware = True`` also receives the patch grid ``feat_size``.
+    Works on any token layout the mixer takes: (B, T, C) for AFT-full/simple, (B, H, W, C) for AFT-conv. The norms,
+    the MLP and the residual sums run on (B, T, C) rows, a view of the map: exported graphs then hand CPU runtimes
+    3-D tensors, where OpenVINO would lay a 4-D map out as NCHW with H innermost. A mixer with ``grid_aware = True``
+    also receives the patch grid ``feat_size``.
 
     Args:
         dim: Token width C.
