@@ -8,7 +8,7 @@ import runpy
 import sys
 from pathlib import Path
 
-import aft_vision  # noqa: F401  (registers the models before the script looks them up)
+import aft_vision.models  # noqa: F401  (registers the models before the script looks them up)
 
 
 def main(argv=None) -> int:

@@ -9,7 +9,7 @@ The validation loss train.py reports is its plain cross-entropy.
 """
 import os
 
-from .regularizers import add_to_timm_tasks
+from .tasks.regularizers import add_to_timm_tasks
 
 WEIGHT = float(os.environ.get('AFT_SPARSITY_WEIGHT', '0.001'))
 add_to_timm_tasks(WEIGHT)

@@ -4,7 +4,7 @@
 
 Each model (random weights, seed 0, its default input size, batch 2) is exported by the TorchScript-based exporter
 (opsets 17 and 18) and by the dynamo exporter, run in onnxruntime's CPU provider on the export input, and compared
-with eager PyTorch. A graph onnxruntime refuses reports its error. The tests (tests/test_export.py) hold graphs to
+with eager PyTorch. A graph onnxruntime refuses reports its error. The tests (tests/test_deploy.py) hold graphs to
 a rounding bound on other inputs; this script gives the raw figures.
 """
 import contextlib

@@ -370,3 +370,21 @@ def assert_model_agrees(got: torch.Tensor, exact: torch.Tensor, eager: torch.Ten
     scale = exact.abs().max().item()
     tolerance = 8 * (eager - exact).abs().max().item() + 8 * UNIT_ROUNDOFF[operand_dtype] * scale
     assert_ratios({'model': (got - exact).abs().max().item() / tolerance}, f'{label} (whole model)')
+
+
+# The operator cases the layer and export tests share: ``inputs(op, key_scale, bias_scale)`` for each op,
+# keys and biases scaled to push the exponentials to their limits.
+CAUSAL = ('causal', 'simple_causal')
+
+
+def inputs(op, key_scale, bias_scale, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    if op in ('dense', 'conv'):
+        batch, height, width, channels, num_heads, s = 2, 5, 6, 8, 4, 5
+        q, v = torch.randn(2, batch, height, width, channels, generator=gen)
+        k = torch.randn(batch, height, width, num_heads, generator=gen)
+        w = torch.randn(num_heads, s, s, generator=gen)
+    else:
+        q, k, v = torch.randn(3, 2, 9, 6, generator=gen)
+        w = torch.randn(9, 9, generator=gen)
+    return q, k * key_scale, v, w * bias_scale

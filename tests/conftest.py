@@ -4,53 +4,65 @@
 written from the paper as a dense softmax, evaluated with float64 autograd, plus the per-entry rounding bound an
 implementation is held to. No test file keeps a reference of its own.
 
-Which file tests what:
+The suite follows the package: one test file per part (``test_<part>.py`` for ``aft_vision/<part>/``), plus three
+that look at the whole.
 
-* aft_reference.py: not a test; the float64 reference and rounding bound above.
+* aft_reference.py: not a test; the float64 reference and rounding bound above, and the operator cases shared by the
+  layer and export tests.
 * floor_check.py: not a test; the script test_dependency_floors.py runs on the declared minimum dependencies.
+* test_layers.py: the operators and modules against the reference; the depthwise backward; the CUDA behaviour on the
+  CPU; property-based tests; the Triton kernel in Triton's interpreter; the one-hot AFT-conv.
+* test_checkpoints.py: weight files (safetensors or tensor-only pickles, atomic writes), the DeiT -> AFT transfer,
+  training checkpoints, and every entry point that reads weights refusing bad files.
+* test_models.py: the zoo against timm's model contract and the paper (Tables 7 and 8), reliability, the feature
+  pyramid and the dense clients on it (smp, torchvision), the recipes in models/.
+* test_hub.py: tags, publishing and Hub / local-dir loading, all offline; a published model as timm's data config,
+  transformers' pipeline and timm's config reader see it.
+* test_deploy.py: every export path (ONNX, TorchScript, torch.export) against the float64 model; OpenVINO IRs, the
+  INT8 recipes in NNCF and onnxruntime, ``aft-vision export``, bench in both deployment runtimes.
 * test_bench.py: ``aft-vision bench`` end to end on tiny models (JSON fields, tables, plot, ``--ops``).
-* test_cli_args.py: every option of every subcommand is checked before the subcommand starts (one line, exit 2).
-* test_clients.py: a published model as timm's data config, transformers' pipeline and timm's config reader see it.
-* test_deploy.py: OpenVINO IRs of the test models against the float64 bound, the converted graph's layout, the INT8
-  recipes' scope in NNCF's and onnxruntime's graphs, ``aft-vision export`` (writes, checks, refuses), bench in both
-  deployment runtimes.
-* test_dependency_floors.py: the package runs on the minimum timm, huggingface_hub and safetensors of setup.cfg.
-* test_dense.py: the simple feature pyramid (levels, ViTDet's init, tracing, ONNX) and the dense clients on it (smp's
-  DPT, torchvision's Faster / Mask R-CNN and FPN).
-* test_depthwise_backward.py: AFT-conv's depthwise backward by forward convolutions, and gradcheck of the operator.
-* test_device_policy.py: the CUDA behaviour of the operators (no host copies, autocast, graph capture) on the CPU.
+* test_tasks.py: the main job, DDP on the CPU, the ViT baseline and the transfer into a fine-tuning run; the segment
+  job; ``aft-vision study``; position-bias and key maps.
+* test_cli.py: every option of every subcommand checked before it starts; ``predict``; ``python -m aft_vision.run``.
+* test_imports.py: the package's import graph has no circles, and each part imports only the floors below it.
 * test_docs.py: README.md and docs/*.md against the code (code blocks run, commands parsed, links resolved).
-* test_entry_points.py: every entry point that reads weights refuses bad files clearly and leaves nothing behind.
-* test_export.py: every export path (ONNX by both exporters and timm's onnx_export in onnxruntime, TorchScript,
-  torch.export) against the float64 model, a wrong graph rejected, exported operators on hostile inputs.
-* test_hub.py: DeiT -> AFT transfer, pretrained tags, publishing and Hub / local-dir loading, all offline.
-* test_imports.py: the package's import graph has no circles.
-* test_io.py: weight files: safetensors or tensor-only pickles only; atomic writes that never clobber silently.
-* test_layers.py: the AFT operators and modules against the float64 reference.
-* test_models.py: the model zoo against timm's model contract and the paper (Tables 7 and 8).
-* test_predict.py: ``aft-vision predict`` on real image files, a broken one among them.
-* test_recipes.py: the YAML recipes in models/ against the paper's rows they reproduce.
-* test_robustness_models.py: models train stably, give batch- and thread-independent results, survive hostile input.
-* test_robustness_ops.py: property-based tests of the functional operators against the reference.
-* test_run.py: ``python -m aft_vision.run SCRIPT ARGS`` runs the script with the AFT models registered.
-* test_segment.py: the dense job (``train --task segment``) beats any image-blind predictor; its scenes and options.
-* test_study.py: ``aft-vision study`` at a one-epoch, one-seed budget: records, tables, plots, resuming, refusals.
-* test_train.py: the main job's pipeline on a reduced budget, the Eq. 9 regulariser, two-process DDP on the CPU, the
-  ViT baseline and its checkpoint through the transfer into a fine-tuning run.
-* test_triton_kernel.py: the fused windowed AFT-conv Triton kernel against the float64 reference.
-* test_visualize.py: position-bias and key maps, and the one-hot AFT-conv against the plain operator.
+* test_dependency_floors.py: the package runs on the minimum timm, huggingface_hub and safetensors of setup.cfg.
 
-Shared fixtures: ``hostile_pickle`` (a pickle that would run code), ``offline_hub`` (an offline Hub cache) and
-``one_thread`` (one torch thread).
+Shared fixtures: ``hostile_pickle`` (a pickle that would run code), ``offline_hub`` (an offline Hub cache),
+``one_thread`` (one torch thread), ``trained_like`` (AFT-conv position biases as after training) and ``digits_job``
+(the main job, run once per session for every test that reads what it writes).
 Tests marked ``slow`` (those that train to a result, export, benchmark, or start other processes or a virtual
 environment: 4-25 s each here) are deselected by ``-m "not slow"``.
 """
+import contextlib
+import io
+import json
 import os
 import shlex
 import shutil
+from pathlib import Path
+from typing import Dict, NamedTuple
 
 import pytest
 import torch
+
+# Fixtures that take seconds to build and that several tests only read. Under pytest-xdist (scripts/test.sh runs two
+# processes) the tests that use one run in the same process (``--dist loadgroup``), so it is built once.
+SHARED_FIXTURES = ('digits_job', 'finished_study', 'interpreter_results')
+
+
+def pytest_configure(config):
+    """In each pytest-xdist worker, one torch thread: two workers share the CPU's cores, and two threads each would
+    spin against each other (the suite's ops are small)."""
+    if os.environ.get('PYTEST_XDIST_WORKER'):
+        torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        shared = [name for name in SHARED_FIXTURES if name in getattr(item, 'fixturenames', ())]
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(shared[0]))
 
 
 class _RunsCode:
@@ -114,3 +126,55 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def _trained_like(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    from aft_vision.layers import AFTConv2d
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, AFTConv2d):
+                module.pos_gamma.copy_(torch.rand(module.num_heads, generator=gen) + 0.5)
+                module.pos_beta.copy_(torch.randn(module.num_heads, generator=gen) * 0.5)
+    return model.eval()
+
+
+@pytest.fixture(scope='session')
+def trained_like():
+    """``trained_like(model, seed=0)``: every AFT-conv layer given a non-zero bias (gamma, beta as after training), the
+    model returned in eval mode."""
+    return _trained_like
+
+
+class DigitsJob(NamedTuple):
+    out: Path  # the job's --out-dir: model.safetensors, hub/, data/, results.json, training_curve.png
+    results: Dict  # its results.json
+    printed: str  # what it printed
+    model_kwargs: Dict  # the --model-kwargs it was given
+
+
+DIGITS_JOB_MODEL = {'patch_size': 4, 'embed_dim': 32, 'depth': 1, 'num_heads': 4, 'kernel_size': 7, 'mlp_ratio': 2.0}
+
+
+@pytest.fixture(scope='session')
+def digits_job(tmp_path_factory) -> DigitsJob:
+    """The main job (``aft-vision train``), once per session, on a tiny AFT-conv and budget (10 epochs, about 60%
+    held-out top-1): for the tests that only read what it writes (its own checks, the Hub clients)."""
+    pytest.importorskip('sklearn')  # the digits
+    from aft_vision.cli import main
+
+    out = tmp_path_factory.mktemp('digits-job') / 'digits'
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small ops: a second thread only spins against other jobs on a shared CPU
+    printed = io.StringIO()
+    try:
+        kwargs = [f'{key}={value}' for key, value in DIGITS_JOB_MODEL.items()]
+        with contextlib.redirect_stdout(printed):
+            assert main(['train', '--epochs', '10', '--lr', '1e-2', '--model-kwargs', *kwargs,
+                         '--out-dir', str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    results = json.loads((out / 'results.json').read_text())
+    assert results['top1'] > 40.0, results['top1']  # chance is 10%: the client checks mean something
+    return DigitsJob(out, results, printed.getvalue(), dict(DIGITS_JOB_MODEL))

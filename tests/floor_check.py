@@ -17,7 +17,7 @@ from huggingface_hub import HfApi
 from huggingface_hub.hf_api import RepoUrl
 
 import aft_vision
-from aft_vision._io import load_weights, save_weights
+from aft_vision.checkpoints import load_weights, save_weights
 from aft_vision.hub import publish
 
 print(json.dumps({m.__name__: [m.__version__, m.__file__] for m in (timm, huggingface_hub, safetensors)}))

@@ -1,28 +1,355 @@
-"""CPU deployment (``aft_vision/deploy.py``, ``aft-vision export``): OpenVINO and INT8 in the real toolchains.
+"""Deployment (``aft_vision.deploy``, ``aft-vision export``): every export path and the CPU runtimes, in the real
+toolchains.
 
-OpenVINO runs every test model converted the way users convert (``openvino.convert_model(model, example_input=x)``),
-saved as an IR, read back and held to ``test_export``'s float32 rounding bound against the float64 model on fresh
-inputs. The converted AFT-conv graph is checked for the layout its speed depends on (element-wise nodes on token rows
-with the channels innermost, no concatenation or split of the window sums). The INT8 recipes are checked for their
-scope in the quantized graphs NNCF and onnxruntime write (linear layers quantized, window convolutions in float), and
-``aft-vision export`` for what it writes, prints and refuses.
+* Every export path (ONNX by both exporters and timm's onnx_export, in onnxruntime; TorchScript; torch.export) against
+  the float64 model, a wrong graph rejected, the exported operators on hostile inputs.
+* OpenVINO IRs of the test models against the same bound, the converted graph's layout, the INT8 recipes' scope in
+  NNCF's and onnxruntime's graphs, ``aft-vision export`` (writes, checks, refuses), bench in both runtimes.
 """
+import contextlib
+import copy
+import functools
+import io
 import json
+import warnings
 
 import numpy as np
 import pytest
+import timm
 import torch
 from PIL import Image
 
-import timm
-import aft_vision  # noqa: F401  registers the aft_* models
+import aft_reference as ref
+import aft_vision  # noqa: F401  registers the models
+from aft_reference import CAUSAL, inputs
 from aft_vision import deploy
 from aft_vision.cli import main as cli_main
-from test_export import TEST_CASES, _build, _images, _quiet, _sizes, assert_agrees
+from aft_vision.layers import aft_conv2d, aft_full, aft_local, aft_simple
+from aft_vision.models.aft_conv import AFTConvTransformer
 
+# the deployment toolchains (the test extra): without them this part is skipped
+onnx = pytest.importorskip('onnx')
+ort = pytest.importorskip('onnxruntime')
+pytest.importorskip('onnxscript')  # the dynamo exporter's back end
 ov = pytest.importorskip('openvino')
 pytest.importorskip('nncf')
-pytest.importorskip('onnxruntime')
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Every export path gives the model's own numbers: ONNX by both of torch's exporters and by timm's ``onnx_export``, run
+# in onnxruntime; TorchScript (``torch.jit.trace`` and ``torch.jit.script``) and ``torch.export``, each saved, loaded
+# and run.
+#
+# Every graph runs on fresh inputs that differ from its export example (another batch size, and for AFT-conv another
+# height and width) and is held to ``aft_reference.assert_model_agrees``: within ``8 |eager - exact| + 8 u |exact|`` of
+# the same model in float64, a bound from float32 rounding and the case's own conditioning, never a fitted tolerance.
+# ``test_the_bound_rejects_a_wrong_graph`` shows that a graph with one operator changed fails it. The models run in two
+# weight states: as built (every layer's Eq. 8 gamma and beta are zeros, which the TorchScript exporter deduplicates
+# into Identity nodes) and with random position biases (so that a wrong window or bias changes the result).
+#
+# An exported graph cannot repair on the host: it keeps the 'cuda' policy's guarantee (docs/deployment.md), which the
+# operator tests at the end check on hostile inputs against the float64 reference.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+# case -> (architecture, model kwargs): every registered test model, and AFT-conv with Sec. 8's one-hot mixer
+TEST_CASES = {
+    'aft_conv_test': ('aft_conv_test', {}),
+    'aft_conv_test_onehot': ('aft_conv_test', {'mixer_layer': 'aft_conv_onehot'}),
+    'aft_full_test': ('aft_full_test', {}),
+    'aft_simple_test': ('aft_simple_test', {}),
+}
+# one full-size model per family, under the slow mark (the one-hot mixer at full size through the TorchScript-based
+# exporters only: its dynamo, torch.export and jit paths run on the test model, and the full command must stay short)
+FULL_CASES = {
+    'aft_conv_tiny': ('aft_conv_tiny', {}),
+    'aft_conv_tiny_onehot': ('aft_conv_tiny', {'mixer_layer': 'aft_conv_onehot'}),
+    'aft_full_tiny': ('aft_full_tiny', {}),
+    'aft_simple_tiny': ('aft_simple_tiny', {}),
+}
+ONNX_EXPORTERS = ('torchscript_opset17', 'torchscript_opset18', 'dynamo', 'timm', 'timm_dynamo')
+STATES = ('built', 'trained')
+
+
+@functools.lru_cache(maxsize=None)
+def _build(case: str, state: str) -> torch.nn.Module:
+    """The case's model in eval mode; ``'trained'`` draws every position-bias parameter (AFT-conv's Eq. 8 raw bias,
+    gamma and beta; AFT-full's factors), so that every window offset and bias entry matters."""
+    arch, kwargs = {**TEST_CASES, **FULL_CASES}[case]
+    torch.manual_seed(0)
+    model = timm.create_model(arch, **kwargs).eval()
+    if state == 'trained':
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if '.attn.pos_' in name:
+                    param.normal_(0.0, 1.0)
+    return model
+
+
+def _sizes(model):
+    """The export example's (B, H, W) and the fresh inputs' (another batch: 3 for the test models, 1 for the full-size
+    ones; another height and width for AFT-conv, whose graph takes any multiple of the patch size; AFT-full's at its
+    fixed size)."""
+    height, width = model.pretrained_cfg['input_size'][-2:]
+    patch = model.patch_embed.patch_size[0]
+    fresh = [(3 if height <= 64 else 1, height, width)]
+    if isinstance(model, AFTConvTransformer):
+        fresh.append((1, height + 2 * patch, width - patch))
+    return (2, height, width), fresh
+
+
+@functools.lru_cache(maxsize=None)
+def _images(batch, height, width, seed):
+    return torch.randn(batch, 3, height, width, generator=torch.Generator().manual_seed(seed))
+
+
+@functools.lru_cache(maxsize=None)
+def _references(case: str, state: str, size, seed: int):
+    """The eager float32 and float64 outputs for ``_images(*size, seed)``, shared by the case's exporters."""
+    model, x = _build(case, state), _images(*size, seed)
+    with torch.no_grad():
+        return model(x), copy.deepcopy(model).double()(x.double())
+
+
+def assert_agrees(case, state, got: torch.Tensor, size, seed: int, label: str):
+    """``got`` (the graph's output for ``_images(*size, seed)``) within the float32 rounding bound of the float64
+    model."""
+    eager, exact = _references(case, state, size, seed)
+    assert got.shape == eager.shape, f'{label}: shape {list(got.shape)}, eager {list(eager.shape)}'
+    ref.assert_model_agrees(got, exact, eager, label=label)
+
+
+@contextlib.contextmanager
+def _quiet():
+    """The exporters' warnings and progress lines (TracerWarnings on shape arithmetic, onnxscript's report)."""
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter('ignore')
+        yield
+
+
+def export_onnx(model, exporter: str, example: torch.Tensor, path) -> str:
+    """Export ``model`` with ``exporter`` (``ONNX_EXPORTERS``), a dynamic batch axis and, for AFT-conv, a dynamic
+    height and width; returns the path."""
+    from timm.utils.onnx import onnx_export
+    from torch.export import Dim
+    is_conv = isinstance(model, AFTConvTransformer)
+    path = str(path)
+    with _quiet():
+        if exporter.startswith('torchscript'):
+            axes = {0: 'batch', **({2: 'height', 3: 'width'} if is_conv else {})}
+            torch.onnx.export(model, (example,), path, dynamo=False, opset_version=int(exporter[-2:]),
+                              input_names=['x'], output_names=['logits'],
+                              dynamic_axes={'x': axes, 'logits': {0: 'batch'}})
+        elif exporter == 'dynamo':
+            patch = model.patch_embed.patch_size[0]
+            dims = {0: Dim('batch', min=1, max=64)}
+            if is_conv:  # any multiple of the patch size
+                dims.update({2: patch * Dim('grid_h', min=1, max=64), 3: patch * Dim('grid_w', min=1, max=64)})
+            # without onnxscript's graph optimiser: timm's path ('timm_dynamo') runs it, so both forms are tested
+            torch.onnx.export(model, (example,), path, dynamo=True, dynamic_shapes={'x': dims}, optimize=False)
+        else:  # timm's own, with its onnxruntime check of the export example
+            onnx_export(model, path, example_input=example, check_forward=True, dynamic_size=is_conv,
+                        use_dynamo=exporter == 'timm_dynamo')
+    return path
+
+
+def run_onnx(path: str, *arrays: torch.Tensor, names=None) -> torch.Tensor:
+    """The graph's first output in onnxruntime's CPU provider with its default (full) graph optimisations.
+    ``names``: the tensors' input names, for graphs that drop unused inputs."""
+    session = ort.InferenceSession(path, providers=['CPUExecutionProvider'])
+    if names is None:
+        names = [i.name for i in session.get_inputs()]
+    wanted = {i.name for i in session.get_inputs()}
+    feed = {name: a.numpy() for name, a in zip(names, arrays) if name in wanted}
+    return torch.from_numpy(session.run(None, feed)[0])
+
+
+def check_onnx(case, state, exporter, tmp_path):
+    model = _build(case, state)
+    example_size, fresh = _sizes(model)
+    path = export_onnx(model, exporter, _images(*example_size, 0), tmp_path / f'{case}.onnx')
+    for seed, size in enumerate(fresh, start=1):
+        got = run_onnx(path, _images(*size, seed))
+        assert_agrees(case, state, got, size, seed, f'{case} {state} {exporter} {size}')
+
+
+def check_torchscript(case, method, tmp_path):
+    model = _build(case, 'trained')
+    example_size, fresh = _sizes(model)
+    path = tmp_path / f'{case}.pt'
+    with _quiet():  # torch.jit.save and load warn that TorchScript is deprecated
+        graph = torch.jit.trace(model, _images(*example_size, 0)) if method == 'trace' else torch.jit.script(model)
+        torch.jit.save(graph, str(path))
+        loaded = torch.jit.load(str(path))
+    for seed, size in enumerate(fresh, start=1):
+        with torch.no_grad():
+            got = loaded(_images(*size, seed))
+        assert_agrees(case, 'trained', got, size, seed, f'{case} jit.{method} {size}')
+
+
+def check_torch_export(case, tmp_path):
+    from torch.export import Dim
+    model = _build(case, 'trained')
+    example_size, fresh = _sizes(model)
+    dims = {0: Dim('batch', min=1, max=64)}
+    if isinstance(model, AFTConvTransformer):
+        patch = model.patch_embed.patch_size[0]
+        dims.update({2: patch * Dim('grid_h', min=1, max=64), 3: patch * Dim('grid_w', min=1, max=64)})
+    with _quiet():
+        program = torch.export.export(model, (_images(*example_size, 0),), dynamic_shapes={'x': dims})
+    path = tmp_path / f'{case}.pt2'
+    torch.export.save(program, str(path))
+    loaded = torch.export.load(str(path)).module()
+    for seed, size in enumerate(fresh, start=1):
+        with torch.no_grad():
+            got = loaded(_images(*size, seed))
+        assert_agrees(case, 'trained', got, size, seed, f'{case} torch.export {size}')
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The test models (fast suite) and one full-size model per family (slow)
+
+@pytest.mark.parametrize('exporter', ONNX_EXPORTERS)
+@pytest.mark.parametrize('case', list(TEST_CASES))
+def test_onnx_matches_eager(case, exporter, tmp_path):
+    check_onnx(case, 'trained', exporter, tmp_path)
+
+
+@pytest.mark.parametrize('case', list(TEST_CASES))
+def test_onnx_matches_eager_as_built(case, tmp_path):
+    """As built, equal parameters (zeros) in every layer: the TorchScript exporter shares them through Identity
+    nodes, which onnxruntime's graph optimiser once lost (AFT-conv's Eq. 8 scale, ``AFTConv2d.dense_bias``)."""
+    check_onnx(case, 'built', 'torchscript_opset17', tmp_path)
+
+
+@pytest.mark.parametrize('method', ('trace', 'script'))
+@pytest.mark.parametrize('case', list(TEST_CASES))
+def test_torchscript_round_trip(case, method, tmp_path):
+    check_torchscript(case, method, tmp_path)
+
+
+@pytest.mark.parametrize('case', list(TEST_CASES))
+def test_torch_export_round_trip(case, tmp_path):
+    check_torch_export(case, tmp_path)
+
+
+FULL_DYNAMO_CASES = [case for case in FULL_CASES if not case.endswith('_onehot')]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('case,exporter', [(case, exporter) for case in FULL_CASES for exporter in ONNX_EXPORTERS
+                                           if exporter.startswith(('torchscript', 'timm'))
+                                           and (exporter != 'timm_dynamo' or case in FULL_DYNAMO_CASES)])
+def test_full_size_onnx_matches_eager(case, exporter, tmp_path):
+    """The dynamo exporter through timm's ``onnx_export`` (the plain call is the same exporter)."""
+    check_onnx(case, 'trained', exporter, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('case', FULL_DYNAMO_CASES)
+def test_full_size_torchscript_and_torch_export(case, tmp_path):
+    check_torchscript(case, 'trace', tmp_path)
+    check_torch_export(case, tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The comparison catches a wrong graph
+
+def _shift_window(graph):
+    """The first depthwise convolution (AFT-conv's window sums) reads every key one column to the right."""
+    for node in graph.node:
+        groups = [a.i for a in node.attribute if a.name == 'group']
+        if node.op_type == 'Conv' and groups and groups[0] > 1:
+            pads = next(a for a in node.attribute if a.name == 'pads')
+            pads.ints[1] -= 1  # [top, left, bottom, right]: the same output size, the window one offset over
+            pads.ints[3] += 1
+            return
+    raise AssertionError('no depthwise Conv in the graph')
+
+
+def _hard_gate(graph):
+    """The first gate ``sigmoid(q)`` becomes onnx's HardSigmoid (0.2 q + 0.5, clipped): off by up to 0.07."""
+    node = next(n for n in graph.node if n.op_type == 'Sigmoid')
+    node.op_type = 'HardSigmoid'
+
+
+GRAPH_MUTATIONS = {
+    ('aft_conv_test', 'window_shifted'): _shift_window,
+    ('aft_conv_test', 'gate_changed'): _hard_gate,
+    ('aft_full_test', 'gate_changed'): _hard_gate,
+    ('aft_simple_test', 'gate_changed'): _hard_gate,
+}
+
+
+@pytest.mark.parametrize('case,mutation', list(GRAPH_MUTATIONS))
+def test_the_bound_rejects_a_wrong_graph(case, mutation, tmp_path):
+    model = _build(case, 'trained')
+    example_size, fresh = _sizes(model)
+    path = export_onnx(model, 'torchscript_opset18', _images(*example_size, 0), tmp_path / 'model.onnx')
+    graph = onnx.load(path)
+    GRAPH_MUTATIONS[case, mutation](graph.graph)
+    onnx.save(graph, path)
+    got = run_onnx(path, _images(*fresh[-1], 1))
+    with pytest.raises(AssertionError, match='its rounding bound'):
+        assert_agrees(case, 'trained', got, fresh[-1], 1, f'{case} {mutation} (must fail)')
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# What an exported graph promises: the 'cuda' policy's guarantee, on inputs far from the export example
+
+class _Operator(torch.nn.Module):
+    def __init__(self, op: str):
+        super().__init__()
+        self.op = op
+
+    def forward(self, q, k, v, w):
+        if self.op == 'full':
+            return aft_full(q, k, v, w)
+        if self.op == 'causal':
+            return aft_full(q, k, v, w, causal=True)
+        if self.op == 'local':
+            return aft_local(q, k, v, w, 3)
+        if self.op == 'simple':
+            return aft_simple(q, k, v)
+        if self.op == 'simple_causal':
+            return aft_simple(q, k, v, causal=True)
+        return aft_conv2d(q, k, v, w, method=self.op)  # 'dense' or 'conv'
+
+
+def _export_operator(op, exporter, path):
+    names = ['q', 'k', 'v', 'w']
+    with _quiet():
+        torch.onnx.export(_Operator(op), inputs(op, 1.0, 1.0, seed=0), str(path), dynamo=exporter == 'dynamo',
+                          input_names=names, **({} if exporter == 'dynamo' else {'opset_version': 18}))
+    return str(path)
+
+
+@pytest.mark.parametrize('exporter', ('torchscript', 'dynamo'))
+@pytest.mark.parametrize('op', ref.OPS)
+def test_exported_operator_keeps_the_cuda_policy_bound(op, exporter, tmp_path):
+    """A graph exported from ordinary inputs, run on keys up to scale 20 and biases up to scale 3 (causal prefixes
+    within the 'cuda' policy's limit), is exact to rounding; on keys and biases of 1e4 it stays finite."""
+    path = _export_operator(op, exporter, tmp_path / f'{op}.onnx')
+    names = ['q', 'k', 'v', 'w']
+    key_scale = 5.0 if op in CAUSAL else 20.0
+    q, k, v, w = inputs(op, key_scale, 3.0, seed=2)
+    out = run_onnx(path, q, k, v, w, names=names)
+    problem = ref.problem_for(op, q, k, v, w)
+    ref.assert_output(out, problem, ref.terms_for(op, 'cuda'), label=f'{op} {exporter} hostile')
+    extreme = inputs(op, 1e4, 1e4, seed=3)
+    assert torch.isfinite(run_onnx(path, *extreme, names=names)).all(), f'{op} {exporter}: not finite'
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# CPU deployment (``aft_vision.deploy``, ``aft-vision export``): OpenVINO and INT8 in the real toolchains.
+#
+# OpenVINO runs every test model converted the way users convert (``openvino.convert_model(model, example_input=x)``),
+# saved as an IR, read back and held to the export tests' float32 rounding bound against the float64 model on fresh
+# inputs. The converted AFT-conv graph is checked for the layout its speed depends on (element-wise nodes on token rows
+# with the channels innermost, no concatenation or split of the window sums). The INT8 recipes are checked for their
+# scope in the quantized graphs NNCF and onnxruntime write (linear layers quantized, window convolutions in float), and
+# ``aft-vision export`` for what it writes, prints and refuses.
+# ---------------------------------------------------------------------------------------------------------------------
+
 
 ELEMENT_WISE = ('Add', 'Multiply', 'Divide', 'Subtract', 'Maximum', 'Sigmoid', 'Exp')
 
@@ -127,7 +454,7 @@ def test_openvino_int8_quantizes_linear_layers_and_keeps_window_convolutions_flo
 @pytest.fixture(scope='module')
 def checkpoint(tmp_path_factory):
     """aft_conv_test with random position biases, as a safetensors file."""
-    from aft_vision._io import save_weights
+    from aft_vision.checkpoints import save_weights
 
     path = tmp_path_factory.mktemp('export') / 'model.safetensors'
     save_weights(_build('aft_conv_test', 'trained').state_dict(), path)

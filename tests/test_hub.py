@@ -1,21 +1,39 @@
-"""DeiT -> AFT transfer, pretrained tags, publishing and Hub / local-dir loading, all offline.
+"""The Hugging Face Hub (``aft_vision.hub``): tags, publishing and loading back, all offline, and a published model
+as the standard clients see it.
 
-The Hub is replaced by a cache folder the tests fill themselves (huggingface_hub's own layout); every load below runs
-through timm's and huggingface_hub's real download code with ``HF_HUB_OFFLINE`` set.
+* Pretrained tags (each a real DeiT repository, none a trained classifier), DeiT weights through the Hub path,
+  publishing (dry runs round-tripping through ``local-dir:`` and ``hf-hub:``), failed uploads leaving nothing.
+* The main job's published folder (conftest's ``digits_job``) loaded the ways a user would: ``timm.create_model`` with
+  ``resolve_data_config({}, model=...)`` and transformers' ``pipeline('image-classification')``, both reproducing the
+  job's held-out top-1; publishing from timm ``train.py``'s output folder, the data-config flags, the warning when
+  nothing says how the weights were trained, and folders written by earlier versions.
 """
+import argparse
 import json
+import shutil
+from pathlib import Path
 
 import huggingface_hub
 import pytest
 import timm
 import torch
+import yaml
 from safetensors.torch import load_file
+from timm.data import create_transform, resolve_data_config
 from timm.models import save_for_hf
+from torchvision.datasets import ImageFolder
 
-import aft_vision  # noqa: F401  (registers the models)
+import aft_vision  # noqa: F401  registers the models
 from aft_vision.cli import main as cli_main
-from aft_vision.hub import model_from_checkpoint, publish
-from aft_vision.transfer import transfer_vit_weights
+from aft_vision.hub import publish, read_training_record, source_architecture
+from aft_vision.tasks.classify import evaluate
+
+# ---------------------------------------------------------------------------------------------------------------------
+# DeiT -> AFT transfer, pretrained tags, publishing and Hub / local-dir loading, all offline.
+#
+# The Hub is replaced by a cache folder the tests fill themselves (huggingface_hub's own layout); every load below runs
+# through timm's and huggingface_hub's real download code with ``HF_HUB_OFFLINE`` set.
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def random_deit(name, tmp_path, offline_hub):
@@ -76,41 +94,6 @@ def test_no_tag_presents_a_trained_classifier():
             timm.create_model(architecture, pretrained=True, device='meta')
 
 
-def test_transfer_report_names_everything(tmp_path):
-    deit = timm.create_model('deit_tiny_patch16_224')
-    model = timm.create_model('aft_full_tiny', num_classes=10)
-    state_dict, report = transfer_vit_weights({'model': deit.state_dict()}, model)  # DeiT release layout
-    model.load_state_dict(state_dict)
-    source_keys = set(deit.state_dict())
-    accounted = set(report.copied) | set(report.resampled) | {k.split('[')[0] for k in report.skipped}
-    assert accounted == source_keys
-    assert set(report.skipped) == {'head.weight', 'head.bias'}  # 1000 vs 10 classes
-    assert {k.rsplit('.', 1)[-1] for k in report.fresh} == {'pos_u', 'pos_v', 'weight', 'bias'}
-    assert all(k.startswith('head.') or '.attn.pos_' in k for k in report.fresh)
-    for key in report.copied:
-        assert torch.equal(model.state_dict()[key], deit.state_dict()[key])
-
-
-def test_transfer_resamples_pos_embed_for_aft_full_at_384():
-    deit = timm.create_model('deit_tiny_patch16_224')
-    model = timm.create_model('aft_full_tiny', img_size=384)
-    state_dict, report = transfer_vit_weights(deit.state_dict(), model)
-    assert report.resampled['pos_embed'] == '[1, 197, 192] -> [1, 577, 192]'
-    assert torch.equal(state_dict['pos_embed'][:, 0], deit.pos_embed[:, 0])  # class-token position kept
-    model.load_state_dict(state_dict)
-    assert torch.isfinite(model(torch.randn(1, 3, 384, 384))).all()
-
-
-@pytest.mark.parametrize('source, match', [
-    (lambda: timm.create_model('deit_small_patch16_224').state_dict(), 'width mismatch at patch_embed.proj.weight'),
-    (lambda: timm.create_model('deit_tiny_patch16_224', depth=6).state_dict(), 'depth mismatch'),
-    (lambda: timm.create_model('resnet18').state_dict(), 'not a ViT / DeiT checkpoint'),
-])
-def test_transfer_rejects_what_does_not_fit(source, match):
-    with pytest.raises(ValueError, match=match):
-        transfer_vit_weights(source(), timm.create_model('aft_conv_tiny'))
-
-
 def test_every_tag_names_a_real_deit_repository():
     """Each ``.deit_in1k`` tag must point at a DeiT repository timm itself publishes."""
     tags = [name for name in timm.list_pretrained('aft_*')]
@@ -124,26 +107,11 @@ def test_every_tag_names_a_real_deit_repository():
         assert 'initialisation for fine-tuning' in cfg.notes[0]
 
 
-def test_cli_transfer_writes_safetensors_once(tmp_path, capsys):
-    deit_file = tmp_path / 'deit.pth'
-    torch.save({'model': timm.create_model('deit_tiny_patch16_224').state_dict()}, deit_file)
-    out = tmp_path / 'aft.safetensors'
-    args = ['transfer', '--src', str(deit_file), '--model', 'aft_conv_tiny', '--out', str(out)]
-    assert cli_main(args) == 0
-    printed = capsys.readouterr().out
-    assert 'sha256' in printed and 'partial' in printed and 'fresh' in printed
-    before = out.read_bytes()
-    assert cli_main(args) == 2  # refuses to overwrite
-    assert '--force' in capsys.readouterr().err
-    assert out.read_bytes() == before
-    assert cli_main(args + ['--force']) == 0
-
-
 def test_publish_dry_run_round_trips_through_local_dir_and_hf_hub(tmp_path, offline_hub):
     torch.manual_seed(1)
     model = timm.create_model('aft_conv_test', num_classes=5).eval()
     checkpoint = tmp_path / 'trained.safetensors'
-    from aft_vision._io import save_weights
+    from aft_vision.checkpoints import save_weights
     save_weights(model.state_dict(), checkpoint)
     results = tmp_path / 'results.json'
     results.write_text(json.dumps({'top1': 97.5}))
@@ -189,86 +157,12 @@ def test_resized_model_records_what_timm_records_and_round_trips(name, tmp_path)
     reloaded = timm.create_model(f'local-dir:{tmp_path / "saved"}', pretrained=True).eval()
     assert reloaded.patch_embed.patch_size == (4, 4) and torch.equal(reloaded(x), expected)
 
-    from aft_vision._io import save_weights
+    from aft_vision.checkpoints import save_weights
     save_weights(model.state_dict(), tmp_path / 'trained.safetensors')
     publish(str(tmp_path / 'trained.safetensors'), name, 'someone/resized', out_dir=str(tmp_path / 'published'),
             dry_run=True, model_kwargs={'patch_size': 4}, data_config={'input_size': 64})
     published = timm.create_model(f'local-dir:{tmp_path / "published"}', pretrained=True).eval()
     assert torch.equal(published(x), expected)
-
-
-CHECKPOINT_KINDS = ['bare', 'plain', 'ema', 'compiled', 'ddp', 'compiled-ddp']
-
-
-def training_checkpoint(kind, trained, ema):
-    """A checkpoint as each trainer writes it: bare weights, ``{'state_dict'}`` (timm train.py without EMA), with
-    ``state_dict_ema``, and the weights of a ``torch.compile`` model (``_orig_mod.``), a data-parallel one
-    (``module.``; DataParallel names them as DDP does) and a compiled data-parallel one."""
-    wrapped = {'compiled': torch.compile(trained), 'ddp': torch.nn.DataParallel(trained),
-               'compiled-ddp': torch.compile(torch.nn.DataParallel(trained))}.get(kind, trained)
-    state_dict = wrapped.state_dict()
-    if kind == 'bare':
-        return state_dict
-    checkpoint = {'epoch': 3, 'arch': 'aft_conv_test', 'state_dict': state_dict}
-    if kind == 'ema':
-        checkpoint['state_dict_ema'] = ema.state_dict()
-    return checkpoint
-
-
-@pytest.mark.parametrize('kind', CHECKPOINT_KINDS)
-def test_training_checkpoints_load_as_timm_loads_them(kind, tmp_path):
-    """Every kind of training checkpoint loads (EMA weights first, wrapper prefixes stripped), the same tensors
-    timm's own ``load_state_dict`` takes from the file, and ``use_ema=False`` takes the trained weights."""
-    torch.manual_seed(0)
-    trained = timm.create_model('aft_conv_test').eval()
-    ema = timm.create_model('aft_conv_test').eval()  # other random weights
-    path = tmp_path / 'checkpoint.pth.tar'
-    torch.save(training_checkpoint(kind, trained, ema), path)
-    for use_ema in (True, False):
-        expected = ema if kind == 'ema' and use_ema else trained
-        model, weights = model_from_checkpoint('aft_conv_test', str(path), use_ema=use_ema)
-        timm_state = timm.models.load_state_dict(str(path), use_ema=use_ema)
-        assert model.state_dict().keys() == timm_state.keys()
-        for key, tensor in model.state_dict().items():
-            assert torch.equal(tensor, expected.state_dict()[key]) and torch.equal(tensor, timm_state[key]), key
-        assert ('EMA weights' in weights) == (kind == 'ema' and use_ema), weights
-        assert ('not the EMA ones' in weights) == (kind == 'ema' and not use_ema), weights
-    overlay = timm.create_model(  # timm's loader, then the filter
-        'aft_conv_test', pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))
-    in_memory = timm.create_model(  # the filter alone
-        'aft_conv_test', pretrained=True, pretrained_cfg_overlay=dict(state_dict=torch.load(path)))
-    expected = ema if kind == 'ema' else trained
-    for loaded in (overlay, in_memory):
-        assert all(torch.equal(v, expected.state_dict()[k]) for k, v in loaded.state_dict().items())
-
-
-def test_publish_and_transfer_say_which_weights_they_took(tmp_path, capsys):
-    torch.manual_seed(0)
-    trained = timm.create_model('aft_conv_test', num_classes=5).eval()
-    ema = timm.create_model('aft_conv_test', num_classes=5).eval()
-    path = tmp_path / 'checkpoint.pth.tar'
-    torch.save(training_checkpoint('ema', trained, ema), path)
-    x = torch.randn(2, 3, 64, 64)
-    for flags, expected in (([], ema), (['--no-ema'], trained)):
-        folder = tmp_path / f'published{len(flags)}'
-        assert cli_main(['publish', str(path), '--model', 'aft_conv_test', '--repo-id', 'me/aft', '--dry-run',
-                         '--out-dir', str(folder), '--input-size', '64', *flags]) == 0
-        printed = capsys.readouterr().out
-        assert ("weights: the EMA weights ('state_dict_ema'" in printed) == (not flags), printed
-        published = timm.create_model(f'local-dir:{folder}', pretrained=True).eval()
-        assert torch.equal(published(x), expected(x))
-
-    torch.manual_seed(1)
-    deit, deit_ema = (timm.create_model('deit_tiny_patch16_224') for _ in range(2))
-    deit_file = tmp_path / 'deit.pth'
-    torch.save({'model': deit.state_dict(), 'model_ema': deit_ema.state_dict()}, deit_file)
-    for flags, source in (([], deit_ema), (['--no-ema'], deit)):
-        out = tmp_path / f'aft{len(flags)}.safetensors'
-        assert cli_main(['transfer', '--src', str(deit_file), '--model', 'aft_full_tiny', '--out', str(out),
-                         *flags]) == 0
-        assert ("source    the EMA weights ('model_ema'" in capsys.readouterr().out) == (not flags)
-        key = 'blocks.0.mlp.fc1.weight'
-        assert torch.equal(load_file(str(out))[key], source.state_dict()[key])
 
 
 def test_publish_refuses_bad_inputs_and_leaves_nothing(tmp_path):
@@ -278,7 +172,7 @@ def test_publish_refuses_bad_inputs_and_leaves_nothing(tmp_path):
     with pytest.raises(ValueError, match='not a readable safetensors file'):
         publish(str(checkpoint), 'aft_conv_test', 'me/x', out_dir=str(folder), dry_run=True)
     wrong = tmp_path / 'wrong.safetensors'
-    from aft_vision._io import save_weights
+    from aft_vision.checkpoints import save_weights
     save_weights(timm.create_model('aft_full_test').state_dict(), wrong)
     with pytest.raises(ValueError, match='does not fit aft_conv_test'):
         publish(str(wrong), 'aft_conv_test', 'me/x', out_dir=str(folder), dry_run=True)
@@ -288,7 +182,7 @@ def test_publish_refuses_bad_inputs_and_leaves_nothing(tmp_path):
 
 
 def test_failed_upload_says_what_failed_and_leaves_nothing(tmp_path, monkeypatch):
-    from aft_vision._io import save_weights
+    from aft_vision.checkpoints import save_weights
     checkpoint = tmp_path / 'w.safetensors'
     save_weights(timm.create_model('aft_conv_test').state_dict(), checkpoint)
     monkeypatch.setenv('HF_TOKEN', 'hf_secret_never_printed')
@@ -318,3 +212,216 @@ def test_source_architecture_reads_a_folder_or_hub_repo_and_names_a_missing_conf
     assert source_architecture('hf-hub:me/published') == ('aft_conv_test', {'patch_size': 4, 'kernel_size': 15})
     with pytest.raises(FileNotFoundError, match='no config.json'):
         source_architecture(f'local-dir:{tmp_path}')
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A published model as the standard clients see it: timm's data config, transformers' pipeline, timm's config reader.
+#
+# One small AFT-conv, trained for a few epochs on the digits by the main job itself (conftest's ``digits_job``, which
+# publishes it): its folder is loaded the ways a user would: ``timm.create_model('local-dir:...')`` with
+# ``resolve_data_config({}, model=...)`` and transformers' ``pipeline('image-classification')``. Both must reproduce
+# the job's own held-out top-1. Also: publishing from timm ``train.py``'s output folder (``args.yaml``), the flags, the
+# warning when nothing says how the weights were trained, and folders written by earlier versions.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _timm_client_top1(folder: Path, val: Path) -> float:
+    """timm's recipe for a published folder: create_model + resolve_data_config({}, model) + create_transform."""
+    model = timm.create_model(f'local-dir:{folder}', pretrained=True).eval()
+    config = resolve_data_config({}, model=model)
+    dataset = ImageFolder(str(val), transform=create_transform(**config))
+    loader = torch.utils.data.DataLoader(dataset, batch_size=128)
+    correct = 0
+    with torch.no_grad():
+        for images, labels in loader:
+            correct += (model(images).argmax(-1) == labels).sum().item()
+    return 100.0 * correct / len(dataset)
+
+
+def test_config_json_follows_timms_convention_and_round_trips(digits_job):
+    from timm.models._hub import load_model_config_from_path  # the reader behind local-dir: (not exported)
+
+    out, results = digits_job.out, digits_job.results
+    config = json.loads((out / 'hub' / 'config.json').read_text())
+    # the architecture's own arguments only (img_size: AFT-conv's nominal size, as timm records it)
+    assert {key: value for key, value in config['model_args'].items() if key != 'img_size'} == digits_job.model_kwargs
+    assert config['num_classes'] == 10 and config['global_pool'] == 'avg'
+    cfg = config['pretrained_cfg']
+    assert cfg['input_size'] == [3, 32, 32] and cfg['crop_pct'] == 1.0 and cfg['crop_mode'] == 'center'
+    assert 'test_input_size' not in cfg or results['top1_at_48'] >= results['top1']
+    assert results['data_config']['input_size'] == [3, 32, 32]
+
+    pretrained_cfg, architecture, model_args = load_model_config_from_path(out / 'hub')
+    assert architecture == 'aft_conv_test' and model_args == config['model_args']
+    assert tuple(pretrained_cfg['input_size']) == (3, 32, 32) and pretrained_cfg['num_classes'] == 10
+    assert pretrained_cfg['label_names'] == [str(i) for i in range(10)]
+    rebuilt = timm.create_model(architecture, num_classes=pretrained_cfg['num_classes'], **model_args)
+    rebuilt.load_state_dict(load_file(str(out / 'hub' / 'model.safetensors')))  # strict: every tensor fits
+
+    card = (out / 'hub' / 'README.md').read_text()
+    assert 'results.json (aft_vision.train)' in card and "pipeline('image-classification'" in card
+    assert f"| top1 | {results['top1']} |" in card and '| epochs |' not in card
+
+
+def test_timm_standard_data_config_reproduces_the_jobs_top1(digits_job):
+    out, results = digits_job.out, digits_job.results
+    assert results['top1_timm_data_config'] == results['top1']  # the digits_job checks it itself
+    top1 = _timm_client_top1(out / 'hub', out / 'data' / 'val')
+    assert abs(top1 - results['top1']) <= 1.0, (top1, results['top1'])
+
+
+def test_transformers_pipeline_reproduces_the_jobs_top1(digits_job, monkeypatch):
+    monkeypatch.setenv('HF_HUB_OFFLINE', '1')
+    transformers = pytest.importorskip('transformers', reason='transformers is the test extra for the pipeline client '
+                                                              '(pip install -e .[test])')
+    out, results = digits_job.out, digits_job.results
+    classifier = transformers.pipeline('image-classification', model=str(out / 'hub'))
+    assert type(classifier.model).__name__ == 'TimmWrapperForImageClassification'
+    assert tuple(classifier.image_processor.data_config['input_size']) == (3, 32, 32)
+    val = ImageFolder(str(out / 'data' / 'val'))
+    predictions = classifier([path for path, _ in val.samples], top_k=1, batch_size=64)
+    correct = sum(int(p[0]['label'] == val.classes[label]) for p, (_, label) in zip(predictions, val.samples))
+    top1 = 100.0 * correct / len(val.samples)
+    assert abs(top1 - results['top1']) <= 1.0, (top1, results['top1'])
+
+
+def _timm_train_output(digits_job, tmp_path: Path, **args) -> Path:
+    """A timm train.py output folder: args.yaml (yaml.safe_dump of vars(args)) beside model_best.pth.tar."""
+    out = digits_job.out
+    run = tmp_path / 'train-20260101-000000-aft_conv_test-32'
+    run.mkdir()
+    defaults = dict(model='aft_conv_test', num_classes=10, img_size=None, input_size=None, in_chans=None,
+                    crop_pct=None, mean=None, std=None, interpolation='',
+                    model_kwargs=dict(digits_job.model_kwargs), epochs=4)
+    timm_args = {**defaults, **args}
+    (run / 'args.yaml').write_text(yaml.safe_dump(timm_args, default_flow_style=False))
+    state_dict = load_file(str(out / 'model.safetensors'))
+    torch.save({'epoch': 3, 'arch': 'aft_conv_test', 'state_dict': state_dict, 'args': argparse.Namespace(**timm_args),
+                'metric': 0.0}, run / 'model_best.pth.tar')
+    return run
+
+
+def test_publish_reads_timm_train_py_args_yaml(digits_job, tmp_path, capsys):
+    out, results = digits_job.out, digits_job.results
+    run = _timm_train_output(digits_job, tmp_path, img_size=32, crop_pct=1.0)
+    folder = tmp_path / 'hub'
+    assert cli_main(['publish', str(run / 'model_best.pth.tar'), '--repo-id', 'me/digits', '--dry-run',
+                     '--out-dir', str(folder)]) == 0  # the architecture and its arguments from args.yaml too
+    captured = capsys.readouterr()
+    assert 'args.yaml (timm train.py)' in captured.out and 'warning' not in captured.err
+    config = json.loads((folder / 'config.json').read_text())
+    assert not {'num_classes', 'in_chans', 'global_pool'} & set(config['model_args'])
+    assert config['model_args']['patch_size'] == 4 and config['pretrained_cfg']['input_size'] == [3, 32, 32]
+    assert config['pretrained_cfg']['crop_pct'] == 1.0
+    top1 = _timm_client_top1(folder, out / 'data' / 'val')
+    assert abs(top1 - results['top1']) <= 1.0, (top1, results['top1'])
+
+    # train.py left crop_pct unset: it evaluated with the architecture's default crop, and so does the folder
+    bare = tmp_path / 'bare'
+    bare.mkdir()
+    run = _timm_train_output(digits_job, bare, input_size=[3, 32, 32], interpolation='bilinear')
+    record = read_training_record(str(run / 'model_best.pth.tar'))
+    assert record.architecture == 'aft_conv_test' and record.model_kwargs == digits_job.model_kwargs
+    publish(str(run / 'model_best.pth.tar'), None, 'me/digits', out_dir=str(bare / 'hub'), dry_run=True)
+    cfg = json.loads((bare / 'hub' / 'config.json').read_text())['pretrained_cfg']
+    default = timm.models.get_pretrained_cfg('aft_conv_test')
+    assert cfg['input_size'] == [3, 32, 32] and cfg['interpolation'] == 'bilinear'
+    assert cfg['crop_pct'] == default.crop_pct and 'test_input_size' not in cfg
+
+    # only the checkpoint was kept: train.py's arguments inside it
+    (run / 'args.yaml').unlink()
+    assert 'inside' in read_training_record(str(run / 'model_best.pth.tar')).source
+
+
+def test_without_a_record_the_default_config_is_published_and_said(digits_job, tmp_path, capsys):
+    out = digits_job.out
+    checkpoint = tmp_path / 'weights.safetensors'
+    shutil.copy(out / 'model.safetensors', checkpoint)
+    folder = tmp_path / 'hub'
+    args = ['publish', str(checkpoint), '--model', 'aft_conv_test', '--repo-id', 'me/digits', '--dry-run',
+            '--out-dir', str(folder), '--model-kwargs', *[f'{k}={v}' for k, v in digits_job.model_kwargs.items()]]
+    assert cli_main(args) == 0
+    captured = capsys.readouterr()
+    assert 'warning: publishing' in captured.err and 'default config of aft_conv_test' in captured.err
+    cfg = json.loads((folder / 'config.json').read_text())['pretrained_cfg']
+    default = timm.models.get_pretrained_cfg('aft_conv_test')
+    assert tuple(cfg['input_size']) == default.input_size and cfg['crop_pct'] == default.crop_pct
+    assert 'not measured with these weights' in (folder / 'README.md').read_text()
+    with pytest.warns(UserWarning, match='default config of aft_conv_test'):
+        publish(str(checkpoint), 'aft_conv_test', 'me/x', out_dir=str(tmp_path / 'api'), dry_run=True,
+                model_kwargs=digits_job.model_kwargs)
+
+    # the flags say it instead; the rest stays the architecture's and the card says which is which
+    assert cli_main(args + ['--force', '--input-size', '32', '--crop-pct', '1', '--test-input-size', '3', '48',
+                            '48']) == 0
+    captured = capsys.readouterr()
+    assert 'warning' not in captured.err and 'from the command line' in captured.out
+    cfg = json.loads((folder / 'config.json').read_text())['pretrained_cfg']
+    assert cfg['input_size'] == [3, 32, 32] and cfg['crop_pct'] == 1.0 and cfg['test_input_size'] == [3, 48, 48]
+
+
+@pytest.mark.parametrize('flags, message', [
+    (['--crop-pct', '1.5'], 'argument --crop-pct: must be > 0 and <= 1, got 1.5'),
+    (['--input-size', '1', '32', '32'], 'has 1 channels, the model takes 3'),
+    (['--interpolation', 'cubic'], "argument --interpolation: invalid choice: 'cubic'"),
+    (['--std', '0'], 'argument --std: must be > 0, got 0.0'),
+])
+def test_bad_data_config_flags_are_one_line_errors_and_write_nothing(digits_job, tmp_path, capsys, flags, message):
+    out = digits_job.out
+    folder = tmp_path / 'hub'
+    assert cli_main(['publish', str(out / 'model.safetensors'), '--repo-id', 'me/x', '--dry-run',
+                     '--out-dir', str(folder), *flags]) == 2
+    assert message in capsys.readouterr().err
+    assert not folder.exists()
+
+
+def test_publish_without_an_architecture_says_so(tmp_path, capsys):
+    checkpoint = tmp_path / 'w.safetensors'
+    from aft_vision.checkpoints import save_weights
+    save_weights(timm.create_model('aft_conv_test').state_dict(), checkpoint)
+    assert cli_main(['publish', str(checkpoint), '--repo-id', 'me/x', '--dry-run', '--out-dir',
+                     str(tmp_path / 'o')]) == 2
+    assert 'name the architecture' in capsys.readouterr().err
+
+
+def test_folders_written_by_earlier_versions_still_load(digits_job, tmp_path):
+    out, results = digits_job.out, digits_job.results
+    old = tmp_path / 'old'
+    shutil.copytree(out / 'hub', old)
+    config = json.loads((old / 'config.json').read_text())
+    # earlier versions: timm's save_for_hf as it came, client arguments inside model_args, the default input size
+    config['model_args'] = {**digits_job.model_kwargs, 'num_classes': 10, 'in_chans': 3, 'global_pool': 'avg',
+                            'img_size': [64, 64]}
+    config['pretrained_cfg'].update(input_size=[3, 64, 64], crop_pct=0.95)
+    (old / 'config.json').write_text(json.dumps(config, indent=2))
+    model = timm.create_model(f'local-dir:{old}', pretrained=True).eval()
+    new = timm.create_model(f'local-dir:{out / "hub"}', pretrained=True).eval()
+    x = torch.randn(2, 3, 32, 32)
+    assert torch.equal(model(x), new(x))
+    assert evaluate(model, out / 'data' / 'val', 32) == results['top1']
+    architecture, kwargs = source_architecture(f'local-dir:{old}')
+    assert architecture == 'aft_conv_test' and 'num_classes' not in kwargs and kwargs['patch_size'] == 4
+
+    # republished for the other clients: the architecture from the old folder, the preprocessing from the flags
+    new_folder = tmp_path / 'republished'
+    assert cli_main(['publish', str(old / 'model.safetensors'), '--model', f'local-dir:{old}', '--repo-id', 'me/x',
+                     '--dry-run', '--out-dir', str(new_folder), '--input-size', '32', '--crop-pct', '1']) == 0
+    config = json.loads((new_folder / 'config.json').read_text())
+    assert config['architecture'] == 'aft_conv_test' and 'num_classes' not in config['model_args']
+    assert _timm_client_top1(new_folder, out / 'data' / 'val') == results['top1']
+
+
+def test_results_of_earlier_main_jobs_give_their_evaluation_size(tmp_path):
+    checkpoint = tmp_path / 'model.safetensors'
+    checkpoint.write_bytes(b'')  # not read: the record is beside it
+    (tmp_path / 'results.json').write_text(json.dumps({
+        'top1': 98.05, 'top1_at_48': 88.3, 'architecture': 'aft_conv_test', 'model_kwargs': {'patch_size': 4},
+        'img_size': 32, 'eval_img_size': 48}))
+    record = read_training_record(str(checkpoint))
+    assert record.data_config == {'input_size': (3, 32, 32), 'crop_pct': 1.0}
+    assert record.architecture == 'aft_conv_test' and record.model_kwargs == {'patch_size': 4}
+    (tmp_path / 'results.json').write_text('{"top1": 98.05}')  # metrics only: no record
+    assert read_training_record(str(checkpoint)) is None
+    (tmp_path / 'args.yaml').write_text('model: [unclosed')
+    with pytest.raises(ValueError, match='cannot read timm train.py arguments'):
+        read_training_record(str(checkpoint))

@@ -1,7 +1,11 @@
-"""The package's import graph has no circles: every ``import`` and ``from ... import`` in ``aft_vision/``, the
-lazy ones inside functions included, read with ``ast`` (nothing is imported), and the graph's strongly connected
-components found by Tarjan's algorithm. A circle (the trainer importing the command line that calls it, a kernel
-importing the module that dispatches to it) fails with the modules on it."""
+"""The package's import graph: every ``import`` and ``from ... import`` in ``aft_vision/``, the lazy ones inside
+functions included, read with ``ast`` (nothing is imported).
+
+* No circles: the graph's strongly connected components found by Tarjan's algorithm. A circle (a kernel importing the
+  module that dispatches to it) fails with the modules on it.
+* The layering: each part (a subpackage, or a module at the top) imports only parts on a lower floor of ``FLOORS``
+  (and itself). A job importing the command line, or a model the Hub code, fails naming the import.
+"""
 import ast
 from pathlib import Path
 from typing import Dict, List, Set
@@ -9,6 +13,17 @@ from typing import Dict, List, Set
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / 'aft_vision'
+# The floors, lowest first: a part may import the parts of the floors below its own. The entry points at the top are
+# what users name: ``import aft_vision``, ``python -m aft_vision.run`` / ``aft_vision.train``, timm's
+# ``--device-modules aft_vision.timm_sparsity``.
+FLOORS = (
+    ('version', 'layers', 'checkpoints'),  # operators; weight files and the DeiT transfer
+    ('models',),  # timm-registered families and the feature pyramid
+    ('hub', 'deploy'),  # publishing and loading back; ONNX / OpenVINO and INT8
+    ('bench', 'tasks'),  # benchmarks; the jobs (classify, segment, study, visualize)
+    ('cli',),  # the aft-vision command line: options in, plain Python settings out
+    ('__init__', 'run', 'train', 'timm_sparsity'),  # entry points
+)
 
 
 def _module_files() -> Dict[str, Path]:
@@ -85,9 +100,51 @@ def test_circles_finds_every_loop_of_a_known_graph(graph, expected):
 
 def test_the_graph_sees_lazy_imports_inside_functions():
     graph = import_graph()
-    assert 'aft_vision.train' in graph['aft_vision.cli']  # `from . import train` inside _add_train
+    assert 'aft_vision.checkpoints.files' in graph['aft_vision.tasks.classify']  # imports at the top
+    assert 'aft_vision.hub' in graph['aft_vision.tasks.visualize']  # `from ..hub import ...` inside load_model
     assert 'aft_vision.layers._checks' in graph['aft_vision.layers.aft_conv_triton']
 
 
 def test_the_package_has_no_import_circles():
     assert circles(import_graph()) == []
+
+
+def part_of(module: str) -> str:
+    """``aft_vision.hub.publish`` -> ``hub``; the package itself -> ``__init__``."""
+    parts = module.split('.')
+    return parts[1] if len(parts) > 1 else '__init__'
+
+
+def layering_violations(graph: Dict[str, Set[str]], floors=FLOORS) -> List[str]:
+    """'module imports other (part floor F imports part floor G)' for each import that does not go down a floor."""
+    floor = {part: level for level, parts in enumerate(floors) for part in parts}
+    found = []
+    for module, imported in sorted(graph.items()):
+        for other in sorted(imported):
+            mine, theirs = part_of(module), part_of(other)
+            if mine != theirs and floor[theirs] >= floor[mine]:
+                found.append(f'{module} imports {other} ({mine}, floor {floor[mine]}, may import only floors below; '
+                             f'{theirs} is on floor {floor[theirs]})')
+    return found
+
+
+def test_every_part_has_a_floor():
+    assert {part_of(module) for module in import_graph()} == {part for parts in FLOORS for part in parts}
+
+
+def test_layering_catches_an_upward_import():
+    graph = {'aft_vision.tasks.classify': {'aft_vision.cli.args', 'aft_vision.models'},
+             'aft_vision.models._base': {'aft_vision.hub'}, 'aft_vision.cli.args': {'aft_vision.tasks.classify'},
+             'aft_vision.hub.publish': {'aft_vision.deploy'}}
+    assert layering_violations(graph) == [
+        'aft_vision.hub.publish imports aft_vision.deploy (hub, floor 2, may import only floors below; deploy is on '
+        'floor 2)',
+        'aft_vision.models._base imports aft_vision.hub (models, floor 1, may import only floors below; hub is on '
+        'floor 2)',
+        'aft_vision.tasks.classify imports aft_vision.cli.args (tasks, floor 3, may import only floors below; cli is '
+        'on floor 4)',
+    ]
+
+
+def test_each_part_imports_only_the_floors_below_it():
+    assert layering_violations(import_graph()) == []

@@ -17,7 +17,7 @@ from timm.models import named_apply, register_notrace_function
 from timm.models._features import feature_take_indices  # timm's own models import it from here (not re-exported)
 from timm.models.vision_transformer import init_weights_vit_timm
 
-from aft_vision.transfer import is_vit_state_dict, transfer_vit_weights, unwrap_state_dict
+from ..checkpoints.transfer import is_vit_state_dict, transfer_vit_weights, unwrap_state_dict
 
 _logger = logging.getLogger(__name__)
 

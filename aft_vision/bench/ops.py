@@ -1,0 +1,136 @@
+"""``aft-vision bench --ops``: every AFT-conv method on the mixer layer of each model, the measurements behind the
+dispatch tables (``aft_vision/layers/dispatch.py``).
+
+For each model and resolution: one layer's q, k, v, w at the model's token grid, width, heads and window, timed
+forward and backward separately (median of the repetitions of each, methods interleaved) under the device's default
+policy and the chosen precision; the fastest method (by forward + backward) is set beside the one ``method='auto'``
+picks. The depthwise method is timed with both backward evaluations (``dispatch.depthwise_backward``); its total
+uses the device's default one.
+"""
+import dataclasses
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Dict, List
+
+import timm
+import torch
+from tqdm import tqdm
+
+from ..layers import AFTConv2d, aft_conv2d, choose_conv_method
+from ..layers.dispatch import DEPTHWISE_BACKWARD_METHODS, choose_depthwise_backward, depthwise_backward
+from ..layers.policy import get_device_policy, product_dtype
+
+__all__ = ['layer_shape', 'time_methods', 'main']
+
+
+def layer_shape(name: str, img_size: int) -> Dict[str, int]:
+    """The first AFT-conv layer of a registered model at ``img_size``: grid, width, heads, window (on meta)."""
+    model = timm.create_model(name, img_size=img_size, device='meta')
+    layer = next((m for m in model.modules() if isinstance(m, AFTConv2d)), None)
+    if layer is None:
+        raise ValueError(f'{name} has no AFT-conv layer; --ops times the AFT-conv methods')
+    patch = model.patch_embed.patch_size
+    return {'height': img_size // patch[0], 'width': img_size // patch[1], 'channels': layer.dim,
+            'num_heads': layer.num_heads, 'kernel_size': layer.kernel_size}
+
+
+def _methods(device: torch.device) -> List[str]:
+    from ..layers.aft_conv_triton import triton_available  # imports triton only when it checks for it
+    return ['dense', 'conv'] + (['triton'] if device.type == 'cuda' and triton_available() else [])
+
+
+def variants_for(device: torch.device) -> List[str]:
+    """What ``--ops`` can time on ``device``: 'dense', 'conv:forward_conv', 'conv:convolution_backward' and, on CUDA
+    with Triton, 'triton'."""
+    variants = []
+    for method in _methods(device):
+        variants += [f'conv:{b}' for b in DEPTHWISE_BACKWARD_METHODS] if method == 'conv' else [method]
+    return variants
+
+
+def time_methods(shape: Dict[str, int], batch_size: int, device: torch.device, precision: str, repeats: int,
+                 warmup: int, variants: List[str]) -> Dict[str, Dict[str, float]]:
+    """Median forward and backward milliseconds of ``aft_conv2d`` for one layer shape, per variant of
+    ``variants_for``."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    grid = (batch_size, shape['height'], shape['width'])
+    q, v = (torch.randn(*grid, shape['channels'], device=device, generator=gen, requires_grad=True) for _ in 'qv')
+    k = torch.randn(*grid, shape['num_heads'], device=device, generator=gen, requires_grad=True)
+    w = torch.randn(shape['num_heads'], shape['kernel_size'], shape['kernel_size'], device=device, generator=gen,
+                    requires_grad=True)
+    dtype = {'fp32': None, 'bf16': torch.bfloat16, 'fp16': torch.float16}[precision]
+
+    def sync():
+        if device.type == 'cuda':
+            torch.cuda.synchronize(device)
+
+    def step(variant):
+        method, _, backward = variant.partition(':')
+        inputs = [x.to(dtype) if dtype else x for x in (q, k, v)]
+        start = time.perf_counter()
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            out = aft_conv2d(*inputs, w, method=method)
+        loss = out.float().sum()
+        sync()
+        middle = time.perf_counter()
+        with depthwise_backward(backward or None):
+            loss.backward()
+        sync()
+        return (middle - start) * 1e3, (time.perf_counter() - middle) * 1e3
+
+    times = {variant: ([], []) for variant in variants}
+    for variant in variants:
+        for _ in range(warmup):
+            step(variant)
+    for _ in range(repeats):
+        for variant in variants:
+            for values, ms in zip(times[variant], step(variant)):
+                values.append(ms)
+    return {variant: {'forward': statistics.median(fwd), 'backward': statistics.median(bwd)}
+            for variant, (fwd, bwd) in times.items()}
+
+
+def main(settings, models: List[str], resolutions: List[int]) -> int:
+    """``aft-vision bench --ops``: ``settings`` is a ``BenchSettings``; writes ``ops.json`` and ``ops.md``."""
+    device = torch.device(settings.device)
+    precision = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}[settings.precision]
+    # what the operator asks 'auto' with: the dtype its dense products run in under this precision and policy
+    dtype = product_dtype(device, precision, torch.float32, get_device_policy(device))
+    default = f'conv:{choose_depthwise_backward(device.type)}'
+    variants = settings.ops_methods or variants_for(device)
+    unknown = set(variants) - set(variants_for(device))
+    if unknown or default not in variants and 'conv' in [v.partition(':')[0] for v in variants]:
+        raise ValueError(f'--ops-methods takes {", ".join(variants_for(device))} (with {default} if any conv), '
+                         f'got {variants}')
+    rows = []
+    pairs = [(res, name) for res in resolutions for name in models]
+    for res, name in tqdm(pairs, desc='bench --ops', unit='layer'):
+        shape = layer_shape(name, res)
+        split = time_methods(shape, settings.batch_size, device, settings.precision, settings.repeats,
+                             settings.warmup, variants)
+        ms = {variant.partition(':')[0]: sum(parts.values()) for variant, parts in split.items()
+              if variant.partition(':')[0] != 'conv' or variant == default}
+        auto = choose_conv_method(device.type, dtype, settings.batch_size, shape['height'], shape['width'],
+                                  shape['channels'], shape['num_heads'], shape['kernel_size'])
+        rows.append({'model': name, 'resolution': res, **shape, 'batch_size': settings.batch_size,
+                     'device': str(device), 'precision': settings.precision, 'threads': torch.get_num_threads(),
+                     'ms': ms, 'split_ms': split, 'fastest': min(ms, key=ms.get), 'auto': auto})
+    head = ('| model | res | grid | C | h | s | ' + ' | '.join(f'{m} ms' for m in rows[0]['ms'])
+            + ' | fastest | auto | ' + ' | '.join(f'{v} fwd / bwd' for v in rows[0]['split_ms']) + ' |')
+    lines = [head, '|' + '---|' * (head.count('|') - 1)]
+    for row in rows:
+        lines.append(f"| {row['model']} | {row['resolution']} | {row['height']}x{row['width']} | {row['channels']} | "
+                     f"{row['num_heads']} | {row['kernel_size']} | "
+                     + ' | '.join(f'{value:.2f}' for value in row['ms'].values())
+                     + f" | {row['fastest']} | {row['auto']} | "
+                     + ' | '.join(f"{t['forward']:.2f} / {t['backward']:.2f}" for t in row['split_ms'].values()) + ' |')
+    table = '\n'.join(lines)
+    out = Path(settings.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / 'ops.json').write_text(json.dumps({'command': dataclasses.asdict(settings), 'rows': rows}, indent=2))
+    (out / 'ops.md').write_text(table + '\n')
+    print(table)
+    print(f'wrote {out}/ops.json, ops.md')
+    return 0

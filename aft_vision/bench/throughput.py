@@ -1,0 +1,561 @@
+"""``aft-vision bench``: AFT models against their DeiT counterparts, at every resolution, in one interleaved run.
+
+For each resolution, the AFT models that share a DeiT baseline (timm's ``deit_*_patch16_224`` built at that size, with
+timm's fused attention, or the one ``--pairs`` names) are timed round-robin with it after warm-up; the median of the
+repetitions is reported, so slow drifts of the machine hit all alike. ``--batch-at`` sets other batch sizes at a
+resolution (e.g. fewer images for the training step at 768 px); ``--readme`` is the run behind
+``docs/performance.md``. Figures: inference and training-step throughput (forward + backward + AdamW
+step), peak memory (process RSS growth over a first call in a fresh process on CPU, ``max_memory_allocated`` on
+CUDA), the bytes autograd saves for the backward pass (parameters excluded, each storage once), parameters, GMACs
+(torch's flop counter on one image) and achieved GFLOP/s, and each AFT / DeiT ratio; the plot draws the ratios against
+resolution. ``--runtime`` picks what runs both models: eager PyTorch (default), ``compile``
+(``torch.compile(model, fullgraph=True)``, also ``--compile``), ``onnxruntime`` (each model exported by the
+TorchScript-based ONNX exporter at opset 18, as timm's ``onnx_export`` does, then run by onnxruntime's CPU provider
+with its default graph optimisations and torch's thread count) or ``openvino`` (``openvino.convert_model`` on the
+model, compiled for the CPU with torch's thread count); the two deployment runtimes time inference only, in float32,
+bfloat16 (OpenVINO's precision hint) or INT8 (both models quantized by ``aft_vision.deploy``'s recipe, calibrated on two
+batches of random images). ``--ops`` times the AFT-conv methods per layer instead (``ops.py``).
+"""
+import contextlib
+import dataclasses
+import gc
+import json
+import multiprocessing
+import os
+import shutil
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple
+
+import timm
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+from tqdm import tqdm
+
+from ..checkpoints.files import save_figure
+
+__all__ = ['BenchSettings', 'run_benchmark', 'main', 'RUNTIMES', 'DEPLOY_PRECISIONS']
+
+RUNTIMES = ('eager', 'compile', 'onnxruntime', 'openvino')
+# the precisions each deployment runtime runs (inference only)
+DEPLOY_PRECISIONS = {'onnxruntime': ('fp32', 'int8'), 'openvino': ('fp32', 'bf16', 'int8')}
+
+DEFAULT_MODELS = ['aft_conv_small', 'aft_conv_small_11_h16', 'aft_conv_tiny', 'aft_full_tiny']
+DEFAULT_RESOLUTIONS = [224, 384, 512, 768]
+BASELINES = {192: 'deit_tiny_patch16_224', 384: 'deit_small_patch16_224', 768: 'deit_base_patch16_224'}
+# --readme: the figures of docs/performance.md (batch 8; 2 images for the training step from 768 px, all at 1024 px)
+README_RUN = dict(models=DEFAULT_MODELS, resolutions=[224, 384, 768],
+                  pairs=['aft_conv_small=deit_small_patch16_224@1024',
+                         'aft_conv_base_25_h32=deit_base_patch16_384@384'],
+                  batch_at=['768=8,2', '1024=2,2'])
+
+
+class _RssPeak:
+    """Samples the process RSS every millisecond in a thread; ``peak`` is the growth over the start, in bytes."""
+
+    def __init__(self):
+        self.peak = 0
+        self._stop = threading.Event()
+        self._page = os.sysconf('SC_PAGE_SIZE')
+
+    def _rss(self) -> int:
+        with open('/proc/self/statm') as handle:
+            return int(handle.read().split()[1]) * self._page
+
+    def __enter__(self):
+        self._start = self._rss()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._rss() - self._start)
+            time.sleep(0.001)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._rss() - self._start)
+
+
+def _autocast(device: torch.device, precision: str):
+    if precision == 'fp32':
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16 if precision == 'bf16' else torch.float16)
+
+
+def _sync(device: torch.device):
+    if device.type == 'cuda':
+        torch.cuda.synchronize(device)
+
+
+class _Case:
+    """One model at one resolution: its inference and training-step closures."""
+
+    def __init__(self, name: str, img_size: int, batch_size: int, device: torch.device, precision: str,
+                 runtime: str = 'eager', train_batch_size: Optional[int] = None):
+        self.name, self.device, self.precision = name, device, precision
+        self.eager = timm.create_model(name, img_size=img_size, num_classes=1000).to(device)
+        self.model = torch.compile(self.eager, fullgraph=True) if runtime == 'compile' else self.eager
+        self.images = torch.randn(batch_size, 3, img_size, img_size, device=device)
+        self.runner = _deployed(self.eager, self.images, runtime, precision) if runtime in DEPLOY_PRECISIONS else None
+        train_batch_size = train_batch_size or batch_size
+        self.train_images = self.images if train_batch_size == batch_size else \
+            torch.randn(train_batch_size, 3, img_size, img_size, device=device)
+        self.labels = torch.randint(0, 1000, (self.train_images.shape[0],), device=device)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-6)
+        self.params = sum(p.numel() for p in self.model.parameters())
+
+    def infer(self):
+        if self.runner is not None:
+            self.runner(self.images.numpy())
+            return
+        self.model.eval()
+        with torch.inference_mode(), _autocast(self.device, self.precision):
+            self.model(self.images)
+
+    def train_step(self):
+        self.model.train()
+        with _autocast(self.device, self.precision):
+            loss = torch.nn.functional.cross_entropy(self.model(self.train_images), self.labels)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def flops(self) -> int:
+        """FLOPs of one inference batch, counted on one image."""
+        self.eager.eval()
+        counter = FlopCounterMode(display=False)
+        with torch.no_grad(), counter:
+            self.eager(self.images[:1])
+        return counter.get_total_flops() * self.images.shape[0]
+
+    def saved_bytes(self) -> int:
+        """Bytes autograd saves for the backward pass over one training forward (parameters excluded): each storage
+        counted once, however many saved views share it. Measured on the eager model."""
+        self.eager.train()
+        params = {p.untyped_storage().data_ptr() for p in self.eager.parameters()}
+        storages = {}
+
+        def pack(tensor):
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in params:
+                storages[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), \
+                _autocast(self.device, self.precision):
+            self.eager(self.train_images)
+        return sum(storages.values())
+
+    def seconds(self, fn: Callable[[], None]) -> float:
+        _sync(self.device)
+        start = time.perf_counter()
+        fn()
+        _sync(self.device)
+        return time.perf_counter() - start
+
+    def peak_memory(self, method: str) -> int:
+        """Peak memory of one call of ``method`` ('infer' or 'train_step'), in bytes.
+
+        CUDA: ``max_memory_allocated`` over the call. CPU: the allocator keeps freed memory, so RSS growth is only
+        meaningful in a process that has not run the model yet: the call runs once in a fresh spawned process.
+        """
+        if self.device.type == 'cuda':
+            gc.collect()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            base = torch.cuda.memory_allocated(self.device)
+            getattr(self, method)()
+            _sync(self.device)
+            return torch.cuda.max_memory_allocated(self.device) - base
+        images = self.images if method == 'infer' else self.train_images
+        args = (self.name, images.shape[-1], images.shape[0], self.precision, method, torch.get_num_threads())
+        with multiprocessing.get_context('spawn').Pool(1) as pool:
+            return pool.apply(_fresh_process_rss_peak, args)
+
+
+def _deployed(model: torch.nn.Module, images: torch.Tensor, runtime: str, precision: str):
+    """``model`` in ``runtime`` ('onnxruntime' or 'openvino') at ``precision``, as ``aft_vision.deploy`` writes it for
+    users: a function of an image batch. INT8 is calibrated on ``images`` and one more batch of random images."""
+    from .. import deploy
+
+    batches = [images.numpy(), torch.randn_like(images).numpy()] if precision == 'int8' else []
+    if runtime == 'openvino':
+        ov_model = deploy.convert_openvino(model, images)
+        if batches:
+            ov_model = deploy.quantize_openvino(ov_model, batches)
+        return deploy.openvino_runner(ov_model, precision)
+    path = deploy.temporary_onnx(model, images)
+    try:
+        if batches:
+            deploy.quantize_onnx(path, path + '.int8', batches)
+            path += '.int8'
+        return deploy.onnx_runner(path)
+    finally:
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+
+
+def _fresh_process_rss_peak(name: str, img_size: int, batch_size: int, precision: str, method: str,
+                            threads: int) -> int:
+    """RSS growth over the first call of ``method`` of a freshly built model (runs in a spawned process)."""
+    import aft_vision.models  # noqa: F401  (registers the models in the spawned process)
+
+    torch.set_num_threads(threads)
+    case = _Case(name, img_size, batch_size, torch.device('cpu'), precision)
+    gc.collect()
+    with _RssPeak() as rss:
+        getattr(case, method)()
+    return rss.peak
+
+
+def _baseline_for(model_name: str) -> str:
+    width = timm.create_model(model_name, pretrained=False, num_classes=0, img_size=224).num_features
+    if width not in BASELINES:
+        raise ValueError(f'no DeiT counterpart for {model_name} (width {width}); DeiT widths are {sorted(BASELINES)}')
+    return BASELINES[width]
+
+
+def parse_pairs(pairs: List[str]) -> List[Tuple[str, str, List[int]]]:
+    """``MODEL=BASELINE@RES[,RES...]`` -> (model, baseline, resolutions)."""
+    parsed = []
+    for pair in pairs:
+        try:
+            models, res = pair.split('@')
+            model, baseline = models.split('=')
+            parsed.append((model, baseline, [int(r) for r in res.split(',')]))
+        except ValueError:
+            raise ValueError(f'--pairs takes MODEL=BASELINE@RES[,RES...], got {pair!r}') from None
+    return parsed
+
+
+def parse_batch_at(entries: List[str]) -> Dict[int, Tuple[int, int]]:
+    """``RES=BATCH[,TRAIN_BATCH]`` -> {resolution: (inference batch, training batch)}."""
+    parsed = {}
+    for entry in entries:
+        try:
+            res, sizes = entry.split('=')
+            batch = [int(b) for b in sizes.split(',')]
+            if len(batch) not in (1, 2) or min(batch) < 1:
+                raise ValueError
+            parsed[int(res)] = (batch[0], batch[-1])
+        except ValueError:
+            raise ValueError(f'--batch-at takes RES=BATCH[,TRAIN_BATCH] with positive sizes, got {entry!r}') from None
+    return parsed
+
+
+def _groups(cases: List[Tuple[str, str, int]]) -> Dict[Tuple[int, str], List[str]]:
+    """(model, baseline, resolution) cases -> {(resolution, baseline): models}, resolutions ascending."""
+    groups: Dict[Tuple[int, str], List[str]] = {}
+    for model, baseline, res in sorted(cases, key=lambda case: case[2]):
+        models = groups.setdefault((res, baseline), [])
+        if model not in models:
+            models.append(model)
+    return groups
+
+
+def run_benchmark(
+        models: List[str],
+        resolutions: List[int],
+        batch_size: int = 8,
+        repeats: int = 5,
+        warmup: int = 2,
+        device: str = 'cpu',
+        precision: str = 'fp32',
+        train: bool = True,
+        baselines: Optional[Dict[str, str]] = None,
+        runtime: str = 'eager',
+        pairs: Optional[List[Tuple[str, str, List[int]]]] = None,
+        batch_at: Optional[Dict[int, Tuple[int, int]]] = None,
+        peak_memory: bool = True,
+) -> List[Dict]:
+    """Measure every model and its DeiT baseline at every resolution; one result row per (model, resolution).
+
+    Args:
+        models: AFT models, each measured at every one of ``resolutions`` against its baseline.
+        resolutions: Image sizes (px).
+        batch_size: Images per call (both figures), unless ``batch_at`` names the resolution.
+        repeats: Timed calls per figure and model (median), round-robin over a baseline and its AFT models.
+        warmup: Untimed calls per figure and model first.
+        device: Torch device.
+        precision: 'fp32', the autocast dtype 'bf16' / 'fp16', or 'int8' (deployment runtimes).
+        train: Also time the training step (forward + backward + AdamW) and count its saved bytes.
+        baselines: Model -> baseline (default: the DeiT of the model's width).
+        runtime: 'eager', 'compile' (``torch.compile(model, fullgraph=True)``), 'onnxruntime' or 'openvino'
+            (inference on the CPU in ``DEPLOY_PRECISIONS[runtime]``: ``train`` and ``peak_memory`` must be off).
+        pairs: Extra (model, baseline, resolutions) cases.
+        batch_at: Resolution -> (inference batch, training batch).
+        peak_memory: Measure peak memory (a fresh process per model and figure on CPU).
+    """
+    device = torch.device(device)
+    if runtime not in RUNTIMES:
+        raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
+    if runtime in DEPLOY_PRECISIONS and (train or peak_memory or precision not in DEPLOY_PRECISIONS[runtime]
+                                         or device.type != 'cpu'):
+        raise ValueError(f"the {runtime} runtime times inference on the CPU in "
+                         f"{' or '.join(DEPLOY_PRECISIONS[runtime])}: no training step, no peak memory")
+    if runtime not in DEPLOY_PRECISIONS and precision == 'int8':
+        raise ValueError("int8 is a precision of the deployment runtimes: --runtime onnxruntime or openvino")
+    baselines = baselines or {name: _baseline_for(name) for name in models}
+    cases = [(name, baselines[name], res) for res in resolutions for name in models]
+    cases += [(name, baseline, res) for name, baseline, res_list in pairs or [] for res in res_list]
+    batch_at = batch_at or {}
+    rows = []
+    groups = _groups(cases)
+    bar = tqdm(total=sum(len(names) for names in groups.values()), desc='bench', unit='pair')
+    for (res, baseline), names in groups.items():
+        infer_batch, train_batch = batch_at.get(res, (batch_size, batch_size))
+        bar.set_postfix_str(f'{res} px: {", ".join(names)} vs {baseline}')
+        group = {who: _Case(who, res, infer_batch, device, precision, runtime, train_batch)
+                 for who in [baseline, *names]}
+        times = _time_round_robin(group, train, warmup, repeats)
+        records = {who: _record(case, times, train, peak_memory) for who, case in group.items()}
+        for name in names:
+            row = {'resolution': res, 'batch_size': infer_batch, 'train_batch_size': train_batch,
+                   'device': str(device), 'precision': precision, 'threads': torch.get_num_threads(),
+                   'runtime': runtime, 'aft': records[name], 'deit': records[baseline]}
+            row['ratio'] = _ratios(row['aft'], row['deit'])
+            rows.append(row)
+            bar.update()
+        del group
+        gc.collect()
+    bar.close()
+    return rows
+
+
+def _time_round_robin(group: Dict[str, _Case], train: bool, warmup: int, repeats: int) -> Dict:
+    """{(model, 'infer' | 'train'): seconds per call}: each figure warmed up, then timed round-robin over the group
+    (baseline, AFT 1, AFT 2, baseline, ...), so slow drifts of the machine hit all alike."""
+    tasks = {'infer': 'infer', 'train': 'train_step'} if train else {'infer': 'infer'}
+    times = {(who, task): [] for who in group for task in tasks}
+    for task, method in tasks.items():
+        for case in group.values():
+            for _ in range(warmup):
+                getattr(case, method)()
+        for _ in range(repeats):
+            for who, case in group.items():
+                times[who, task].append(case.seconds(getattr(case, method)))
+    return times
+
+
+def _ratios(aft: Dict, deit: Dict) -> Dict:
+    """AFT / baseline for every measured figure but the model's name and size."""
+    return {key: aft[key] / deit[key] for key in aft if key not in ('model', 'params', 'gmacs') and deit[key]}
+
+
+def _record(case: _Case, times: Dict, train: bool, peak_memory: bool) -> Dict:
+    """One model's figures from its timings (medians) and its own measurements."""
+    batch, train_batch = case.images.shape[0], case.train_images.shape[0]
+    flops = case.flops()
+    infer_s = statistics.median(times[case.name, 'infer'])
+    record = {'model': case.name, 'params': case.params, 'gmacs': flops / 2 / batch / 1e9,
+              'infer_img_s': batch / infer_s, 'infer_gflop_s': flops / infer_s / 1e9}
+    if peak_memory:
+        record['infer_peak_mb'] = case.peak_memory('infer') / 2 ** 20
+    if train:
+        record['train_img_s'] = train_batch / statistics.median(times[case.name, 'train'])
+        if peak_memory:
+            record['train_peak_mb'] = case.peak_memory('train_step') / 2 ** 20
+        record['train_saved_mb'] = case.saved_bytes() / 2 ** 20
+    return record
+
+
+def _figure(record: Dict, key: str, fmt: str, suffix: str = '') -> str:
+    """A formatted figure, or '-' where it was not measured (e.g. training figures under --no-train)."""
+    value = record.get(key)
+    return '-' if value is None else f'{value:{fmt}}{suffix}'
+
+
+def markdown_table(rows: List[Dict]) -> str:
+    """The README table: one line per (resolution, model), AFT beside DeiT and their ratio."""
+    head = ('| res | model | params (M) | GMACs | infer img/s | train img/s | train peak MB | saved MB | GFLOP/s '
+            '| vs DeiT: infer | train | train mem | saved |')
+    lines = [head, '|' + '---|' * (head.count('|') - 1)]
+    for row in rows:
+        for who in ('aft', 'deit'):
+            r, ratio = row[who], row['ratio']
+            tail = ' | '.join(_figure(ratio, key, '.2f', 'x') for key in
+                              ('infer_img_s', 'train_img_s', 'train_peak_mb', 'train_saved_mb')) if who == 'aft' \
+                else ' | | | '
+            lines.append(
+                f"| {row['resolution']} | {r['model']} | {r['params'] / 1e6:.1f} | {r['gmacs']:.2f} | "
+                f"{r['infer_img_s']:.1f} | {_figure(r, 'train_img_s', '.1f')} | {_figure(r, 'train_peak_mb', '.0f')} | "
+                f"{_figure(r, 'train_saved_mb', '.0f')} | {r['infer_gflop_s']:.1f} | {tail} |")
+    return '\n'.join(lines)
+
+
+def summary_table(rows: List[Dict]) -> str:
+    """The README's table: one line per AFT model and resolution, its figures and its ratios to its baseline."""
+    head = '| res | model | params (M) | GMACs | infer img/s | train img/s | vs DeiT: infer | vs DeiT: train |'
+    lines = [head, '|' + '---|' * (head.count('|') - 1)]
+    for row in rows:
+        r, ratio = row['aft'], row['ratio']
+        lines.append(f"| {row['resolution']} | {r['model']} | {r['params'] / 1e6:.1f} | {r['gmacs']:.2f} | "
+                     f"{r['infer_img_s']:.2f} | {_figure(r, 'train_img_s', '.2f')} | "
+                     f"{_figure(ratio, 'infer_img_s', '.2f', 'x')} | {_figure(ratio, 'train_img_s', '.2f', 'x')} |")
+    return '\n'.join(lines)
+
+
+def plot(rows: List[Dict], path: Path) -> None:
+    """AFT / DeiT throughput ratios against resolution (inference, training step) and inference throughput."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    for pair in dict.fromkeys((row['aft']['model'], row['deit']['model']) for row in rows):
+        mine = [row for row in rows if (row['aft']['model'], row['deit']['model']) == pair]
+        res = [row['resolution'] for row in mine]
+        label = f'{pair[0]} / {pair[1]}'
+        for ax, key in zip(axes, ('infer_img_s', 'train_img_s')):
+            ax.plot(res, [row['ratio'].get(key, float('nan')) for row in mine], '-o', label=label)  # nan: --no-train
+        axes[2].plot(res, [row['aft']['infer_img_s'] for row in mine], '-o', label=pair[0])
+        axes[2].plot(res, [row['deit']['infer_img_s'] for row in mine], '--s', label=pair[1])
+    for ax, title in zip(axes, ('Inference', 'Training step')):
+        ax.axhline(1.0, color='grey', lw=0.8)
+        ax.set(xlabel='resolution (px)', ylabel='AFT / DeiT images per second', title=title)
+    axes[2].set(xlabel='resolution (px)', ylabel='inference images / s', yscale='log', title='Throughput')
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    save_figure(fig, path, dpi=110)
+
+
+@dataclasses.dataclass
+class BenchSettings:
+    """What ``main`` times, how, and where it writes (``aft-vision bench``'s options)."""
+    models: List[str] = dataclasses.field(default_factory=lambda: list(DEFAULT_MODELS))  # AFT models
+    resolutions: List[int] = dataclasses.field(default_factory=lambda: list(DEFAULT_RESOLUTIONS))
+    batch_size: int = 8
+    batch_at: List[str] = dataclasses.field(default_factory=list)  # 'RES=BATCH[,TRAIN_BATCH]': other batch sizes
+    pairs: List[str] = dataclasses.field(default_factory=list)  # 'MODEL=BASELINE@RES[,RES]': extra cases
+    repeats: int = 5  # timed repetitions per figure (median)
+    warmup: int = 2
+    threads: Optional[int] = None  # torch threads (None: all cores)
+    device: str = 'cpu'
+    precision: str = 'fp32'  # autocast dtype; OpenVINO's precision hint; int8: both models quantized
+    no_train: bool = False  # skip the training-step figures
+    no_peak_memory: bool = False  # skip peak memory (on CPU a fresh process per model and figure)
+    runtime: str = 'eager'  # one of RUNTIMES
+    compile: bool = False  # the same as runtime='compile'
+    ops: bool = False  # time every AFT-conv method on the layers of models instead (ops.py)
+    ops_methods: Optional[List[str]] = None  # ops: the variants to time (None: all)
+    dense: bool = False  # time whole segmentation networks instead (DENSE_PAIR in smp's DPT, batch 1)
+    quick: bool = False  # tiny run: aft_conv_test vs test_vit at 64 px
+    readme: bool = False  # the run behind docs/performance.md (README_RUN)
+    out_dir: str = 'outputs/bench'
+
+
+def main(settings: BenchSettings) -> int:
+    """Time what ``settings`` asks for and write ``bench.json``, ``bench.md`` and ``bench.png`` into its out_dir
+    (``bench_dense.*`` for ``dense``, ``ops.*`` for ``ops``); returns 0."""
+    settings = dataclasses.replace(settings)  # a copy: --readme and --quick fill it in
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    if min(settings.resolutions) < 16 or settings.batch_size < 1 or settings.repeats < 1:
+        raise ValueError('resolutions must be >= 16 px, --batch-size and --repeats >= 1')
+    if settings.readme:
+        for key, value in README_RUN.items():
+            setattr(settings, key, value)
+    models, baselines, resolutions = settings.models, None, settings.resolutions
+    pairs, batch_at = parse_pairs(settings.pairs), parse_batch_at(settings.batch_at)
+    if settings.quick:
+        models, resolutions = ['aft_conv_test'], [64]
+        baselines = {'aft_conv_test': 'test_vit'}
+        settings.repeats, settings.warmup = 1, 1
+    for name in models + [model for pair in pairs for model in pair[:2]]:
+        if not timm.is_model(name):
+            raise ValueError(f'unknown model {name!r}; AFT models: {", ".join(timm.list_models("aft_*"))}')
+    if settings.compile and settings.runtime not in ('eager', 'compile'):
+        raise ValueError(f'--compile contradicts --runtime {settings.runtime}')
+    runtime = 'compile' if settings.compile else settings.runtime
+    if runtime in DEPLOY_PRECISIONS:
+        if settings.precision not in DEPLOY_PRECISIONS[runtime] or settings.device != 'cpu':
+            raise ValueError(f'--runtime {runtime} times the CPU in --precision '
+                             f"{' or '.join(DEPLOY_PRECISIONS[runtime])}: use --device cpu and one of those")
+        settings.no_train, settings.no_peak_memory = True, True
+    torch.manual_seed(0)
+    if settings.dense:
+        return dense_main(settings)
+    if settings.ops:
+        from .ops import main as ops_main
+        return ops_main(settings, models, resolutions)
+    rows = run_benchmark(models, resolutions, settings.batch_size, settings.repeats, settings.warmup, settings.device,
+                         settings.precision, train=not settings.no_train, baselines=baselines, runtime=runtime,
+                         pairs=pairs, batch_at=batch_at, peak_memory=not settings.no_peak_memory)
+    out = Path(settings.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    table = markdown_table(rows) + '\n\nAFT against its baseline (the README table):\n\n' + summary_table(rows)
+    (out / 'bench.json').write_text(json.dumps({'command': dataclasses.asdict(settings), 'rows': rows}, indent=2))
+    (out / 'bench.md').write_text(table + '\n')
+    try:
+        plot(rows, out / 'bench.png')
+    except ImportError:
+        print('matplotlib is not installed (pip install aft-vision[demo]): no plot written')
+    print(table)
+    print(f'wrote {out}/bench.json, bench.md, bench.png')
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# --dense: the whole DPT segmentation network on AFT-conv against the same network on DeiT
+
+DENSE_PAIR = ('aft_conv_small', 'deit_small_patch16_224')
+DENSE_RESOLUTIONS = [512, 1024]
+DENSE_CLASSES = 19  # Cityscapes' classes: the decoder's output width
+
+
+class _DenseCase(_Case):
+    """smp's DPT (default decoder, ``decoder_readout='ignore'`` for both backbones) on a timm backbone, timed on
+    (B, 3, S, S) images and (B, S, S) class maps; the figures of ``_Case``, without peak memory."""
+
+    def __init__(self, name: str, img_size: int, batch_size: int, device: torch.device, precision: str):
+        import segmentation_models_pytorch as smp
+
+        self.name, self.device, self.precision = name, device, precision
+        kwargs = {} if name.startswith('aft_') else {'dynamic_img_size': True}
+        self.eager = self.model = smp.DPT(f'tu-{name}', encoder_weights=None, classes=DENSE_CLASSES,
+                                          decoder_readout='ignore', **kwargs).to(device)
+        self.images = self.train_images = torch.randn(batch_size, 3, img_size, img_size, device=device)
+        self.labels = torch.randint(0, DENSE_CLASSES, (batch_size, img_size, img_size), device=device)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-6)
+        self.params = sum(p.numel() for p in self.model.parameters())
+        self.runner = None  # eager PyTorch only
+
+
+def dense_main(settings: BenchSettings) -> int:
+    """``aft-vision bench --dense``: inference and training-step throughput and saved activations of DPT on AFT-conv
+    small and on DeiT-S, round-robin at each resolution (batch 1); ``bench_dense.json`` and ``bench_dense.md``."""
+    if settings.runtime != 'eager' or settings.compile:
+        raise ValueError('--dense times eager PyTorch only: leave out --runtime and --compile')
+    aft, deit = ('aft_conv_test', 'test_vit') if settings.quick else DENSE_PAIR
+    given = settings.resolutions != DEFAULT_RESOLUTIONS  # not the classification default
+    resolutions = [64] if settings.quick else settings.resolutions if given else DENSE_RESOLUTIONS
+    if any(res % 32 for res in resolutions):
+        raise ValueError(f'--resolutions {resolutions}: DPT needs multiples of 32')
+    repeats, warmup = (1, 1) if settings.quick else (settings.repeats, settings.warmup)
+    device = torch.device(settings.device)
+    rows = []
+    for res in tqdm(resolutions, desc='bench --dense', unit='res'):
+        torch.manual_seed(0)
+        group = {who: _DenseCase(who, res, 1, device, settings.precision) for who in (deit, aft)}
+        times = _time_round_robin(group, True, warmup, repeats)
+        records = {who: _record(case, times, train=True, peak_memory=False) for who, case in group.items()}
+        row = {'resolution': res, 'batch_size': 1, 'train_batch_size': 1, 'device': str(device),
+               'precision': settings.precision, 'threads': torch.get_num_threads(), 'runtime': 'eager',
+               'network': 'smp.DPT', 'aft': records[aft], 'deit': records[deit]}
+        row['ratio'] = _ratios(row['aft'], row['deit'])
+        rows.append(row)
+        del group
+        gc.collect()
+    out = Path(settings.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    table = markdown_table(rows)
+    (out / 'bench_dense.json').write_text(json.dumps({'command': dataclasses.asdict(settings), 'rows': rows}, indent=2))
+    (out / 'bench_dense.md').write_text(table + '\n')
+    print(table)
+    print(f'wrote {out}/bench_dense.json, bench_dense.md')
+    return 0

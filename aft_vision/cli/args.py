@@ -1,0 +1,189 @@
+"""What the ``aft-vision`` command line accepts, and how it runs a command: ``check_args`` finds the first bad
+number, size, path, name or device in a parsed command line, before its subcommand starts (so nothing is
+written), as '--option: why'; ``run_command`` parses, checks and runs, turning user errors into one line on stderr
+and exit code 2. Both ``aft_vision.cli`` and ``python -m aft_vision.train`` enter through ``run_command``;
+``settings_from`` hands a job its settings."""
+import argparse
+import dataclasses
+import math
+import sys
+from pathlib import Path
+from typing import Callable, Dict, Optional, Sequence, Tuple
+
+import torch
+
+from ..tasks import classify, segment
+
+__all__ = ['LIMITS', 'TASKS', 'TASK_DEFAULTS', 'Parser', 'check_args', 'fill_task_defaults', 'parse_device',
+           'run_command', 'settings_from']
+
+
+def parse_device(name: str) -> torch.device:
+    """Parse a ``--device`` value; a bad or unavailable device is a user error (ValueError)."""
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f'{name!r} is not a torch device ({e})') from None
+    if device.type == 'cuda' and not torch.cuda.is_available():
+        raise ValueError(f'{name!r}: CUDA is not available')
+    return device
+
+
+# option -> (lowest, highest, lowest excluded); None: unbounded. List values are checked one by one.
+LIMITS: Dict[str, Tuple[Optional[float], Optional[float], bool]] = {
+    'epochs': (1, None, False), 'batch_size': (1, None, False), 'repeats': (1, None, False),
+    'warmup': (0, None, False), 'threads': (1, None, False), 'seed': (0, 2 ** 63 - 1, False),
+    'img_size': (1, None, False), 'eval_img_size': (1, None, False), 'resolutions': (16, None, False),
+    'input_size': (1, None, False), 'test_input_size': (1, None, False), 'topk': (1, None, False),
+    'heads': (1, None, False), 'query': (0, None, False), 'dpi': (10, 1200, False), 'num_classes': (0, None, False),
+    'lr': (0, None, True), 'sparsity_weight': (0, None, False), 'crop_pct': (0, 1, True), 'std': (0, None, True),
+    'mean': (None, None, False), 'scenes': (1, None, False), 'seeds': (1, None, False),
+}
+# ``train --task``: each task's settings and job. The options whose default differs between tasks take their task's
+# (``TASK_DEFAULTS``, left unset on the command line); an option a task's settings lack is refused when given.
+TASKS = {'classify': (classify.ClassifySettings, classify.run), 'segment': (segment.SegmentSettings, segment.run)}
+TASK_OPTIONS = ('epochs', 'img_size', 'eval_img_size', 'batch_size', 'lr', 'scenes', 'out_dir')
+TASK_DEFAULTS: Dict[str, Dict[str, object]] = {
+    task: {option: getattr(settings(), option) for option in TASK_OPTIONS if hasattr(settings, option)}
+    for task, (settings, _) in TASKS.items()}
+# options naming files that must exist, and output files with the suffix they must have (unless --force)
+INPUT_FILES = ('checkpoint', 'image', 'labels', 'results')
+OUTPUT_FILES = {'out': {'transfer': '.safetensors', 'show-bias': '.png', 'show-keys': '.png'}}
+WEIGHT_SUFFIXES = ('.safetensors', '.pth', '.pt', '.bin')
+
+
+def _option(dest: str) -> str:
+    return '--' + dest.replace('_', '-')
+
+
+def _check_number(dest: str, value: float) -> Optional[str]:
+    low, high, open_low = LIMITS[dest]
+    bad = not math.isfinite(value) or (low is not None and (value <= low if open_low else value < low)) or (
+        high is not None and value > high)
+    if not bad:
+        return None
+    lower = '' if low is None else f'> {low}' if open_low else f'>= {low}'
+    upper = '' if high is None else f'<= {high}'
+    return f'must be {" and ".join(b for b in (lower, upper) if b)}, got {value}'
+
+
+def _check_model(name: str) -> Optional[str]:
+    """None for a registered AFT model (and tag) or an existing ``local-dir:`` folder, else what is wrong."""
+    from ..models import check_model_name
+
+    if name.startswith('local-dir:') and not Path(name.split(':', 1)[1]).is_dir():
+        return f'{name.split(":", 1)[1]} is not a folder'
+    try:
+        check_model_name(name)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def fill_task_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """Give every option of ``train`` left unset (None) its ``--task``'s default (``TASK_DEFAULTS``)."""
+    for dest, value in TASK_DEFAULTS[args.task].items():
+        if getattr(args, dest, None) is None:
+            setattr(args, dest, value)
+    return args
+
+
+def _check_task(options: Dict) -> Optional[str]:
+    fields = {field.name for field in dataclasses.fields(TASKS[options['task']][0])}
+    for dest, value in options.items():
+        if value and dest not in fields | {'task', 'command'}:
+            return f'{_option(dest)}: not used by --task {options["task"]}'
+    return None
+
+
+def settings_from(settings: type, args: argparse.Namespace):
+    """The dataclass ``settings`` filled from the parsed options of the same names (its defaults for the others)."""
+    options = vars(args)
+    return settings(**{field.name: options[field.name] for field in dataclasses.fields(settings)
+                       if field.name in options})
+
+
+def check_args(args: argparse.Namespace) -> Optional[str]:
+    """The first problem with a parsed command line, as '--option: why', or None: numbers in range, input files
+    present, output files of the right kind and not silently replaced, model names registered, devices available."""
+    options = vars(args)
+    if options.get('task') is not None:
+        problem = _check_task(options)
+        if problem:
+            return problem
+    for dest, value in options.items():
+        if dest in LIMITS and value is not None:
+            for number in value if isinstance(value, list) else [value]:
+                problem = _check_number(dest, number)
+                if problem:
+                    return f'{_option(dest)}: {problem}'
+        elif dest in INPUT_FILES and value is not None and not Path(value).is_file():
+            positional = dest == 'image' or (dest == 'checkpoint' and args.command == 'publish')
+            return f'{dest if positional else _option(dest)}: {value} not found (no such file)'
+    for dest, suffixes in OUTPUT_FILES.items():
+        value, suffix = options.get(dest), suffixes.get(args.command)
+        if value is not None and suffix and Path(value).suffix.lower() != suffix:
+            return f'{_option(dest)}: must be a {suffix} file, got {value}'
+        if value is not None and Path(value).exists() and not options.get('force'):
+            return f'{_option(dest)}: {value} exists; pass --force to overwrite it'
+    out_dir = options.get('out_dir')
+    if out_dir is not None and Path(out_dir).exists() and not Path(out_dir).is_dir():
+        return f'--out-dir: {out_dir} is a file, not a folder'
+    if args.command == 'publish' and out_dir is not None and Path(out_dir).exists() and not args.force:
+        return f'--out-dir: {out_dir} exists; pass --force to replace it'
+    data_dir = options.get('data_dir')
+    if data_dir is not None and not all((Path(data_dir) / split).is_dir() for split in ('train', 'val')):
+        return f'--data-dir: {data_dir} needs train/ and val/ ImageFolders'
+    if args.command == 'transfer' and not Path(args.src).is_file():
+        import timm
+        if Path(args.src).suffix in WEIGHT_SUFFIXES or not timm.is_model(args.src):
+            return f'--src: {args.src} not found: neither a checkpoint file nor a timm model name'
+    for name in [options.get('model')] + list(options.get('models') or []):
+        problem = name and _check_model(name)
+        if problem:
+            return f'--model{"s" if options.get("models") else ""}: {problem}'
+    if options.get('pretrained') and args.command != 'predict':  # predict asks for more, a trained classifier
+        from ..models import check_pretrained
+        try:
+            check_pretrained(args.model)
+        except ValueError as error:
+            return f'--pretrained: {error}'
+    if options.get('device') is not None:
+        try:
+            parse_device(options['device'])
+        except ValueError as error:
+            return f'--device: {error}'
+    return None
+
+
+class Parser(argparse.ArgumentParser):
+    """Usage errors as one line on stderr, exit code 2, like every other user error of the command."""
+
+    def error(self, message: str):
+        self.exit(2, f'{self.prog}: error: {message} (see {self.prog} --help)\n')
+
+
+def run_command(parser: argparse.ArgumentParser, argv: Sequence[str],
+                command: Callable[[argparse.Namespace], int]) -> int:
+    """Parse ``argv`` with ``parser`` (whose subcommand sets ``args.command``), check it and run ``command(args)``.
+
+    Returns:
+        The command's exit code; 0 for ``--help`` and ``--version``; 2 for a usage error, a value ``check_args``
+        refuses (nothing has run) or an error the user caused (bad names, missing or unwritable files, bad values),
+        each reported as one line on stderr.
+    """
+    try:
+        args = parser.parse_args(argv)
+        if getattr(args, 'task', None) is not None:
+            fill_task_defaults(args)
+        problem = check_args(args)
+        if problem:  # as argparse reports a bad value, on one line
+            parser.exit(2, f'{parser.prog} {args.command}: error: argument {problem}\n')
+    except SystemExit as e:  # --help, --version, or a usage error argparse already printed
+        return 0 if e.code is None else e.code if isinstance(e.code, int) else 2
+    try:
+        return command(args)
+    except (ValueError, TypeError, OSError, KeyError, RuntimeError) as e:  # OSError: missing or unwritable paths
+        message = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f'{parser.prog}: error: {message}', file=sys.stderr)
+        return 2

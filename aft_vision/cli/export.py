@@ -1,0 +1,50 @@
+"""``aft-vision export``: a model as ``predict`` takes it, written as an ONNX file or an OpenVINO IR, float32 or INT8,
+and checked against eager PyTorch before it is moved into place (``deploy.export``)."""
+import argparse
+from pathlib import Path
+
+from ..deploy import FORMATS, calibration_files, export
+from ..tasks.classify import write_digits
+from .predict import add_model_arguments, model_from_args
+
+HELP = 'write an ONNX file or an OpenVINO IR, float32 or INT8, checked against eager PyTorch'
+DIGITS_DATA = Path('outputs/digits/data')  # where the main job writes the digits
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    parser.add_argument('--format', choices=FORMATS, default='onnx',
+                        help='onnx (a .onnx file, onnxruntime) or openvino (an IR: .xml and .bin)')
+    parser.add_argument('--out', required=True, help='the .onnx or .xml file to write')
+    parser.add_argument('--img-size', type=int, default=None, help='input size (default: the model\'s data config)')
+    parser.add_argument('--int8', action='store_true', help='quantize: needs --calibration')
+    parser.add_argument('--calibration', default=None, metavar='DIR',
+                        help='INT8: a folder of images (20%% held out to check against), or "digits" (the main '
+                             'job\'s training digits; its 359 held-out digits are checked against, with top-1)')
+    parser.add_argument('--seed', type=int, default=0)
+    parser.add_argument('--force', action='store_true', help='overwrite --out')
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.int8 != (args.calibration is not None):
+        raise ValueError('--int8 and --calibration go together: INT8 is calibrated on your images')
+    calibration, held_out = args.calibration, None
+    if calibration == 'digits':
+        root = write_digits(DIGITS_DATA)
+        calibration, held_out = root / 'train', root / 'val'
+    elif calibration:
+        if not Path(calibration).is_dir():
+            raise ValueError(f'--calibration: {calibration} is not a folder of images (or "digits")')
+        calibration_files(calibration, args.seed)  # a folder without images: refused before the model is built
+    model = model_from_args(args)
+    report = export(model, args.out, args.format, args.img_size, calibration, args.force, args.seed, held_out)
+    size = 'x'.join(map(str, report['img_size']))
+    line = (f"wrote {' and '.join(report['files'])} ({report['format']}, {report['precision']}, {size} px): "
+            f"largest logit error {report['max_abs_error']:.3g} ({report['max_rel_error']:.2g} of the largest logit) "
+            'on 3 random images')
+    if 'agreement' in report:
+        line += f"; top-1 agreement with eager {report['agreement']:.2f}% on {report['held_out']} held-out images"
+    if 'int8_top1' in report:
+        line += f" (top-1 eager {report['eager_top1']:.2f}%, INT8 {report['int8_top1']:.2f}%)"
+    print(line)
+    return 0

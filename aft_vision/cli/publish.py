@@ -1,0 +1,81 @@
+"""``aft-vision publish``: an AFT checkpoint as a Hub repository in timm's layout (``hub.publish``)."""
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+from typing import List, Optional
+
+from timm.utils import ParseKwargs
+
+from ..hub import CROP_MODES, DATA_CONFIG_KEYS, INTERPOLATIONS, publish
+
+HELP = 'publish an AFT checkpoint in timm\'s Hub layout (or --dry-run)'
+DESCRIPTION = ('How the weights were trained and evaluated (input size, crop, interpolation, mean, std) is read '
+               'from the run that made the checkpoint: the main job\'s results.json (--results, or beside the '
+               'checkpoint) or timm train.py\'s args.yaml beside it; the flags below override it. Without '
+               'either, the architecture\'s default config is published and a warning (and the card) says so.')
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument('checkpoint', help='AFT weights (.safetensors, or a weights-only PyTorch file)')
+    parser.add_argument('--model', default=None,
+                        help='registered AFT model name the weights belong to, or a local-dir: / hf-hub: folder whose '
+                             'architecture they share (default: the one the run record names)')
+    parser.add_argument('--model-kwargs', nargs='*', default={}, action=ParseKwargs, metavar='KEY=VALUE',
+                        help='architecture arguments the weights were built with, e.g. patch_size=4 (over the '
+                             'record\'s)')
+    parser.add_argument('--repo-id', required=True, help='Hub repository, org/name')
+    parser.add_argument('--dry-run', action='store_true', help='write the folder locally (--out-dir); upload nothing')
+    parser.add_argument('--out-dir', default=None, help='output folder for --dry-run')
+    parser.add_argument('--force', action='store_true', help='replace --out-dir if it exists')
+    parser.add_argument('--labels', default=None, help='class names: a text file, one per line, or a JSON list')
+    parser.add_argument('--results', default=None, help='JSON file of metric -> value for the model card (the main '
+                                                        'job\'s results.json also gives the data config)')
+    parser.add_argument('--dataset', action='append', default=[], help='dataset name for the card (repeatable)')
+    parser.add_argument('--base-model', default=None, help='Hub id the weights were initialised from')
+    parser.add_argument('--training', default=None, help='one paragraph on how the model was trained')
+    parser.add_argument('--private', action='store_true', help='create the Hub repository as private')
+    parser.add_argument('--no-ema', dest='use_ema', action='store_false',
+                        help='publish a training checkpoint\'s trained weights, not its EMA weights (timm\'s default)')
+    data = parser.add_argument_group(
+        'data config (how the weights were trained and evaluated; overrides the run record)')
+    data.add_argument('--input-size', type=int, nargs='+', default=None, metavar='N',
+                      help='evaluation size: N, H W or C H W (timm\'s pretrained_cfg input_size)')
+    data.add_argument('--test-input-size', type=int, nargs='+', default=None, metavar='N',
+                      help='a larger size the model was evaluated at and does at least as well (validate.py uses it)')
+    data.add_argument('--crop-pct', type=float, default=None, help='centre-crop fraction at evaluation, in (0, 1]')
+    data.add_argument('--crop-mode', default=None, choices=CROP_MODES)
+    data.add_argument('--interpolation', default=None, choices=INTERPOLATIONS)
+    data.add_argument('--mean', type=float, nargs='+', default=None, help='normalisation mean, 1 or C values')
+    data.add_argument('--std', type=float, nargs='+', default=None, help='normalisation std, 1 or C values')
+
+
+def _read_labels(path: Optional[str]) -> Optional[List[str]]:
+    if path is None:
+        return None
+    text = Path(path).read_text(encoding='utf-8')
+    labels = json.loads(text) if text.lstrip().startswith('[') else [line.strip() for line in text.splitlines()]
+    return [str(label) for label in labels if str(label)]
+
+
+def run(args: argparse.Namespace) -> int:
+    overrides = {key: getattr(args, key) for key in DATA_CONFIG_KEYS if getattr(args, key) is not None}
+    with warnings.catch_warnings(record=True) as caught:  # printed below as one line, not as a Python warning
+        warnings.simplefilter('always', UserWarning)
+        result = publish(
+            args.checkpoint, args.model, args.repo_id, out_dir=args.out_dir, dry_run=args.dry_run, force=args.force,
+            label_names=_read_labels(args.labels), results_file=args.results, datasets=args.dataset,
+            base_model=args.base_model, training=args.training, private=args.private,
+            model_kwargs=args.model_kwargs, data_config=overrides, use_ema=args.use_ema,
+        )
+    for warning in caught:
+        if str(warning.message).startswith('publishing '):
+            print(f'warning: {warning.message}', file=sys.stderr)
+        else:
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+    print(f'weights: {result["weights"]}')
+    print(f'data config: {result["data_config_source"]}')
+    where = result.get('folder') or result.get('url')
+    print(f'{"wrote" if args.dry_run else "uploaded"} {where}  model.safetensors sha256 {result["sha256"]}')
+    return 0

@@ -1,0 +1,66 @@
+"""``aft-vision train`` (and ``python -m aft_vision.train``): the main job, ``tasks.classify``, or with ``--task
+segment`` the dense job, ``tasks.segment``; each option's default is its task's (``args.TASKS``)."""
+import argparse
+import sys
+from typing import List, Optional
+
+from timm.utils import ParseKwargs
+
+from .args import TASKS, Parser, run_command, settings_from
+
+HELP = 'the main job: train on the digits (or --data-dir), evaluate, publish'
+
+
+def _task_default(option: str) -> str:
+    return ', '.join(f'{task}: {getattr(settings(), option)}' for task, (settings, _) in TASKS.items()
+                     if hasattr(settings, option))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument('--task', default='classify', choices=sorted(TASKS),
+                        help='classify the digits (the main job), or segment scenes composed from them with '
+                             'AFT-conv in smp\'s DPT (aft_vision.tasks.segment; needs aft-vision[dense]) '
+                             '(default: %(default)s)')
+    parser.add_argument('--data-dir', default=None, help='ImageFolder with train/ and val/ (default: the digits)')
+    parser.add_argument('--model', default='aft_conv_test',
+                        help='registered AFT model, or a timm model that takes the image size, e.g. a ViT baseline '
+                             'vit_tiny_patch16_224 with --model-kwargs patch_size=4 embed_dim=64 depth=4 num_heads=2 '
+                             'mlp_ratio=2 (default: %(default)s)')
+    parser.add_argument('--model-kwargs', nargs='*', default={}, action=ParseKwargs, metavar='KEY=VALUE',
+                        help='model arguments, e.g. patch_size=8 depth=2 (for aft_conv_test on the digits: '
+                             'changes to its small default)')
+    parser.add_argument('--pretrained', action='store_true',
+                        help='fine-tune from the pretrained tag (or the weights of a local-dir: / hf-hub: --model)')
+    parser.add_argument('--init-from', default=None, metavar='WEIGHTS',
+                        help='start from these weights (.safetensors or a PyTorch checkpoint): the model\'s own, or a '
+                             'ViT / DeiT\'s, mapped onto the AFT model by transfer_vit_weights (head fresh)')
+    parser.add_argument('--epochs', type=int, default=None, help=f'default: {_task_default("epochs")}')
+    parser.add_argument('--img-size', type=int, default=None,
+                        help=f'training and evaluation resolution (default: {_task_default("img_size")})')
+    parser.add_argument('--eval-img-size', type=int, default=None,
+                        help=f'the larger evaluation resolution (default: {_task_default("eval_img_size")})')
+    parser.add_argument('--batch-size', type=int, default=None,
+                        help=f'images per step and per process (default: {_task_default("batch_size")})')
+    parser.add_argument('--lr', type=float, default=None, help=f'default: {_task_default("lr")}')
+    parser.add_argument('--scenes', type=int, default=None,
+                        help=f'--task segment: training scenes, and a quarter as many held out at each size '
+                             f'(default: {_task_default("scenes")})')
+    parser.add_argument('--seed', type=int, default=0)
+    parser.add_argument('--sparsity-weight', type=float, default=0.0,
+                        help='weight of the Eq. 9 entropy regulariser (the paper: 0.001)')
+    parser.add_argument('--out-dir', default=None,
+                        help=f'where weights, hub folder and plots go (default: {_task_default("out_dir")})')
+    parser.add_argument('--device', default='cpu', help='cpu or cuda (under torchrun: one GPU per process)')
+
+
+def run(args: argparse.Namespace) -> int:
+    settings, job = TASKS[args.task]
+    job(settings_from(settings, args))
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """``python -m aft_vision.train ARGS`` (and torchrun's ``-m aft_vision.train``): ``aft-vision train ARGS``."""
+    parser = Parser(prog='aft-vision')
+    add_arguments(parser.add_subparsers(dest='command', required=True).add_parser('train', help=HELP))
+    return run_command(parser, ['train', *(sys.argv[1:] if argv is None else argv)], run)

@@ -1,0 +1,129 @@
+"""Reading how a checkpoint was trained and evaluated from the run that made it, and the architecture it rebuilds.
+
+``read_training_record`` finds the run's record beside the checkpoint: the main job's ``results.json``, timm
+``train.py``'s ``args.yaml`` or the ``args`` inside its ``.pth.tar`` checkpoints. ``source_architecture`` turns a
+registered name or a published ``local-dir:`` / ``hf-hub:`` folder into the architecture and arguments that rebuild it.
+"""
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
+
+from timm.models import load_model_config_from_hf, parse_model_name, split_model_name_tag
+
+from ..checkpoints.files import load_weights
+
+__all__ = ['source_architecture', 'read_training_record', 'TrainingRecord', 'DATA_CONFIG_KEYS']
+
+# pretrained_cfg entries that say how weights were trained and evaluated (timm's resolve_data_config reads them)
+DATA_CONFIG_KEYS = ('input_size', 'test_input_size', 'crop_pct', 'crop_mode', 'interpolation', 'mean', 'std')
+
+
+def source_architecture(name: str, model_kwargs: Optional[Dict[str, Any]] = None) -> Tuple[str, Dict[str, Any]]:
+    """The registered architecture and the arguments that rebuild ``name`` with ``model_kwargs`` applied.
+
+    For a ``local-dir:`` / ``hf-hub:`` source these are the architecture and ``model_args`` its config.json records,
+    updated by ``model_kwargs`` (the class count is left to the checkpoint's head); for a registered name, the name
+    without its pretrained tag and ``model_kwargs``. A model fine-tuned from a published folder is republished this way.
+
+    Raises:
+        FileNotFoundError: A ``local-dir:`` folder has no config.json.
+    """
+    model_kwargs = dict(model_kwargs or {})
+    source, model_id = parse_model_name(name)
+    if not source:
+        return split_model_name_tag(model_id)[0], model_kwargs
+    if source == 'hf-hub':
+        _, architecture, saved = load_model_config_from_hf(model_id)
+    else:
+        config_file = Path(model_id) / 'config.json'
+        if not config_file.is_file():
+            raise FileNotFoundError(f'{name}: no config.json in {model_id} (write one with aft-vision publish)')
+        config = json.loads(config_file.read_text())
+        architecture, saved = config['architecture'], config.get('model_args')
+    saved = {key: value for key, value in (saved or {}).items() if key != 'num_classes'}  # older folders kept it
+    return architecture, {**saved, **model_kwargs}
+
+
+@dataclass
+class TrainingRecord:
+    """How a checkpoint was trained and evaluated, read from the run that made it.
+
+    Attributes:
+        source: The file the record was read from, by name (for messages and the model card: no local paths).
+        data_config: The ``DATA_CONFIG_KEYS`` the run fixed (the main job records them all).
+        architecture: The registered architecture (or ``local-dir:`` / ``hf-hub:`` source) the run trained.
+        model_kwargs: The architecture arguments the run built it with.
+        timm_args: timm ``train.py``'s arguments: its data config is resolved from them against the model, as
+            ``train.py`` itself does (``resolve_data_config(vars(args), model=model)``).
+    """
+    source: str
+    data_config: Dict[str, Any] = field(default_factory=dict)
+    architecture: Optional[str] = None
+    model_kwargs: Dict[str, Any] = field(default_factory=dict)
+    timm_args: Optional[Dict[str, Any]] = None
+
+
+def _read_json_object(path: Path) -> Dict[str, Any]:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f'cannot read results file {path}: {error}') from None
+    if not isinstance(value, dict):
+        raise ValueError(f'results file {path} must hold a JSON object of metric -> value')
+    return value
+
+
+def _record_from_results(results: Dict[str, Any], path: Path) -> Optional[TrainingRecord]:
+    """The main job's ``results.json``: its ``data_config``, or (written before it was recorded) its sizes."""
+    if isinstance(results.get('data_config'), dict):
+        data_config = {k: v for k, v in results['data_config'].items() if k in DATA_CONFIG_KEYS}
+        source = f'{path.name} (aft_vision.train)'
+    elif isinstance(results.get('img_size'), int) and 'architecture' in results:
+        # earlier versions of the main job always evaluated at img_size with crop_pct 1.0 and the model's defaults
+        data_config = {'input_size': (3, results['img_size'], results['img_size']), 'crop_pct': 1.0}
+        source = f'{path.name} (aft_vision.train: evaluated at img_size with crop_pct 1.0)'
+    else:
+        return None
+    return TrainingRecord(source, data_config, results.get('architecture'), dict(results.get('model_kwargs') or {}))
+
+
+def _record_from_timm_args(args: Dict[str, Any], source: str) -> TrainingRecord:
+    return TrainingRecord(source, architecture=args.get('model') or None,
+                          model_kwargs=dict(args.get('model_kwargs') or {}), timm_args=args)
+
+
+def read_training_record(checkpoint: str, results_file: Optional[str] = None) -> Optional[TrainingRecord]:
+    """Find the record of the run that made ``checkpoint``, or None when there is none.
+
+    Looked for in this order: ``results_file`` if it is the main job's ``results.json``; ``results.json`` beside the
+    checkpoint (the main job writes it there); ``args.yaml`` beside the checkpoint (timm ``train.py``'s output
+    folder); the ``args`` timm ``train.py`` stores inside its ``.pth.tar`` checkpoints.
+
+    Raises:
+        ValueError: A results file or ``args.yaml`` that is there cannot be read.
+    """
+    folder = Path(checkpoint).parent
+    candidates = [Path(results_file)] if results_file else []
+    if (folder / 'results.json').is_file() and folder / 'results.json' not in candidates:
+        candidates.append(folder / 'results.json')
+    for path in candidates:
+        record = _record_from_results(_read_json_object(path), path)
+        if record is not None:
+            return record
+    args_file = folder / 'args.yaml'
+    if args_file.is_file():
+        import yaml  # a timm dependency; train.py writes args.yaml with yaml.safe_dump(vars(args))
+        try:
+            args = yaml.safe_load(args_file.read_text())
+        except (OSError, yaml.YAMLError) as error:
+            raise ValueError(f'cannot read timm train.py arguments {args_file}: {error}') from None
+        if not isinstance(args, dict):
+            raise ValueError(f'{args_file} must hold train.py\'s arguments as a mapping, got {type(args).__name__}')
+        return _record_from_timm_args(args, 'args.yaml (timm train.py)')
+    if Path(checkpoint).suffix != '.safetensors' and Path(checkpoint).is_file():
+        embedded = load_weights(checkpoint).get('args')
+        if embedded is not None and hasattr(embedded, '__dict__'):  # argparse.Namespace
+            source = f'the train.py arguments inside {Path(checkpoint).name}'
+            return _record_from_timm_args(dict(vars(embedded)), source)
+    return None

@@ -1,0 +1,208 @@
+"""The dense job (``aft-vision train --task segment``): semantic segmentation of digit scenes with AFT-conv in
+segmentation_models_pytorch's DPT, trained from scratch on the CPU in minutes.
+
+Scenes come from ``aft_vision.tasks.scenes`` (scikit-learn's digits pasted on a canvas; no download). The job trains at
+``--img-size`` and reports the mean IoU over the 11 classes (background and ten digits) on held-out scenes (digit
+images it never trained on) at that size and at ``--eval-img-size``, a larger canvas with digits of the same pixel
+sizes, which the fully convolutional backbone takes as it is. It writes ``results.json``, ``model.safetensors`` and
+``training_curve.png`` (loss, held-out mIoU per epoch, a held-out scene at the larger size with its prediction).
+"""
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List
+
+import torch
+import torch.nn.functional as F
+from timm.optim import create_optimizer_v2
+from timm.scheduler import create_scheduler_v2
+from tqdm import tqdm
+
+from ..checkpoints.files import save_figure, save_weights
+from ..models import create_aft_model
+from .scenes import NUM_CLASSES, Scenes, digit_split, make_scenes
+
+__all__ = ['DPT_SIZE_MULTIPLE', 'SegmentSettings', 'build_dpt', 'confusion', 'mean_iou', 'run']
+
+# smp's DPT reassembles its four features at 1/4 ... 1/32 of the image and adds each level, upsampled 2x, to the next:
+# image sides must be multiples of 32 (smp checks only the patch size).
+DPT_SIZE_MULTIPLE = 32
+DPT_DECODER = dict(decoder_intermediate_channels=(32, 64, 64, 64), decoder_fusion_channels=64)  # a small decoder
+MEAN, STD = 0.5, 0.5  # scenes are in [0, 1]; the model sees (x - 0.5) / 0.5
+
+
+@dataclass
+class SegmentSettings:
+    """What ``run`` trains, on how many scenes, for how long, and where it writes (``aft-vision train --task
+    segment``'s options)."""
+    model: str = 'aft_conv_test'  # an AFT-conv model (a token map without class token)
+    model_kwargs: Dict = field(default_factory=dict)
+    epochs: int = 10
+    img_size: int = 64  # training and evaluation resolution, a multiple of 32
+    eval_img_size: int = 96  # the larger evaluation resolution, a multiple of 32
+    batch_size: int = 32
+    lr: float = 2e-3
+    scenes: int = 1024  # training scenes; a quarter as many held out at each size
+    seed: int = 0
+    out_dir: str = 'outputs/segment'
+    device: str = 'cpu'
+
+
+def build_dpt(model_name: str, model_kwargs: Dict, classes: int = NUM_CLASSES) -> torch.nn.Module:
+    """smp's DPT on ``tu-<model_name>`` (AFT-conv: no prefix tokens, so ``decoder_readout='ignore'``)."""
+    import segmentation_models_pytorch as smp
+
+    return smp.DPT(f'tu-{model_name}', encoder_weights=None, classes=classes, decoder_readout='ignore',
+                   **DPT_DECODER, **model_kwargs)
+
+
+def confusion(model: torch.nn.Module, scenes: Scenes, batch_size: int = 64) -> torch.Tensor:
+    """(classes, classes) pixel counts, true class by row, predicted class by column."""
+    model.eval()
+    device = next(model.parameters()).device
+    counts = torch.zeros(NUM_CLASSES * NUM_CLASSES, dtype=torch.long)
+    with torch.no_grad():
+        for i in range(0, len(scenes.images), batch_size):
+            images = (scenes.images[i:i + batch_size].to(device) - MEAN) / STD  # (B, 3, S, S)
+            predicted = model(images).argmax(1).cpu()  # (B, S, S)
+            counts += torch.bincount((scenes.masks[i:i + batch_size] * NUM_CLASSES + predicted).flatten(),
+                                     minlength=NUM_CLASSES * NUM_CLASSES)
+    return counts.view(NUM_CLASSES, NUM_CLASSES)
+
+
+def mean_iou(counts: torch.Tensor) -> float:
+    """Mean over the classes present (in the labels or the predictions) of intersection over union."""
+    intersection = counts.diag().double()
+    union = counts.sum(0) + counts.sum(1) - counts.diag()
+    return (intersection[union > 0] / union[union > 0]).mean().item()
+
+
+def _check_model_and_sizes(settings: SegmentSettings) -> None:
+    """An AFT-conv model and sizes DPT and the model take, on a meta-device copy, before anything is built."""
+    try:
+        import segmentation_models_pytorch  # noqa: F401
+    except ImportError:
+        raise RuntimeError('--task segment needs segmentation_models_pytorch: pip install aft-vision[dense]') from None
+    if int(os.environ.get('WORLD_SIZE', '1')) > 1:
+        raise RuntimeError('--task segment runs in one process: start it without torchrun')
+    probe = create_aft_model(settings.model, device='meta', **settings.model_kwargs)
+    if getattr(probe, 'output_fmt', None) != 'NHWC':
+        raise ValueError(f'--model {settings.model}: --task segment needs an AFT-conv model (a token map without class '
+                         f'token), e.g. aft_conv_test')
+    for option, size in (('--img-size', settings.img_size), ('--eval-img-size', settings.eval_img_size)):
+        try:
+            probe._check_input(torch.empty(1, probe.in_chans, size, size, device='meta'))
+        except ValueError as error:
+            raise ValueError(f'{option} {size}: {error}') from None
+        if size % DPT_SIZE_MULTIPLE:
+            raise ValueError(f'{option} {size}: DPT needs image sides that are multiples of {DPT_SIZE_MULTIPLE}')
+
+
+def train(settings: SegmentSettings, data: Dict[str, Scenes], device: torch.device) -> tuple:
+    """Train DPT on ``data['train']``; returns the model and the per-epoch history (loss, held-out mIoU)."""
+    torch.manual_seed(settings.seed)
+    model = build_dpt(settings.model, settings.model_kwargs).to(device)
+    scenes = data['train']
+    steps = math.ceil(len(scenes.images) / settings.batch_size)
+    optimizer = create_optimizer_v2(model, 'adamw', lr=settings.lr, weight_decay=0.05)
+    scheduler, _ = create_scheduler_v2(optimizer, sched='cosine', num_epochs=settings.epochs, warmup_epochs=1,
+                                       warmup_lr=settings.lr / 10, min_lr=settings.lr / 100, step_on_epochs=False,
+                                       updates_per_epoch=steps)
+    gen = torch.Generator().manual_seed(settings.seed)
+    history = []
+    for epoch in range(settings.epochs):
+        model.train()
+        order = torch.randperm(len(scenes.images), generator=gen)
+        losses = []
+        bar = tqdm(range(steps), desc=f'epoch {epoch + 1}/{settings.epochs}', unit='batch', leave=False)
+        for step in bar:
+            chosen = order[step * settings.batch_size:(step + 1) * settings.batch_size]
+            images = (scenes.images[chosen].to(device) - MEAN) / STD  # (B, 3, S, S)
+            loss = F.cross_entropy(model(images), scenes.masks[chosen].to(device))  # logits (B, classes, S, S)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            scheduler.step_update(epoch * steps + step + 1)
+            losses.append(loss.item())
+            bar.set_postfix(loss=f'{loss.item():.3f}')
+        if not all(math.isfinite(x) for x in losses):
+            raise RuntimeError(f'training diverged in epoch {epoch + 1}: non-finite loss')
+        record = {'epoch': epoch + 1, 'loss': sum(losses) / len(losses),
+                  'val_miou': mean_iou(confusion(model, data['val']))}
+        print(f'epoch {epoch + 1:2d}  loss {record["loss"]:.4f}  held-out mIoU {100 * record["val_miou"]:.1f}%')
+        history.append(record)
+    return model, history
+
+
+def plot(history: List[Dict], model: torch.nn.Module, scenes: Scenes, path: Path) -> None:
+    """Loss and held-out mIoU per epoch, and one held-out scene at the larger size: image, labels, prediction."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+
+    epochs = [h['epoch'] for h in history]
+    fig, axes = plt.subplots(1, 5, figsize=(17, 3.4))
+    axes[0].plot(epochs, [h['loss'] for h in history], '-o')
+    axes[0].set(xlabel='epoch', ylabel='training loss', title='Loss')
+    axes[1].plot(epochs, [100 * h['val_miou'] for h in history], '-o', color='tab:green')
+    axes[1].set(xlabel='epoch', ylabel='held-out mIoU (%)', title='Held-out mIoU (training size)')
+    for ax in axes[:2]:
+        ax.grid(alpha=0.3)
+    model.eval()
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        predicted = model((scenes.images[:1].to(device) - MEAN) / STD).argmax(1)[0].cpu()  # (S, S)
+    size = scenes.images.shape[-1]
+    panels = ((scenes.images[0, 0], 'gray', f'held-out scene, {size} px'), (scenes.masks[0], 'tab20', 'labels'),
+              (predicted, 'tab20', 'prediction'))
+    for ax, (image, cmap, title) in zip(axes[2:], panels):
+        ax.imshow(image, cmap=cmap, vmin=0, vmax=1 if cmap == 'gray' else NUM_CLASSES - 1, interpolation='nearest')
+        ax.set(title=title, xticks=[], yticks=[])
+    save_figure(fig, path, dpi=100)
+
+
+def run(settings: SegmentSettings) -> Dict:
+    """The whole job; returns the results written to ``results.json``."""
+    start = time.perf_counter()
+    _check_model_and_sizes(settings)
+    device = torch.device(settings.device)
+    digits = digit_split(seed=settings.seed)
+    val_scenes = max(1, settings.scenes // 4)
+    data = {
+        'train': make_scenes(digits['train'], settings.scenes, settings.img_size, seed=settings.seed),
+        'val': make_scenes(digits['val'], val_scenes, settings.img_size, seed=settings.seed + 1),
+        'val_large': make_scenes(digits['val'], val_scenes, settings.eval_img_size, seed=settings.seed + 2),
+    }
+    print(f'{settings.scenes} training scenes at {settings.img_size} px; {val_scenes} held-out scenes at '
+          f'{settings.img_size} and {settings.eval_img_size} px ({sum(len(b) for b in data["val"].boxes)} and '
+          f'{sum(len(b) for b in data["val_large"].boxes)} digits)')
+    model, history = train(settings, data, device)
+    counts = confusion(model, data['val'])
+    counts_large = confusion(model, data['val_large'])
+    out = Path(settings.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    weights = out / 'model.safetensors'
+    sha256 = save_weights({k: v.cpu() for k, v in model.state_dict().items()}, weights, force=True)
+    results = {
+        'task': 'segment', 'model': settings.model, 'model_kwargs': dict(settings.model_kwargs), 'decoder': 'smp.DPT',
+        'decoder_kwargs': {k: list(v) if isinstance(v, tuple) else v for k, v in DPT_DECODER.items()},
+        'miou': mean_iou(counts), f'miou_at_{settings.eval_img_size}': mean_iou(counts_large),
+        'confusion': counts.tolist(), f'confusion_at_{settings.eval_img_size}': counts_large.tolist(),
+        'img_size': settings.img_size, 'eval_img_size': settings.eval_img_size, 'epochs': settings.epochs,
+        'train_scenes': settings.scenes, 'val_scenes': val_scenes, 'batch_size': settings.batch_size, 'lr': settings.lr,
+        'seed': settings.seed, 'threads': torch.get_num_threads(), 'history': history, 'weights_sha256': sha256,
+        'wall_seconds': round(time.perf_counter() - start, 1),
+    }
+    (out / 'results.json').write_text(json.dumps(results, indent=2))
+    try:
+        plot(history, model, data['val_large'], out / 'training_curve.png')
+    except ImportError:
+        print('matplotlib is not installed (pip install aft-vision[demo]): no training curve written')
+    print(f'\n{settings.model} + DPT on digit scenes: held-out mIoU {100 * results["miou"]:.1f}% at '
+          f'{settings.img_size} px, {100 * results[f"miou_at_{settings.eval_img_size}"]:.1f}% at '
+          f'{settings.eval_img_size} px (never trained at that size)\nwrote {weights}, {out / "results.json"}, '
+          f'{out / "training_curve.png"}; {results["wall_seconds"]:.0f} s')
+    return results

@@ -1,0 +1,404 @@
+"""The study: the paper's comparisons (Tables 7-10 of Zhai et al. 2021) checked on scikit-learn's digits.
+
+``aft-vision study`` trains every configuration below with the main job's recipe (``aft_vision.train``: data,
+augmentation, AdamW, cosine schedule, label smoothing) over several seeds, on the main job's 8 x 8 token map
+(patch 4 at 32 px), and reports held-out top-1 at the training size and at a larger one, parameters and MACs:
+
+* ``families`` (Table 7's structure): AFT-full, AFT-simple, AFT-conv (the main job's model) and a timm
+  ``VisionTransformer`` of the same width, depth, patch and MLP ratio;
+* ``transfer`` (Table 8's structure): the trained ViT baseline -> ``transfer_vit_weights`` -> AFT-conv and AFT-full,
+  fine-tuned for a third of the epochs, against the same models from random weights for that third and for all of
+  them; the held-out top-1 of every epoch is plotted for both starts;
+* ``window`` (Tables 9 and 10's structure): AFT-conv with kernels 3, 5 and 7 at per-channel heads, and with 1, 4 and
+  per-channel heads at kernel 5: windows smaller than the 8 x 8 map.
+
+Every run writes ``runs/<id>.json`` (and its weights) through a temporary file; a run whose record exists is not run
+again, so an interrupted study resumes. At the end ``study.md`` (the tables), ``study.json`` (the same figures) and
+``plots/*.png`` are written.
+"""
+import difflib
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import timm
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+from tqdm import tqdm
+
+from ..checkpoints.files import load_weights, save_figure, save_weights
+from ..models import create_aft_model
+from .classify import DIGITS_MODEL, ClassifySettings, at_size, check_model_and_sizes, evaluate, train, write_digits
+from ..checkpoints.transfer import transfer_vit_weights
+
+__all__ = ['Config', 'Run', 'StudySettings', 'PARTS', 'plan_runs', 'check_settings', 'run_study']
+
+PARTS = ('families', 'transfer', 'window')
+# The main job's trunk: patch 4 (an 8 x 8 token map at 32 px), width 64, 4 blocks, MLP ratio 2.
+TRUNK = {key: DIGITS_MODEL[key] for key in ('patch_size', 'embed_dim', 'depth', 'mlp_ratio')}
+WINDOW_KERNELS = (3, 5, 7)  # Table 9: kernels at per-channel heads
+HEADS = (1, 4, TRUNK['embed_dim'])  # Table 10: heads at HEADS_KERNEL (embed_dim heads: one per channel)
+HEADS_KERNEL = 5
+_DIGITS = ClassifySettings()
+
+
+@dataclass(frozen=True)
+class Config:
+    """One architecture of the study."""
+    key: str  # short name, used in run ids, e.g. 'aft_conv_k5_h64'
+    label: str  # row label in the tables
+    family: str  # 'ViT', 'AFT-full', 'AFT-simple' or 'AFT-conv'
+    model: str  # timm model name
+    kwargs: Dict = field(default_factory=dict)  # model arguments over the entry point's
+
+
+@dataclass(frozen=True)
+class Run:
+    """One training run: a configuration, its start, its length and its seed."""
+    config: Config
+    start: str  # 'random', or 'vit': transfer_vit_weights from the ViT baseline's run of the same seed
+    epochs: int
+    seed: int
+
+    @property
+    def id(self) -> str:
+        return f'{self.config.key}-{self.start}-e{self.epochs}-s{self.seed}'
+
+
+@dataclass
+class StudySettings:
+    """What the study trains; the recipe's defaults are the main job's."""
+    epochs: int = 24  # epochs of a full run (the main job has 30; 24 keeps the study near 30 min on one core)
+    # the transfer fine-tunes for a third of them
+    seeds: int = 3  # seeds 0 .. seeds - 1 for every configuration
+    parts: Tuple[str, ...] = PARTS  # which of the three comparisons to run
+    img_size: int = _DIGITS.img_size  # training and evaluation size: 32 px, an 8 x 8 token map at patch 4
+    eval_img_size: int = _DIGITS.eval_img_size  # the larger evaluation size, never trained on
+    batch_size: int = _DIGITS.batch_size
+    lr: float = _DIGITS.lr
+    baseline: str = 'vit_tiny_patch16_224'  # timm ViT, built at the AFT models' trunk with 2 heads of 32 channels
+
+    @property
+    def fine_tune_epochs(self) -> int:
+        """A third of ``epochs`` (at least 1): the transfer's fine-tuning and its from-random control."""
+        return max(1, round(self.epochs / 3))
+
+    def recipe(self) -> Dict:
+        """The settings a run's result depends on besides its configuration, epochs and seed."""
+        return dict(img_size=self.img_size, eval_img_size=self.eval_img_size, batch_size=self.batch_size,
+                    lr=self.lr)
+
+
+def configs(settings: StudySettings) -> Dict[str, Config]:
+    """Every configuration of the study, by key."""
+    found = [
+        Config('vit', 'ViT (timm VisionTransformer, 2 heads)', 'ViT', settings.baseline, dict(TRUNK, num_heads=2)),
+        Config('aft_full', 'AFT-full', 'AFT-full', 'aft_full_test', dict(TRUNK)),
+        Config('aft_simple', 'AFT-simple', 'AFT-simple', 'aft_simple_test', dict(TRUNK)),
+        Config('aft_conv', f'AFT-conv k{DIGITS_MODEL["kernel_size"]} h{DIGITS_MODEL["num_heads"]} (the main job)',
+               'AFT-conv', 'aft_conv_test', dict(DIGITS_MODEL)),
+    ]
+    for kernel, heads in sorted({(k, TRUNK['embed_dim']) for k in WINDOW_KERNELS} | {(HEADS_KERNEL, h) for h in HEADS}):
+        found.append(Config(f'aft_conv_k{kernel}_h{heads}', f'AFT-conv k{kernel} h{heads}', 'AFT-conv', 'aft_conv_test',
+                            dict(DIGITS_MODEL, kernel_size=kernel, num_heads=heads)))
+    return {config.key: config for config in found}
+
+
+def plan_runs(settings: StudySettings) -> List[Run]:
+    """The runs the chosen parts need, each once, every ViT baseline before the transfers that start from it."""
+    known = configs(settings)
+    full, short = settings.epochs, settings.fine_tune_epochs
+    runs: List[Run] = []
+    for seed in range(settings.seeds):
+        if 'families' in settings.parts or 'transfer' in settings.parts:
+            runs.append(Run(known['vit'], 'random', full, seed))
+        if 'families' in settings.parts:
+            runs += [Run(known[key], 'random', full, seed) for key in ('aft_full', 'aft_simple', 'aft_conv')]
+        if 'transfer' in settings.parts:
+            for key in ('aft_conv', 'aft_full'):
+                runs += [Run(known[key], 'vit', short, seed), Run(known[key], 'random', short, seed),
+                         Run(known[key], 'random', full, seed)]
+        if 'window' in settings.parts:
+            runs += [Run(known[key], 'random', full, seed) for key in _window_keys()]
+    return list({run.id: run for run in runs}.values())  # first occurrence kept, in order
+
+
+def _window_keys() -> List[str]:
+    width = TRUNK['embed_dim']
+    keys = [f'aft_conv_k{k}_h{width}' for k in WINDOW_KERNELS] + [f'aft_conv_k{HEADS_KERNEL}_h{h}' for h in HEADS]
+    return list(dict.fromkeys(keys))
+
+
+def check_settings(settings: StudySettings) -> Dict[str, Dict]:
+    """Check the settings and every configuration on meta-device copies, before anything is written.
+
+    Returns:
+        Each configuration's model arguments as the trainer builds it (``img_size`` added where the model is tied
+        to one size).
+
+    Raises:
+        ValueError: One line naming the bad option: seeds or epochs below 1, an unknown part, an unknown model, an
+            image size the patch does not divide.
+    """
+    for name, value in (('--seeds', settings.seeds), ('--epochs', settings.epochs)):
+        if value < 1:
+            raise ValueError(f'{name}: must be >= 1, got {value}')
+    unknown = [part for part in settings.parts if part not in PARTS]
+    if unknown or not settings.parts:
+        raise ValueError(f'--parts: {" ".join(unknown) or "none given"}: choose from {", ".join(PARTS)}')
+    if not timm.is_model(settings.baseline):
+        close = difflib.get_close_matches(settings.baseline, timm.list_models('vit_*'), n=3, cutoff=0.6)
+        hint = f'; did you mean {", ".join(close)}?' if close else ' (a timm ViT name, e.g. vit_tiny_patch16_224)'
+        raise ValueError(f'--baseline: unknown model {settings.baseline!r}{hint}')
+    kwargs = {}
+    for run in plan_runs(settings):
+        config = run.config
+        if config.key in kwargs:
+            continue
+        try:
+            kwargs[config.key] = check_model_and_sizes(config.model, dict(config.kwargs), settings.img_size,
+                                                       settings.eval_img_size)
+        except ValueError as error:
+            raise ValueError(f'{error} ({config.label}: {config.model})') from None
+    return kwargs
+
+
+def _write_json(path: Path, data: Dict) -> None:
+    """Write JSON through a temporary sibling, so a record is either whole or absent."""
+    temp = path.with_name(f'.{path.name}.tmp')
+    temp.write_text(json.dumps(data, indent=2))
+    os.replace(temp, path)
+
+
+def _write_text(path: Path, text: str) -> None:
+    temp = path.with_name(f'.{path.name}.tmp')
+    temp.write_text(text)
+    os.replace(temp, path)
+
+
+def count_macs(model_name: str, model_kwargs: Dict, img_size: int, num_classes: int) -> int:
+    """Multiply-adds of one image (torch's flop counter: matrix products and convolutions), AFT-conv in its
+    convolution form, as docs/models.md counts them, and timm's attention in its unfused form (q @ k^T, attn @ v)."""
+    extra = {'mixer_kwargs': {'method': 'conv'}} if model_name.startswith('aft_conv') else {}
+    model = create_aft_model(model_name, num_classes=num_classes, **model_kwargs, **extra).eval()
+    for module in model.modules():  # timm's attention as explicit products: the counter misses the CPU's fused kernel
+        if hasattr(module, 'fused_attn'):
+            module.fused_attn = False
+    counter = FlopCounterMode(display=False)
+    with torch.no_grad(), counter:
+        model(torch.zeros(1, 3, img_size, img_size))
+    return counter.get_total_flops() // 2
+
+
+def _train_run(run: Run, model_kwargs: Dict, settings: StudySettings, data_dir: Path, runs_dir: Path,
+               log) -> Dict:
+    """Train one run, evaluate it at both sizes, save its weights and record."""
+    start = time.perf_counter()
+    init_weights, source = None, None
+    if run.start == 'vit':
+        source = runs_dir / f'{Run(configs(settings)["vit"], "random", settings.epochs, run.seed).id}.safetensors'
+        init_weights = load_weights(source)
+    model, history, classes = train(data_dir, run.config.model, run.epochs, settings.img_size, settings.batch_size,
+                                    settings.lr, run.seed, model_kwargs=model_kwargs, init_weights=init_weights,
+                                    log=log)
+    val = data_dir / 'val'
+    record = {
+        'id': run.id, 'config': asdict(run.config), 'model_kwargs': model_kwargs, 'start': run.start,
+        'epochs': run.epochs, 'seed': run.seed, 'recipe': settings.recipe(),
+        'top1': evaluate(model, val, settings.img_size),
+        'top1_large': evaluate(at_size(model, settings.eval_img_size), val, settings.eval_img_size),
+        'params': sum(p.numel() for p in model.parameters()),
+        'macs': count_macs(run.config.model, model_kwargs, settings.img_size, len(classes)),
+        'history': history, 'threads': torch.get_num_threads(),
+    }
+    if source is not None:
+        _, report = transfer_vit_weights(load_weights(source), model)  # what the start copied, for the record
+        record.update(init_from=source.name, transfer=report.summary())
+    record['weights_sha256'] = save_weights(model.state_dict(), runs_dir / f'{run.id}.safetensors', force=True)
+    record['wall_seconds'] = round(time.perf_counter() - start, 1)
+    _write_json(runs_dir / f'{run.id}.json', record)
+    return record
+
+
+def _finished(path: Path, settings: StudySettings) -> Optional[Dict]:
+    """A finished run's record, None if it has none; a record of another recipe is an error (another --out-dir)."""
+    if not path.is_file():
+        return None
+    record = json.loads(path.read_text())
+    if record.get('recipe') != settings.recipe():
+        raise ValueError(f'{path} was trained with {record.get("recipe")}, this study asks for {settings.recipe()}: '
+                         f'give another --out-dir')
+    return record
+
+
+def run_study(settings: StudySettings, out_dir: Path) -> Dict:
+    """Run (or resume) the study under ``out_dir``; write the tables, ``study.json`` and the plots.
+
+    Returns:
+        ``study.json``'s content: the aggregated rows of each part, the ids of the runs trained now and of those
+        found finished.
+    """
+    start = time.perf_counter()
+    model_kwargs = check_settings(settings)
+    out_dir = Path(out_dir)
+    runs_dir = out_dir / 'runs'
+    runs = plan_runs(settings)
+    finished = {run.id: _finished(runs_dir / f'{run.id}.json', settings) for run in runs}
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    data_dir = write_digits(out_dir / 'data')
+    records, trained, skipped = {}, [], []
+    bar = tqdm(runs, desc='study', unit='run')
+    for run in bar:
+        bar.set_postfix_str(run.id)
+        if finished[run.id] is not None:
+            records[run.id] = finished[run.id]
+            skipped.append(run.id)
+            continue
+        records[run.id] = _train_run(run, model_kwargs[run.config.key], settings, data_dir, runs_dir, tqdm.write)
+        trained.append(run.id)
+        bar.write(f'{run.id}: top-1 {records[run.id]["top1"]:.2f}% at {settings.img_size} px, '
+                  f'{records[run.id]["top1_large"]:.2f}% at {settings.eval_img_size} px '
+                  f'({records[run.id]["wall_seconds"]:.0f} s)')
+    summary = {
+        'settings': dict(asdict(settings), fine_tune_epochs=settings.fine_tune_epochs),
+        'tables': _tables(settings, records),
+        'trained': trained, 'skipped': skipped,
+        'train_seconds': round(sum(records[i]['wall_seconds'] for i in records), 1),
+        'versions': {'torch': torch.__version__, 'timm': timm.__version__, 'python': platform.python_version()},
+    }
+    _write_text(out_dir / 'study.md', render_markdown(summary))
+    summary['plots'] = plot_study(summary, records, out_dir / 'plots')
+    summary['wall_seconds'] = round(time.perf_counter() - start, 1)
+    _write_json(out_dir / 'study.json', summary)
+    return summary
+
+
+def _stats(values: Sequence[float]) -> Dict:
+    """Mean and sample standard deviation (0 for one value), and the values."""
+    values = list(values)
+    return {'mean': statistics.fmean(values), 'std': statistics.stdev(values) if len(values) > 1 else 0.0,
+            'values': values}
+
+
+def _row(settings: StudySettings, records: Dict[str, Dict], config: Config, start: str, epochs: int) -> Dict:
+    """A configuration's figures over the seeds: top-1 at both sizes, after the first epoch, per epoch."""
+    chosen = [records[Run(config, start, epochs, seed).id] for seed in range(settings.seeds)]
+    return {
+        'key': config.key, 'label': config.label, 'family': config.family, 'model': config.model,
+        'kernel': config.kwargs.get('kernel_size'), 'heads': config.kwargs.get('num_heads'),
+        'start': start, 'epochs': epochs, 'params': chosen[0]['params'], 'macs': chosen[0]['macs'],
+        'top1': _stats(r['top1'] for r in chosen), 'top1_large': _stats(r['top1_large'] for r in chosen),
+        'top1_epoch1': _stats(r['history'][0]['val_top1'] for r in chosen),
+        'curve': [_stats(r['history'][e]['val_top1'] for r in chosen)['mean'] for e in range(epochs)],
+        'curve_min': [min(r['history'][e]['val_top1'] for r in chosen) for e in range(epochs)],
+        'curve_max': [max(r['history'][e]['val_top1'] for r in chosen) for e in range(epochs)],
+    }
+
+
+def _tables(settings: StudySettings, records: Dict[str, Dict]) -> Dict[str, List[Dict]]:
+    known = configs(settings)
+    full, short = settings.epochs, settings.fine_tune_epochs
+    tables: Dict[str, List[Dict]] = {}
+    if 'families' in settings.parts:
+        tables['families'] = [_row(settings, records, known[key], 'random', full)
+                              for key in ('vit', 'aft_full', 'aft_simple', 'aft_conv')]
+    if 'transfer' in settings.parts:
+        starts = list(dict.fromkeys((('vit', short), ('random', short), ('random', full))))  # one row if short == full
+        tables['transfer'] = [_row(settings, records, known['vit'], 'random', full)] + [
+            _row(settings, records, known[key], start, epochs) for key in ('aft_conv', 'aft_full')
+            for start, epochs in starts]
+    if 'window' in settings.parts:
+        tables['window'] = [_row(settings, records, known[key], 'random', full) for key in _window_keys()]
+    return tables
+
+
+def _pm(stats: Dict) -> str:
+    return f'{stats["mean"]:.2f} ± {stats["std"]:.2f}'
+
+
+def render_markdown(summary: Dict) -> str:
+    """The study's tables as markdown: mean ± sample standard deviation over the seeds."""
+    settings = summary['settings']
+    size, large = settings['img_size'], settings['eval_img_size']
+    lines = [
+        '# The study', '',
+        f'{settings["epochs"]} epochs (fine-tuning {settings["fine_tune_epochs"]}), seeds 0-{settings["seeds"] - 1}, '
+        f'{size} px training, batch {settings["batch_size"]}, lr {settings["lr"]}. Top-1 (%) on the held-out digits: '
+        f'mean ± sample standard deviation over the seeds. MMACs: multiply-adds of one {size} px image.', '',
+    ]
+    head = f'top-1 at {size} px | top-1 at {large} px'
+    tables = summary['tables']
+    if 'families' in tables:
+        lines += ['## Families at equal size', '', f'| model | params (k) | MMACs | {head} |', '|---|---|---|---|---|']
+        lines += [f'| {r["label"]} | {r["params"] / 1e3:.1f} | {r["macs"] / 1e6:.2f} | {_pm(r["top1"])} | '
+                  f'{_pm(r["top1_large"])} |' for r in tables['families']]
+        lines.append('')
+    if 'transfer' in tables:
+        lines += ['## Transfer from the ViT baseline', '',
+                  f'| model | start | epochs | top-1 after epoch 1 | {head} |', '|---|---|---|---|---|---|']
+        starts = {'vit': 'ViT baseline (transfer_vit_weights)', 'random': 'random'}
+        lines += [f'| {r["label"]} | {starts[r["start"]]} | {r["epochs"]} | {_pm(r["top1_epoch1"])} | '
+                  f'{_pm(r["top1"])} | {_pm(r["top1_large"])} |' for r in tables['transfer']]
+        lines.append('')
+    if 'window' in tables:
+        lines += ['## AFT-conv: window and heads', '', f'| kernel | heads | params (k) | MMACs | {head} |',
+                  '|---|---|---|---|---|---|']
+        lines += [f'| {r["kernel"]} | {r["heads"]} | {r["params"] / 1e3:.1f} | {r["macs"] / 1e6:.2f} | '
+                  f'{_pm(r["top1"])} | {_pm(r["top1_large"])} |' for r in tables['window']]
+        lines.append('')
+    return '\n'.join(lines)
+
+
+def plot_study(summary: Dict, records: Dict[str, Dict], folder: Path) -> List[str]:
+    """One PNG per part: bars with the seeds' spread (families, window and heads), per-epoch held-out top-1 for
+    both starts (transfer). Returns the file names."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tables, settings = summary['tables'], summary['settings']
+    written = []
+    titles = {'families': 'Families at equal size', 'window': 'AFT-conv: kernel and heads'}
+    for part in ('families', 'window'):
+        if part not in tables:
+            continue
+        rows = tables[part]
+        fig, ax = plt.subplots(figsize=(max(5, 1.3 * len(rows)), 3.6))
+        width = 0.38
+        for i, (name, size) in enumerate((('top1', settings['img_size']), ('top1_large', settings['eval_img_size']))):
+            xs = [j + (i - 0.5) * width for j in range(len(rows))]
+            ax.bar(xs, [r[name]['mean'] for r in rows], width, yerr=[r[name]['std'] for r in rows], capsize=3,
+                   label=f'{size} px')
+        labels = [r['label'].split(' (')[0] if part == 'families' else f'k{r["kernel"]} h{r["heads"]}' for r in rows]
+        ax.set_xticks(range(len(rows)), labels, fontsize=8)
+        low = min(r[n]['mean'] - r[n]['std'] for r in rows for n in ('top1', 'top1_large'))
+        ax.set(ylabel='held-out top-1 (%)', ylim=(max(0, low - 5), 100),
+               title=f'{titles[part]}: mean ± std over {settings["seeds"]} seeds')
+        ax.legend(fontsize=8)
+        ax.grid(axis='y', alpha=0.3)
+        save_figure(fig, folder / f'{part}.png')
+        written.append(f'{part}.png')
+    if 'transfer' in tables:
+        models = [(r['key'], r['label'].split(' (')[0]) for r in tables['transfer'] if r['start'] == 'vit']
+        fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 3.6), squeeze=False)
+        for ax, (key, title) in zip(axes[0], models):
+            for r in (r for r in tables['transfer'] if r['key'] == key):
+                epochs = range(1, r['epochs'] + 1)
+                style = '-' if r['epochs'] == settings['fine_tune_epochs'] else ':'
+                name = f'{"from ViT" if r["start"] == "vit" else "random"}, {r["epochs"]} epochs'
+                line, = ax.plot(epochs, r['curve'], style, marker='o', markersize=3, label=name)
+                ax.fill_between(epochs, r['curve_min'], r['curve_max'], color=line.get_color(), alpha=0.15)
+            ax.set(xlabel='epoch', ylabel='held-out top-1 (%)', ylim=(0, 100),
+                   title=f'{title}: mean and range over {settings["seeds"]} seeds')
+            ax.xaxis.get_major_locator().set_params(integer=True)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        save_figure(fig, folder / 'transfer.png')
+        written.append('transfer.png')
+    return written

@@ -1,0 +1,520 @@
+"""Seeing inside AFT models: learned position biases (Figures 1, 3, 6-8) and key maps (Figures 9-12).
+
+Array functions return NumPy arrays for people who plot themselves; ``plot_*`` functions draw them with matplotlib
+(the ``demo`` extra, imported only when plotting) and write a PNG atomically.
+
+* ``position_bias_maps(model)``: AFT-conv, ``exp(w) - 1`` per layer and head (h, s, s), the kernel Eq. 6 convolves.
+* ``position_bias_for_query(model, (y, x))``: AFT-full, ``exp(w[t, :])`` over the patch grid for one query t.
+* ``key_maps(model, image)``: per layer, the keys of one image over the patch grid.
+
+From the command line: ``aft-vision show-bias`` and ``aft-vision show-keys`` (``show_bias`` / ``show_keys`` here).
+"""
+import contextlib
+import time
+from pathlib import Path
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..layers import AFTConv2d, AFTFull, AFTSimple
+
+__all__ = [
+    'position_bias_maps', 'position_bias_for_query', 'key_maps', 'plot_position_bias', 'plot_key_maps',
+    'load_model', 'load_image', 'show_bias', 'show_keys',
+]
+
+PathLike = Union[str, Path]
+MIXERS = (AFTConv2d, AFTFull, AFTSimple)
+
+
+@contextlib.contextmanager
+def _eval_mode(model: nn.Module) -> Iterator[None]:
+    """Eval mode and no autograd inside, the model's train/eval mode restored after."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
+
+
+def _mixers(model: nn.Module, kind: Tuple[type, ...] = MIXERS) -> List[nn.Module]:
+    """The model's AFT token mixers of the given classes, in forward order (one per block)."""
+    return [m for m in model.modules() if isinstance(m, kind)]
+
+
+def _describe(model: nn.Module) -> str:
+    kinds = sorted({type(m).__name__ for m in _mixers(model)})
+    return f'{type(model).__name__} (AFT mixers: {", ".join(kinds) or "none"})'
+
+
+def position_bias_maps(model: nn.Module, num_heads: Optional[int] = None) -> np.ndarray:
+    """``exp(w) - 1`` of every AFT-conv layer's effective bias (Eq. 8), the kernel of Eq. 6 (Figures 1, 6-8).
+
+    Positive entries up-weight the key at that offset, negative ones down-weight it, 0 leaves it at the global
+    weight every key gets. The centre of each map is the query's own position; entry ``[a, b]`` is the key at
+    offset ``(a - s//2, b - s//2)`` rows and columns from the query. A freshly initialised model (gamma = beta = 0)
+    gives all zeros. One-hot models (``AFTConv2dOneHot``) show their inference (argmax) bias.
+
+    Args:
+        model: A model with ``AFTConv2d`` token mixers.
+        num_heads: Keep the first this many heads of each layer (all if None).
+
+    Returns:
+        float32 array (layers, heads, s, s).
+
+    Raises:
+        ValueError: The model has no AFT-conv layer.
+    """
+    layers = _mixers(model, (AFTConv2d,))
+    if not layers:
+        raise ValueError(f'{_describe(model)} has no AFT-conv layer: position_bias_for_query shows AFT-full biases, '
+                         f'AFT-simple has none')
+    if num_heads is not None and num_heads < 1:
+        raise ValueError(f'num_heads must be >= 1, got {num_heads}')
+    with _eval_mode(model):
+        maps = [torch.expm1(layer.effective_bias().float())[:num_heads] for layer in layers]  # (h, s, s) each
+    return torch.stack(maps).cpu().numpy()
+
+
+def position_bias_for_query(model: nn.Module, query: Optional[Tuple[int, int]] = None) -> np.ndarray:
+    """``exp(w[t, :])`` of every AFT-full layer for one query t, over the patch grid (Figure 3, one row of it).
+
+    The bias is the factorised ``w = u @ v.T`` (Eq. 7) of the grid the model was built for; the column of the
+    class token (and any other prefix token) is left out.
+
+    Args:
+        model: A model with AFT-full token mixers that know their grid (``grid_size``, ``num_prefix_tokens``).
+        query: (row, column) of the query patch; None for the class token's row.
+
+    Returns:
+        float32 array (layers, grid height, grid width).
+
+    Raises:
+        ValueError: No AFT-full layer, or the query is off the grid / the model has no class token.
+    """
+    layers = _mixers(model, (AFTFull,))
+    if not layers:
+        raise ValueError(f'{_describe(model)} has no AFT-full layer: position_bias_maps shows AFT-conv biases, '
+                         f'AFT-simple has none')
+    maps = []
+    with _eval_mode(model):
+        for layer in layers:
+            grid = getattr(layer, 'grid_size', None)
+            if grid is None:
+                raise ValueError(f'{type(layer).__name__} does not know its patch grid (no grid_size attribute)')
+            prefix = getattr(layer, 'num_prefix_tokens', 0)
+            if query is None:
+                if not prefix:
+                    raise ValueError('the model has no class token: pass a query (row, column)')
+                row = 0
+            else:
+                y, x = query
+                if not (0 <= y < grid[0] and 0 <= x < grid[1]):
+                    raise ValueError(f'query {tuple(query)} is off the {grid[0]} x {grid[1]} patch grid')
+                row = prefix + y * grid[1] + x
+            w = layer.position_bias()[row, prefix:].float()  # (H * W,)
+            maps.append(torch.exp(w).view(grid[0], grid[1]))
+    return torch.stack(maps).cpu().numpy()
+
+
+def key_maps(model: nn.Module, image: torch.Tensor, num_maps: Optional[int] = None) -> np.ndarray:
+    """The keys each AFT layer computes for one image, over the patch grid (Figures 9-12).
+
+    Keys are read from the output of each mixer's ``qkv`` projection by a forward hook during one eval forward
+    pass, so they are exactly what the model uses (before ``exp``):
+
+    * AFT-conv: the h key channels, one per head;
+    * AFT-full / AFT-simple: the first ``num_maps`` of the C key channels (these models have no heads; each
+      channel weighs its own value channel). Prefix (class) tokens are left out.
+
+    Args:
+        model: An AFT model (any ``aft_*``).
+        image: One preprocessed image (C, H, W) or (1, C, H, W), as the model takes it.
+        num_maps: Keep the first this many heads / channels per layer (all if None).
+
+    Returns:
+        float32 array (layers, maps, grid height, grid width).
+    """
+    if image.dim() == 3:
+        image = image.unsqueeze(0)
+    if image.dim() != 4 or image.shape[0] != 1:
+        raise ValueError(f'expected one image (C, H, W) or (1, C, H, W), got shape {list(image.shape)}')
+    if num_maps is not None and num_maps < 1:
+        raise ValueError(f'num_maps must be >= 1, got {num_maps}')
+    layers = _mixers(model)
+    if not layers:
+        raise ValueError(f'{_describe(model)} has no AFT layer')
+    captured: List[torch.Tensor] = []
+
+    def keep_keys(layer: nn.Module):
+        def hook(module: nn.Module, inputs, output: torch.Tensor) -> None:
+            if isinstance(layer, AFTConv2d):  # q (C), k (h), v (C) on a (1, H, W, .) map
+                keys = output[0, ..., layer.dim:layer.dim + layer.num_heads]  # (H, W, h)
+            else:  # q, k, v (C each) on (1, T, .) tokens
+                keys = output[0, :, layer.dim:2 * layer.dim]  # (T, C)
+            captured.append(keys[..., :num_maps].float())
+        return hook
+
+    handles = [layer.qkv.register_forward_hook(keep_keys(layer)) for layer in layers]
+    try:
+        with _eval_mode(model):
+            param = next(model.parameters())
+            model(image.to(device=param.device, dtype=param.dtype))
+    finally:
+        for handle in handles:
+            handle.remove()
+
+    maps = []
+    for keys in captured:
+        if keys.dim() == 2:  # (prefix + H * W, maps) -> (H, W, maps)
+            grid = _grid_of(model, image.shape[-2:], keys.shape[0])
+            keys = keys[keys.shape[0] - grid[0] * grid[1]:].view(grid[0], grid[1], -1)
+        maps.append(keys.permute(2, 0, 1))  # (maps, H, W)
+    return torch.stack(maps).cpu().numpy()
+
+
+def _grid_of(model: nn.Module, image_size: Sequence[int], num_tokens: int) -> Tuple[int, int]:
+    """The patch grid behind ``num_tokens`` tokens (prefix tokens first) of an image of ``image_size``."""
+    patch_embed = getattr(model, 'patch_embed', None)
+    if patch_embed is not None and hasattr(patch_embed, 'dynamic_feat_size'):
+        grid = patch_embed.dynamic_feat_size((int(image_size[0]), int(image_size[1])))
+    else:
+        side = int(round(num_tokens ** 0.5))
+        grid = (side, side)
+    prefix = getattr(model, 'num_prefix_tokens', 0)
+    if grid[0] * grid[1] + prefix != num_tokens:
+        raise ValueError(f'cannot lay {num_tokens} tokens ({prefix} prefix) out on a {grid[0]} x {grid[1]} grid')
+    return int(grid[0]), int(grid[1])
+
+
+def load_model(
+        name: str,
+        checkpoint: Optional[PathLike] = None,
+        pretrained: bool = False,
+        use_ema: bool = True,
+        **model_kwargs,
+) -> nn.Module:
+    """An AFT model in eval mode: ``name`` built fresh, with its pretrained weights, or sized to a checkpoint.
+
+    Args:
+        name: Registered model (``aft_conv_small``), or a timm source ``local-dir:FOLDER`` / ``hf-hub:org/name``
+            (whose weights are always loaded).
+        checkpoint: Weights file (safetensors, or a weights-only PyTorch file) loaded strictly into ``name``.
+        pretrained: Load the model's pretrained weights (exclusive with ``checkpoint``).
+        use_ema: Take a training checkpoint's EMA weights where it has them (timm's rule), else its trained ones.
+        **model_kwargs: Passed to ``timm.create_model`` (e.g. ``patch_size=4, kernel_size=15``).
+    """
+    from ..hub import load_checkpoint_into
+    from ..models import create_aft_model
+
+    if checkpoint is not None and pretrained:
+        raise ValueError('pass a checkpoint or pretrained, not both')
+    if checkpoint is not None:
+        if not Path(checkpoint).is_file():
+            raise FileNotFoundError(f'checkpoint file not found: {checkpoint}')
+        return load_checkpoint_into(name, str(checkpoint), use_ema=use_ema, **model_kwargs).eval()
+    return create_aft_model(name, pretrained=pretrained or ':' in name, **model_kwargs).eval()
+
+
+def load_image(path: PathLike, model: nn.Module, img_size: Optional[int] = None) -> Tuple[torch.Tensor, np.ndarray]:
+    """Open an image with PIL and transform it with timm's eval transform for ``model``.
+
+    Args:
+        path: Image file.
+        model: The model whose data config (size, crop, mean, std) applies.
+        img_size: Override the input size (square), e.g. the size the model was trained at.
+
+    Returns:
+        The model input (1, C, H, W) and the same crop as shown to the model, (H, W, 3) RGB in [0, 1].
+    """
+    from PIL import Image
+    from timm.data import create_transform, resolve_data_config
+
+    args = {} if img_size is None else {'input_size': (3, img_size, img_size)}
+    config = resolve_data_config(args, model=model)
+    transform = create_transform(**config)
+    with Image.open(path) as img:
+        tensor = transform(img.convert('RGB')).unsqueeze(0)  # (1, 3, H, W)
+    mean = torch.tensor(config['mean']).view(3, 1, 1)
+    std = torch.tensor(config['std']).view(3, 1, 1)
+    shown = (tensor[0] * std + mean).clamp(0, 1).permute(1, 2, 0).numpy()  # (H, W, 3)
+    return tensor, shown
+
+
+# ----------------------------------------------------------------------------------------------------- plotting
+
+
+def _figure(width: float, height: float):
+    """A matplotlib Figure (no pyplot state, no backend change); ImportError naming the extra if missing."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise ImportError('plotting needs matplotlib: pip install "aft-vision[demo]" (or pip install matplotlib)') \
+            from e
+    return Figure(figsize=(width, height), layout='constrained')
+
+
+def _check_plotting(out: PathLike, force: bool) -> None:
+    """Pre-flight before a model is loaded: matplotlib present (a RuntimeError the CLI prints as one line), output
+    writable."""
+    try:
+        _figure(1, 1)
+    except ImportError as e:
+        raise RuntimeError(str(e)) from None
+    _check_out(out, force)
+
+
+def _check_out(path: PathLike, force: bool) -> Path:
+    path = Path(path)
+    if path.suffix.lower() != '.png':
+        raise ValueError(f'output must be a .png file, got {path}')
+    if path.exists() and not force:
+        raise FileExistsError(f'{path} exists; pass force=True (--force) to overwrite it')
+    return path
+
+
+def _save(fig, path: Path, force: bool, dpi: int) -> None:
+    """Write ``fig`` as PNG through a temporary sibling renamed into place (no partial file on failure)."""
+    import os
+
+    _check_out(path, force)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_name(f'.{path.name}.{os.getpid()}.tmp')  # created with the umask's permissions, unlike mkstemp
+    try:
+        fig.savefig(temp, dpi=dpi, format='png')
+        os.replace(temp, path)
+    finally:
+        temp.unlink(missing_ok=True)
+
+
+def _grid_panels(fig, num_rows: int, num_cols: int, top: int = 0, top_ratio: float = 0.0):
+    """Axes for a (rows x cols) panel grid plus one colour-bar axis per row (and a top band if ``top``)."""
+    ratios = ([top_ratio] if top else []) + [1.0] * num_rows
+    spec = fig.add_gridspec(len(ratios), num_cols + 1, height_ratios=ratios, width_ratios=[1.0] * num_cols + [0.08])
+    fig.get_layout_engine().set(w_pad=0.01, h_pad=0.01, wspace=0.02, hspace=0.02)
+    panels = [[fig.add_subplot(spec[top + r, c]) for c in range(num_cols)] for r in range(num_rows)]
+    bars = [fig.add_subplot(spec[top + r, num_cols]) for r in range(num_rows)]
+    band = fig.add_subplot(spec[0, :num_cols]) if top else None
+    return panels, bars, band
+
+
+def _label_grid(panels, row_label: str, col_label: str) -> None:
+    for r, row in enumerate(panels):
+        for c, ax in enumerate(row):
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if c == 0:
+                ax.set_ylabel(f'{row_label} {r + 1}', fontsize=8)
+            if r == 0:
+                ax.set_title(f'{col_label} {c + 1}', fontsize=8)
+
+
+def _draw_rows(fig, panels, bars, maps: np.ndarray, cmap: str, norm_of_row: Callable, **imshow_kwargs) -> None:
+    """Draw ``maps[row, col]`` into ``panels[row][col]``, one colour scale per row (``norm_of_row(maps[row])``) with
+    its colour bar at the row's end."""
+    for row, axes in enumerate(panels):
+        norm = norm_of_row(maps[row])
+        for col, ax in enumerate(axes):
+            shown = ax.imshow(maps[row, col], cmap=cmap, norm=norm, interpolation='nearest', **imshow_kwargs)
+        fig.colorbar(shown, cax=bars[row]).ax.tick_params(labelsize=6)
+
+
+def _bias_norm(limit: float, log_scale: bool):
+    """Colour scale for ``exp(w) - 1`` in [-limit, limit]: linear, or linear within +-0.1 and logarithmic beyond."""
+    from matplotlib.colors import Normalize, SymLogNorm
+
+    if log_scale and limit > 0.1:
+        return SymLogNorm(linthresh=0.1, vmin=-limit, vmax=limit, base=10)
+    return Normalize(vmin=-limit, vmax=limit)
+
+
+def plot_position_bias(
+        maps: np.ndarray,
+        path: PathLike,
+        title: Optional[str] = None,
+        query: Optional[Tuple[int, int]] = None,
+        log_scale: bool = False,
+        force: bool = False,
+        dpi: int = 110,
+) -> Path:
+    """Draw position-bias maps and write them as a PNG.
+
+    * (layers, heads, s, s) from ``position_bias_maps``: layers as rows, heads as columns (Figures 1, 6-8), one
+      diverging colour scale per layer centred on 0 (linear, or symmetric-log with ``log_scale``: learned biases
+      can span several orders of magnitude), its colour bar at the row's end.
+    * (layers, H, W) from ``position_bias_for_query``: one panel per layer, left to right and top to bottom
+      (Figure 3), each with its colour bar; ``query`` (row, column) is marked.
+
+    Args:
+        maps: The array.
+        path: Output .png; refused if it exists unless ``force``.
+        title: Figure title.
+        query: Query position to mark on AFT-full maps.
+        log_scale: AFT-conv maps: colour linear within +-0.1 and logarithmic beyond (default: linear).
+        force: Overwrite ``path``.
+        dpi: Resolution.
+
+    Returns:
+        The path written.
+    """
+    path = _check_out(path, force)
+    maps = np.asarray(maps, dtype=np.float32)
+    if maps.ndim == 4:
+        num_layers, num_heads, size = maps.shape[0], maps.shape[1], maps.shape[-1]
+        fig = _figure(0.9 * num_heads + 1.2, 0.9 * num_layers + 0.8)
+        panels, bars, _ = _grid_panels(fig, num_layers, num_heads)
+        _draw_rows(fig, panels, bars, maps, 'RdBu_r',
+                   lambda layer: _bias_norm(float(np.abs(layer).max()) or 1.0, log_scale),  # all 0: any scale
+                   extent=(-size / 2, size / 2, size / 2, -size / 2))
+        _label_grid(panels, 'layer', 'head')
+        bottom_left = panels[-1][0]
+        radius = size // 2
+        bottom_left.set_xticks([-radius, 0, radius])
+        bottom_left.set_yticks([-radius, 0, radius])
+        bottom_left.tick_params(labelsize=6)
+        bottom_left.set_xlabel('key column offset', fontsize=7)
+        bottom_left.set_ylabel(f'layer {num_layers}\nkey row offset', fontsize=7)
+        title = title or f'exp(w) - 1 per layer (rows) and head (columns), {size} x {size} offsets'
+    elif maps.ndim == 3:
+        num_layers = maps.shape[0]
+        num_cols = min(num_layers, 4)
+        num_rows = -(-num_layers // num_cols)
+        fig = _figure(2.6 * num_cols, 2.3 * num_rows + 0.6)
+        spec = fig.add_gridspec(num_rows, num_cols)
+        for layer in range(num_layers):
+            ax = fig.add_subplot(spec[layer // num_cols, layer % num_cols])
+            image = ax.imshow(maps[layer], cmap='viridis', interpolation='nearest')
+            if query is not None:
+                ax.plot(query[1], query[0], marker='x', color='red', markersize=6)
+            ax.set_title(f'layer {layer + 1}', fontsize=8)
+            ax.set_xlabel('key column', fontsize=7)
+            ax.set_ylabel('key row', fontsize=7)
+            ax.tick_params(labelsize=6)
+            fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04).ax.tick_params(labelsize=6)
+        where = 'the class token' if query is None else f'query {tuple(query)} (x)'
+        title = title or f'exp(w) for {where} over the patch grid, per layer'
+    else:
+        raise ValueError(f'expected (layers, heads, s, s) or (layers, H, W) maps, got shape {list(maps.shape)}')
+    fig.suptitle(title, fontsize=9)
+    _save(fig, path, force, dpi)
+    return path
+
+
+def plot_key_maps(
+        keys: np.ndarray,
+        path: PathLike,
+        image: Optional[np.ndarray] = None,
+        title: Optional[str] = None,
+        map_label: str = 'head',
+        force: bool = False,
+        dpi: int = 110,
+) -> Path:
+    """Draw key maps (layers as rows, heads or channels as columns) under the input image (Figures 9-12).
+
+    Each layer has one colour scale (its minimum to maximum), its colour bar at the row's end.
+
+    Args:
+        keys: (layers, maps, H, W) from ``key_maps``.
+        path: Output .png; refused if it exists unless ``force``.
+        image: The input as the model saw it, (H, W, 3) in [0, 1], shown above the maps.
+        title: Figure title.
+        map_label: Column label: 'head' (AFT-conv) or 'channel' (AFT-full / AFT-simple).
+        force: Overwrite ``path``.
+        dpi: Resolution.
+
+    Returns:
+        The path written.
+    """
+    from matplotlib.colors import Normalize
+
+    path = _check_out(path, force)
+    keys = np.asarray(keys, dtype=np.float32)
+    if keys.ndim != 4:
+        raise ValueError(f'expected (layers, maps, H, W) keys, got shape {list(keys.shape)}')
+    num_layers, num_maps = keys.shape[:2]
+    top = 1 if image is not None else 0
+    band = 2.0 if top else 0.0
+    fig = _figure(0.9 * num_maps + 1.2, 0.9 * num_layers + band + 0.8)
+    panels, bars, band_ax = _grid_panels(fig, num_layers, num_maps, top=top, top_ratio=2.2)
+    _draw_rows(fig, panels, bars, keys, 'viridis', lambda layer: Normalize(float(layer.min()), float(layer.max())))
+    _label_grid(panels, 'layer', map_label)
+    if band_ax is not None:
+        band_ax.imshow(image)
+        band_ax.set_axis_off()
+        band_ax.set_title('input', fontsize=8)
+    grid = f'{keys.shape[2]} x {keys.shape[3]}'
+    fig.suptitle(title or f'keys per layer (rows) and {map_label} (columns) over the {grid} patch grid', fontsize=9)
+    _save(fig, path, force, dpi)
+    return path
+
+
+# ------------------------------------------------------------------------------------------------ the jobs
+
+
+def show_bias(model: str, out: PathLike, checkpoint: Optional[PathLike] = None, pretrained: bool = False,
+              use_ema: bool = True, model_kwargs: Optional[Dict] = None, heads: int = 16,
+              query: Optional[Sequence[int]] = None, log_scale: bool = False, force: bool = False,
+              dpi: int = 110) -> np.ndarray:
+    """``aft-vision show-bias``: load the model (``load_model``), draw its position biases to ``out``.
+
+    Args:
+        model: Registered model or ``local-dir:`` / ``hf-hub:`` source, as ``load_model`` takes it.
+        out: The .png file.
+        heads: AFT-conv: the first N heads (columns).
+        query: AFT-full: the query patch (row, column) (default: the grid centre).
+        log_scale: AFT-conv: colours linear within +-0.1, logarithmic beyond.
+
+    Returns:
+        The maps drawn.
+    """
+    start = time.perf_counter()
+    _check_plotting(out, force)
+    name, model = model, load_model(model, checkpoint, pretrained, use_ema, **(model_kwargs or {}))
+    if _mixers(model, (AFTConv2d,)):
+        maps = position_bias_maps(model, num_heads=heads)
+        plot_position_bias(maps, out, log_scale=log_scale, force=force, dpi=dpi,
+                           title=f'{name}: exp(w) - 1, layers (rows) x heads (columns)')
+        what = 'AFT-conv exp(w) - 1'
+    elif not _mixers(model, (AFTFull,)):
+        raise ValueError(f'{name} has no position bias (AFT-simple); show-keys works on it')
+    else:
+        grid = next((m.grid_size for m in _mixers(model, (AFTFull,)) if hasattr(m, 'grid_size')), None)
+        query = tuple(query) if query else None if grid is None else (grid[0] // 2, grid[1] // 2)
+        maps = position_bias_for_query(model, query)
+        plot_position_bias(maps, out, query=query, force=force, dpi=dpi,
+                           title=f'{name}: exp(w) for query {query} over the patch grid, per layer')
+        what = f'AFT-full exp(w) for query {query}'
+    print(f'wrote {out}: {what}, array {list(maps.shape)} (layers, ...); {time.perf_counter() - start:.1f} s')
+    return maps
+
+
+def show_keys(image: PathLike, model: str, out: PathLike, checkpoint: Optional[PathLike] = None,
+              pretrained: bool = False, use_ema: bool = True, model_kwargs: Optional[Dict] = None, heads: int = 16,
+              img_size: Optional[int] = None, force: bool = False, dpi: int = 110) -> np.ndarray:
+    """``aft-vision show-keys``: load the model and the image, draw the key maps to ``out``.
+
+    Args:
+        image: Image file (opened with PIL, timm's eval transform for the model, at ``img_size`` if given).
+        model: Registered model or ``local-dir:`` / ``hf-hub:`` source, as ``load_model`` takes it.
+        out: The .png file.
+        heads: The first N heads (AFT-conv) or key channels (AFT-full / simple), as columns.
+
+    Returns:
+        The key maps drawn.
+    """
+    start = time.perf_counter()
+    _check_plotting(out, force)
+    if not Path(image).is_file():
+        raise FileNotFoundError(f'image not found: {image}')
+    name, model = model, load_model(model, checkpoint, pretrained, use_ema, **(model_kwargs or {}))
+    tensor, shown = load_image(image, model, img_size)
+    keys = key_maps(model, tensor, num_maps=heads)
+    label = 'head' if _mixers(model, (AFTConv2d,)) else 'channel'
+    plot_key_maps(keys, out, image=shown, map_label=label, force=force, dpi=dpi,
+                  title=f'{name}: keys of {Path(image).name}, layers (rows) x {label}s (columns)')
+    print(f'wrote {out}: keys {list(keys.shape)} (layers, {label}s, H, W); {time.perf_counter() - start:.1f} s')
+    return keys

@@ -1,0 +1,667 @@
+"""The jobs (``aft_vision.tasks``), each through the command line that runs it.
+
+* The main job (``train``, conftest's ``digits_job``): it learns, survives the Hub round trip, runs at a larger size;
+  the Eq. 9 regulariser; two-process DDP on the CPU (the project's trainer always, timm's train.py given a checkout);
+  the ViT baseline and its checkpoint through the transfer into a fine-tuning run.
+* The dense job (``train --task segment``): it beats any image-blind predictor; its scenes and options.
+* ``aft-vision study`` at a one-epoch, one-seed budget: records, tables, plots, resuming, refusals.
+* Position-bias and key maps (``tasks.visualize``, ``show-bias`` / ``show-keys``).
+"""
+import csv
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import timm
+import torch
+from PIL import Image
+
+import aft_vision  # noqa: F401  registers the models
+from aft_vision.checkpoints import load_weights, save_weights, unwrap_state_dict
+from aft_vision.cli import main
+from aft_vision.cli import main as cli_main
+from aft_vision.layers import AFTConv2d
+from aft_vision.tasks import study, visualize
+from aft_vision.tasks.classify import DIGITS_MODEL, at_size, check_model_and_sizes, evaluate, state_digest
+from aft_vision.tasks.regularizers import add_to_timm_tasks, position_bias_entropy
+from aft_vision.tasks.scenes import INK, NUM_CLASSES, Scenes, digit_split, make_scenes
+from aft_vision.tasks.study import StudySettings, plan_runs, run_study
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The main job's pipeline on a reduced budget (it learns, survives the Hub round trip, runs at a larger size), the Eq.
+# 9 regulariser, and two-process DDP on the CPU: the project's trainer always, timm's train.py given a checkout.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+pytest.importorskip('sklearn')  # the digits
+
+REPO = Path(__file__).parents[1]
+TINY_MODEL = ['patch_size=8', 'embed_dim=32', 'depth=1', 'num_heads=4', 'kernel_size=3']  # --model-kwargs
+TINY_KWARGS = {key: int(value) for key, value in (arg.split('=') for arg in TINY_MODEL)}
+
+
+def above_chance(num_val: int, num_classes: int, sigmas: float = 5.0) -> float:
+    """Top-1 (%) that guessing reaches with probability below ~3e-7: chance plus ``sigmas`` binomial deviations."""
+    chance = 1 / num_classes
+    return 100 * (chance + sigmas * math.sqrt(chance * (1 - chance) / num_val))
+
+
+def test_main_job_learns_round_trips_and_evaluates_larger(digits_job):
+    out, results = digits_job.out, digits_job.results
+    val = out / 'data' / 'val'
+    num_val = sum(1 for _ in val.rglob('*.png'))  # 20% of each digit's images: 359
+    assert results['top1'] > above_chance(num_val, 10)  # 17.9%
+    assert results['top1_reloaded'] == results['top1']
+    # both figures are what the saved weights score, recomputed here at each size
+    model = timm.create_model('aft_conv_test', num_classes=10, **dict(DIGITS_MODEL, **digits_job.model_kwargs))
+    model.load_state_dict(load_weights(out / 'model.safetensors'))
+    assert evaluate(model, val, 32) == results['top1'] and evaluate(model, val, 48) == results['top1_at_48']
+    assert sorted(p.name for p in (out / 'hub').iterdir()) == ['README.md', 'config.json', 'model.safetensors']
+    config = json.loads((out / 'hub' / 'config.json').read_text())
+    assert config['label_names'] == [str(i) for i in range(10)]
+    assert (out / 'training_curve.png').read_bytes()[:4] == b'\x89PNG'
+    assert 'identical' in digits_job.printed
+
+
+def test_data_dir_without_splits_is_a_one_line_error(tmp_path, capsys):
+    (tmp_path / 'empty').mkdir()
+    assert cli_main(['train', '--data-dir', str(tmp_path / 'empty'), '--out-dir', str(tmp_path / 'o')]) == 2
+    assert 'train' in capsys.readouterr().err
+    assert cli_main(['train', '--pretrained', '--out-dir', str(tmp_path / 'o')]) == 2
+    assert 'aft_conv_test has no pretrained weights' in capsys.readouterr().err
+
+
+def test_entropy_regulariser_matches_a_plain_computation():
+    model = timm.create_model('aft_conv_test')
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.pos_gamma.normal_()
+    expected = 0.0
+    for block in model.blocks:
+        for head in block.attn.effective_bias():
+            p = torch.softmax(head.flatten().double(), 0)
+            expected += float(-(p * p.log()).sum().detach())
+    assert abs(position_bias_entropy(model).item() - expected) < 1e-3
+    assert position_bias_entropy(timm.create_model('aft_full_test')).item() == 0.0
+
+
+def test_timm_task_hook_adds_the_weighted_entropy_and_undoes():
+    from timm.task import ClassificationTask
+
+    original = ClassificationTask.forward
+    model = timm.create_model('aft_conv_test', num_classes=3)
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.pos_gamma.normal_()
+    task = ClassificationTask(model, criterion=torch.nn.CrossEntropyLoss())
+    images, target = torch.randn(2, 3, 64, 64), torch.tensor([0, 2])
+    plain = task(images, target)['loss']
+    try:
+        add_to_timm_tasks(0.5)
+        hooked = task(images, target)
+    finally:
+        add_to_timm_tasks(0)
+    assert torch.allclose(hooked['loss'], plain + 0.5 * position_bias_entropy(model))
+    hooked['loss'].backward()
+    assert model.blocks[0].attn.pos_gamma.grad.abs().sum() > 0
+    assert ClassificationTask.forward is original
+
+
+def _tiny_image_folder(root: Path, classes: int = 3, train: int = 12, val: int = 4) -> Path:
+    """Per-class shades of noise as 32 x 32 PNGs: ``root/{train,val}/<class>/*.png``."""
+    rng = np.random.default_rng(0)
+    for split, count in (('train', train), ('val', val)):
+        for label in range(classes):
+            folder = root / split / str(label)
+            folder.mkdir(parents=True)
+            for i in range(count):
+                pixels = rng.normal(60 + 70 * label, 30, (32, 32, 3)).clip(0, 255).astype(np.uint8)
+                Image.fromarray(pixels).save(folder / f'{i}.png')
+    return root
+
+
+def _torchrun(*args: str, env=None, timeout: int = 300) -> subprocess.CompletedProcess:
+    command = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, 'OMP_NUM_THREADS': '1', **(env or {})})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_end_with_identical_weights(tmp_path):
+    data = _tiny_image_folder(tmp_path / 'data')
+    out = tmp_path / 'out'
+    done = _torchrun('-m', 'aft_vision.train', '--data-dir', str(data), '--epochs', '2', '--batch-size', '4',
+                     '--model-kwargs', *TINY_MODEL, '--out-dir', str(out), '--sparsity-weight', '0.001')
+    assert 'final weights identical on every rank' in done.stdout
+    results = json.loads((out / 'results.json').read_text())
+    assert results['world_size'] == 2
+    rank0, rank1 = results['rank_state_sha256']
+    assert rank0 == rank1 == state_digest(load_weights(out / 'model.safetensors'))
+    torch.manual_seed(0)  # the trainer's seed: the weights both ranks started from
+    initial = timm.create_model('aft_conv_test', num_classes=3, **TINY_KWARGS)
+    assert state_digest(initial.state_dict()) != rank0  # they trained
+    assert results['top1_reloaded'] == results['top1']
+
+
+@pytest.mark.skipif(not os.environ.get('AFT_TIMM_SCRIPTS'),
+                    reason='set AFT_TIMM_SCRIPTS to a timm checkout (the folder holding train.py and validate.py)')
+def test_timm_train_py_under_torchrun_resumes_then_validate_py_at_a_larger_size(tmp_path):
+    # the scripts alone: beside a checkout's timm/ package they would import it instead of the installed timm
+    scripts = tmp_path / 'timm_scripts'
+    scripts.mkdir()
+    for name in ('train.py', 'validate.py'):
+        shutil.copy(Path(os.environ['AFT_TIMM_SCRIPTS']) / name, scripts / name)
+    data = _tiny_image_folder(tmp_path / 'data')
+    # Test-only shim: timm 1.0.31's train.py hands DDP device_ids=[cpu], which PyTorch rejects for CPU modules; drop
+    # them there, and let each rank write its final weights so that the ranks can be compared.
+    (tmp_path / 'rank_dump.py').write_text(f"""
+import atexit, os
+import torch
+from safetensors.torch import save_file
+from timm.task import ClassificationTask
+
+_prepare = ClassificationTask.prepare_distributed
+
+def prepare_distributed(self, device_ids=None, **kwargs):
+    if device_ids and all(torch.device(d).type == 'cpu' for d in device_ids):
+        device_ids = None
+    _prepare(self, device_ids=device_ids, **kwargs)
+    path = os.path.join({str(tmp_path)!r}, 'rank%s.safetensors' % os.environ['RANK'])
+    module = self.trainable_module.module
+    atexit.register(lambda: save_file({{k: v.contiguous() for k, v in module.state_dict().items()}}, path))
+    return self
+
+ClassificationTask.prepare_distributed = prepare_distributed
+""")
+    recipe = REPO / 'models' / 'aft_conv_tiny_11.yaml'  # DeiT's recipe: EMA, mixup / cutmix, erasing, repeated aug
+    common = ['-c', str(recipe), '--data-dir', str(data), '--val-split', 'val', '--device-modules',
+              'aft_vision.timm_sparsity', 'rank_dump', '--model', 'aft_conv_test', '--model-kwargs', *TINY_MODEL,
+              '--num-classes', '3', '--img-size', '32', '-b', '6', '--epochs', '2', '--warmup-epochs', '1',
+              '--aa', '', '--device', 'cpu', '--no-prefetcher', '--workers', '0', '--layer-decay', '0.75',
+              '--grad-checkpointing', '--amp', '--amp-dtype', 'bfloat16', '--output', str(tmp_path / 'runs')]
+    env = {'PYTHONPATH': os.pathsep.join([str(tmp_path), os.environ.get('PYTHONPATH', '')]),
+           'AFT_SPARSITY_WEIGHT': '0.01'}
+    _torchrun(str(scripts / 'train.py'), *common, '--experiment', 'first', env=env)
+    epoch_one = tmp_path / 'runs' / 'first' / 'checkpoint-0.pth.tar'
+    assert epoch_one.is_file()
+    # --resume from the end of epoch 1 runs epoch 2 again and must reach the same state on both ranks
+    resumed_run = _torchrun(str(scripts / 'train.py'), *common, '--experiment', 'resumed', '--resume', str(epoch_one),
+                            env=env)
+    assert 'Restoring optimizer state' in resumed_run.stdout + resumed_run.stderr
+    rank0, rank1 = (load_weights(tmp_path / f'rank{r}.safetensors') for r in (0, 1))
+    assert state_digest(rank0) == state_digest(rank1)
+    resumed = unwrap_state_dict(load_weights(tmp_path / 'runs' / 'resumed' / 'last.pth.tar'))  # timm's, weights-only
+    assert state_digest(resumed) == state_digest(rank0)
+
+    results = tmp_path / 'validate.csv'
+    done = subprocess.run([sys.executable, '-m', 'aft_vision.run', str(scripts / 'validate.py'),
+                           '--data-dir', str(data), '--split', 'val', '--model', 'aft_conv_test',
+                           '--model-kwargs', *TINY_MODEL, '--num-classes', '3', '--checkpoint',
+                           str(tmp_path / 'runs' / 'resumed' / 'last.pth.tar'), '--img-size', '48', '--device', 'cpu',
+                           '--no-prefetcher', '--workers', '0', '--results-file', str(results)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    validated = next(csv.DictReader(results.open()))
+    assert validated['model'] == 'aft_conv_test' and validated['img_size'] == '48'
+    # validate.py's figure is what the checkpoint scores with timm's eval transform at 48, recomputed here
+    model = timm.create_model('aft_conv_test', num_classes=3, **TINY_KWARGS)
+    model.load_state_dict(resumed)
+    config = timm.data.resolve_data_config({'input_size': (3, 48, 48)}, model=model)
+    assert float(validated['top1']) == pytest.approx(evaluate(model, data / 'val', data_config=config), abs=1e-3)
+
+
+def test_fine_tune_a_published_folder_into_the_onehot_variant(tmp_path, one_thread):
+    data = _tiny_image_folder(tmp_path / 'data')
+    dense, sparse = tmp_path / 'dense', tmp_path / 'sparse'
+    assert cli_main(['train', '--data-dir', str(data), '--epochs', '1', '--batch-size', '4',
+                     '--model-kwargs', *TINY_MODEL, '--out-dir', str(dense)]) == 0
+    assert cli_main(['train', '--data-dir', str(data), '--epochs', '1', '--batch-size', '4', '--lr', '1e-5',
+                     '--model', f'local-dir:{dense / "hub"}', '--pretrained',
+                     '--model-kwargs', 'mixer_layer=aft_conv_onehot', '--out-dir', str(sparse)]) == 0
+    before, after = load_weights(dense / 'model.safetensors'), load_weights(sparse / 'model.safetensors')
+    assert before.keys() == after.keys()
+    assert max((after[k] - before[k]).abs().max().item() for k in before) < 1e-3  # started from the dense weights
+    config = json.loads((sparse / 'hub' / 'config.json').read_text())
+    assert config['architecture'] == 'aft_conv_test'
+    assert config['model_args']['mixer_layer'] == 'aft_conv_onehot' and config['model_args']['patch_size'] == 8
+    reloaded = timm.create_model(f'local-dir:{sparse / "hub"}', pretrained=True)
+    assert type(reloaded.blocks[0].attn).__name__ == 'AFTConv2dOneHot'
+
+
+# TINY_MODEL's trunk (aft_conv_test's MLP ratio 2) as timm's ViT
+VIT_BASELINE = ['patch_size=8', 'embed_dim=32', 'depth=1', 'num_heads=2', 'mlp_ratio=2']
+
+
+def test_models_tied_to_a_size_are_built_for_the_training_size():
+    trunk = dict(patch_size=4, embed_dim=64, depth=4, mlp_ratio=2.)
+    assert check_model_and_sizes('vit_tiny_patch16_224', dict(trunk, num_heads=2), 32, 48)['img_size'] == 32
+    assert check_model_and_sizes('aft_full_test', dict(trunk), 32, 48)['img_size'] == 32
+    assert check_model_and_sizes('aft_conv_test', DIGITS_MODEL, 32, 48) == DIGITS_MODEL  # the main job's: as it was
+    with pytest.raises(ValueError, match='--img-size 30: 30 px is not a multiple of the patch size 4x4'):
+        check_model_and_sizes('vit_tiny_patch16_224', dict(trunk, num_heads=2), 30, 48)
+
+
+def test_vit_baseline_trains_and_its_checkpoint_transfers_into_a_fine_tuning_run(tmp_path, one_thread):
+    data = _tiny_image_folder(tmp_path / 'data')
+    vit_out, aft_out = tmp_path / 'vit', tmp_path / 'aft'
+    assert cli_main(['train', '--data-dir', str(data), '--epochs', '1', '--batch-size', '4',
+                     '--model', 'vit_tiny_patch16_224', '--model-kwargs', *VIT_BASELINE,
+                     '--out-dir', str(vit_out)]) == 0
+    results = json.loads((vit_out / 'results.json').read_text())
+    assert results['model_kwargs']['img_size'] == 32  # built for the training size
+    vit = timm.create_model('vit_tiny_patch16_224', num_classes=3, **results['model_kwargs'])
+    vit_weights = load_weights(vit_out / 'model.safetensors')
+    vit.load_state_dict(vit_weights)
+    assert evaluate(at_size(vit, 48), data / 'val', 48) == results['top1_at_48']  # evaluated at 48 px, rebuilt
+    assert 'test_input_size' not in results['data_config']  # a client could not run the model at 48 px as it is
+
+    assert cli_main(['train', '--data-dir', str(data), '--epochs', '1', '--batch-size', '4', '--lr', '1e-6',
+                     '--model-kwargs', *TINY_MODEL, '--init-from', str(vit_out / 'model.safetensors'),
+                     '--out-dir', str(aft_out)]) == 0
+    tuned = load_weights(aft_out / 'model.safetensors')
+    dim, heads = TINY_KWARGS['embed_dim'], TINY_KWARGS['num_heads']
+    qkv, vit_qkv = tuned['blocks.0.attn.qkv.weight'], vit_weights['blocks.0.attn.qkv.weight']
+    near = dict(atol=1e-4, rtol=0)  # nine AdamW steps at lr 1e-6 from the ViT's weights
+    assert torch.allclose(qkv[dim + heads:], vit_qkv[2 * dim:], **near)  # the values, from the ViT's
+    assert not torch.allclose(qkv[:dim], vit_qkv[:dim], **near)  # queries fresh, as in the paper
+    for key in ('patch_embed.proj.weight', 'blocks.0.mlp.fc1.weight', 'blocks.0.attn.proj.weight', 'norm.weight'):
+        assert torch.allclose(tuned[key], vit_weights[key], **near), key
+    assert tuned['head.weight'].shape == (3, dim)
+    # the copied tensors compute what they computed in the ViT: same patch tokens, same MLP
+    aft = timm.create_model('aft_conv_test', num_classes=3, **TINY_KWARGS).eval()
+    aft.load_state_dict(tuned)
+    images = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        tokens = vit.patch_embed(images)  # (B, H * W, C)
+        assert torch.allclose(aft.patch_embed(images).flatten(1, 2), tokens, atol=1e-3)  # (B, H, W, C)
+        assert torch.allclose(aft.blocks[0].mlp(tokens), vit.blocks[0].mlp(tokens), atol=1e-3)
+    # the same checkpoint through the transfer command: the values in place, the rest as the model made them
+    assert cli_main(['transfer', '--src', str(vit_out / 'model.safetensors'), '--model', 'aft_conv_test',
+                     '--model-kwargs', *TINY_MODEL, '--num-classes', '3',
+                     '--out', str(tmp_path / 'aft.safetensors')]) == 0
+    assert torch.equal(load_weights(tmp_path / 'aft.safetensors')['blocks.0.attn.qkv.weight'][dim + heads:],
+                       vit_qkv[2 * dim:])
+    assert cli_main(['train', '--data-dir', str(data), '--init-from', str(tmp_path / 'none.safetensors'),
+                     '--out-dir', str(tmp_path / 'bad')]) == 2
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The dense job (``aft-vision train --task segment``) on a reduced budget: it learns beyond what any predictor blind to
+# the image can reach, its figures are what its saved weights score, and it runs at a size it never trained at; the
+# digit scenes it composes; its options checked before it starts.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def blind_miou_bound(scenes: Scenes, log_inv_delta: float = 16.0) -> float:
+    """An mIoU that no predictor independent of the images exceeds, except with probability ~exp(-16) ~ 1e-7.
+
+    IoU_c <= recall_c (intersection over the class's pixels). Background: recall <= 1. Digits: every class is placed
+    by the same random positions, so for a blind predictor the expected recalls of the ten digit classes sum to at most
+    1 (at each pixel it predicts at most one class). Each recall_c is a pixel-weighted mean of per-digit recalls in
+    [0, 1] over the class's n_c held-out digits, taken as independent: by Hoeffding the sum of the ten recalls exceeds
+    its mean by more than sqrt(log(1/delta) / 2 * sum_c sum_i (a_i / A_c)^2) with probability below delta (a_i a
+    digit's ink pixels, A_c its class's). So mIoU <= (1 + 1 + that margin) / 11."""
+    weights = []
+    for masks, boxes, labels in zip(scenes.masks, scenes.boxes, scenes.labels):
+        for (x0, y0, x1, y1), label in zip(boxes.int().tolist(), labels.tolist()):
+            weights.append((label, (masks[y0:y1, x0:x1] == label).sum().item()))
+    squares = 0.0
+    for c in range(1, NUM_CLASSES):
+        areas = torch.tensor([a for label, a in weights if label == c], dtype=torch.float64)
+        squares += ((areas / areas.sum()) ** 2).sum().item()
+    return (2 + math.sqrt(log_inv_delta / 2 * squares)) / NUM_CLASSES
+
+
+@pytest.mark.slow
+def test_segment_job_learns_and_segments_a_larger_size(tmp_path, capsys, one_thread):
+    pytest.importorskip('segmentation_models_pytorch')
+    from aft_vision.tasks.segment import build_dpt, confusion, mean_iou
+
+    out = tmp_path / 'segment'
+    # 4 epochs of batch 16 (256 steps, ~80 s on one thread) instead of the job's 10 of batch 32
+    assert cli_main(['train', '--task', 'segment', '--epochs', '4', '--batch-size', '16', '--scenes', '1024',
+                     '--out-dir', str(out)]) == 0
+    results = json.loads((out / 'results.json').read_text())
+    digits = digit_split()['val']
+    held_out = make_scenes(digits, 256, 64, seed=1)  # the job's held-out scenes (seed 0 + 1)
+    larger = make_scenes(digits, 256, 96, seed=2)
+    bound = blind_miou_bound(held_out)  # 0.28 for its ~700 digits; this run reached 0.53 here
+    assert results['miou'] > bound, (results['miou'], bound)
+    bound_large = blind_miou_bound(larger)  # more digits, a tighter bound; 0.40 here at a size never trained at
+    assert results['miou_at_96'] > bound_large, (results['miou_at_96'], bound_large)
+    # the figures are what the saved weights score, recomputed here at each size
+    model = build_dpt('aft_conv_test', {})
+    model.load_state_dict(load_weights(out / 'model.safetensors'))
+    counts, counts_large = confusion(model, held_out), confusion(model, larger)
+    assert counts.tolist() == results['confusion'] and mean_iou(counts) == results['miou']
+    assert counts_large.sum() == 256 * 96 * 96 and mean_iou(counts_large) == results['miou_at_96']
+    assert len(results['history']) == 4 and all(math.isfinite(h['loss']) for h in results['history'])
+    assert (out / 'training_curve.png').read_bytes()[:4] == b'\x89PNG'
+    assert 'held-out mIoU' in capsys.readouterr().out
+
+
+def test_scenes_label_ink_and_box_it():
+    digits = digit_split()
+    assert len(digits['train'][0]) + len(digits['val'][0]) == 1797
+    scenes = make_scenes(digits['val'], 8, 64, seed=3)
+    assert scenes.images.shape == (8, 3, 64, 64) and scenes.masks.shape == (8, 64, 64)
+    assert 0 <= scenes.images.min() and scenes.images.max() <= 1
+    for image, mask, boxes, labels in zip(scenes.images, scenes.masks, scenes.boxes, scenes.labels):
+        assert len(boxes) == len(labels) >= 1
+        covered = torch.zeros_like(mask, dtype=torch.bool)
+        for (x0, y0, x1, y1), label in zip(boxes.int().tolist(), labels.tolist()):
+            inside = mask[y0:y1, x0:x1]
+            assert (inside == label).any(dim=0).all() and (inside == label).any(dim=1).all()  # the box is tight
+            covered[y0:y1, x0:x1] |= inside == label
+        assert torch.equal(covered, mask > 0)  # every labelled pixel is a digit's ink, inside that digit's box
+        labelled = image[0][mask > 0]
+        assert labelled.mean() > image[0][mask == 0].mean() + INK / 2  # ink is brighter than the background
+    again = make_scenes(digits['val'], 8, 64, seed=3)
+    assert torch.equal(again.images, scenes.images) and torch.equal(again.masks, scenes.masks)
+
+
+@pytest.mark.parametrize('argv,expected', [
+    (['--data-dir', '.'], '--data-dir'),  # options the task does not use
+    (['--pretrained'], '--pretrained'),
+    (['--sparsity-weight', '0.1'], '--sparsity-weight'),
+    (['--init-from', 'weights.safetensors'], '--init-from'),
+    (['--scenes', '0'], '--scenes'),
+    (['--img-size', '72'], 'multiples of 32'),  # models and sizes
+    (['--eval-img-size', '100'], 'not a multiple of the patch size'),
+    (['--model', 'aft_full_test'], 'needs an AFT-conv model'),
+])
+def test_segment_options_models_and_sizes_refused_before_anything_runs(tmp_path, capsys, argv, expected):
+    out = tmp_path / 'out'
+    assert cli_main(['train', '--task', 'segment', *argv, '--out-dir', str(out)]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and err.count('\n') == 1 and not out.exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# ``aft-vision study``: the machinery (records, tables, plots, resuming, refusals), not its outcome.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+# One epoch, one seed, 16 px (a 4 x 4 token map at patch 4): the smallest budget that runs every part.
+TINY = StudySettings(epochs=1, seeds=1, img_size=16, eval_img_size=24)
+
+
+@pytest.fixture(scope='module')
+def finished_study(tmp_path_factory):
+    """A study run once at the tiny budget; returns its folder and what ``run_study`` returned."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = tmp_path_factory.mktemp('study')
+        return out, run_study(TINY, out)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_plan_covers_every_part_once_and_trains_the_baseline_before_the_transfers():
+    settings = StudySettings(epochs=6, seeds=2)
+    runs = plan_runs(settings)
+    ids = [run.id for run in runs]
+    assert len(ids) == len(set(ids))
+    assert settings.fine_tune_epochs == 2
+    for seed in range(2):
+        baseline = ids.index(f'vit-random-e6-s{seed}')
+        for key in ('aft_conv', 'aft_full'):
+            assert ids.index(f'{key}-vit-e2-s{seed}') > baseline
+            assert f'{key}-random-e2-s{seed}' in ids and f'{key}-random-e6-s{seed}' in ids
+        for kernel, heads in ((3, 64), (5, 64), (7, 64), (5, 1), (5, 4)):
+            assert f'aft_conv_k{kernel}_h{heads}-random-e6-s{seed}' in ids
+    assert len(ids) == 2 * (4 + 4 + 5)  # families, transfer's short runs, window and heads (k5 h64 shared)
+    only = [run.id for run in plan_runs(StudySettings(epochs=6, seeds=1, parts=('window',)))]
+    assert only == [i for i in ids if i.startswith('aft_conv_k') and i.endswith('s0')]
+
+
+def test_study_writes_a_record_per_run_the_tables_and_the_plots(finished_study):
+    out, summary = finished_study
+    ids = [run.id for run in plan_runs(TINY)]
+    assert summary['trained'] == ids and summary['skipped'] == []
+    for run_id in ids:
+        record = json.loads((out / 'runs' / f'{run_id}.json').read_text())
+        assert record['id'] == run_id and len(record['history']) == record['epochs'] == 1
+        assert 0 <= record['top1'] <= 100 and 0 <= record['top1_large'] <= 100
+        assert record['params'] > 0 and record['macs'] > 0
+    # a record says what its saved weights score, at both sizes
+    record = json.loads((out / 'runs' / 'vit-random-e1-s0.json').read_text())
+    model = timm.create_model(record['config']['model'], num_classes=10, **record['model_kwargs'])
+    model.load_state_dict(load_weights(out / 'runs' / 'vit-random-e1-s0.safetensors'))
+    val = out / 'data' / 'val'
+    assert evaluate(model, val, 16) == record['top1']
+    assert evaluate(at_size(model, 24), val, 24) == record['top1_large']
+    # the transferred runs name their source and what the transfer did
+    transferred = json.loads((out / 'runs' / 'aft_conv-vit-e1-s0.json').read_text())
+    assert transferred['init_from'] == 'vit-random-e1-s0.safetensors'
+    assert 'partially copied' in transferred['transfer'] and 'fresh     blocks.*.attn.pos_weight' in \
+        transferred['transfer']
+    table = (out / 'study.md').read_text()
+    for title in ('## Families at equal size', '## Transfer from the ViT baseline', '## AFT-conv: window and heads'):
+        assert title in table
+    assert len(summary['tables']['families']) == 4 and len(summary['tables']['window']) == 5
+    assert len(summary['tables']['transfer']) == 1 + 2 * 2  # ViT; AFT-conv, AFT-full from ViT and random (1 == 1/3)
+    rows = [line for line in table.splitlines() if line.startswith('| ') and ' ± ' in line]
+    assert len(rows) == 4 + 5 + 5
+    for name in ('families.png', 'transfer.png', 'window.png'):
+        assert (out / 'plots' / name).read_bytes()[:4] == b'\x89PNG'
+    assert json.loads((out / 'study.json').read_text())['tables'] == summary['tables']
+    assert not list(out.rglob('.*.tmp'))  # every temporary file renamed into place
+
+
+def test_second_call_skips_finished_runs(finished_study, monkeypatch):
+    out, first = finished_study
+    stamps = {path: path.stat().st_mtime_ns for path in (out / 'runs').iterdir()}
+
+    def no_training(*args, **kwargs):
+        raise AssertionError('a finished run was trained again')
+
+    monkeypatch.setattr(study, 'train', no_training)
+    again = run_study(TINY, out)
+    assert again['trained'] == [] and again['skipped'] == first['trained']
+    assert again['tables'] == first['tables']
+    assert {path: path.stat().st_mtime_ns for path in (out / 'runs').iterdir()} == stamps
+    with pytest.raises(ValueError, match='another --out-dir'):  # a record of another recipe is not reused
+        run_study(StudySettings(epochs=1, seeds=1, img_size=16, eval_img_size=24, lr=1e-3), out)
+
+
+@pytest.mark.parametrize('args, message', [
+    (['--baseline', 'vit_tiny_patch16_22'], "--baseline: unknown model 'vit_tiny_patch16_22'; did you mean"),
+    (['--img-size', '30'], '--img-size 30: 30 px is not a multiple of the patch size 4x4'),
+    (['--eval-img-size', '50'], '--eval-img-size 50: 50 px is not a multiple of the patch size 4x4'),
+    (['--seeds', '0'], '--seeds: must be >= 1, got 0'),
+    (['--parts', 'families', 'tables'], '--parts: tables: choose from families, transfer, window'),
+])
+def test_bad_configuration_is_one_line_and_writes_nothing(tmp_path, capsys, args, message):
+    out = tmp_path / 'study'
+    assert cli_main(['study', *args, '--out-dir', str(out)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count('\n') == 1
+    assert not out.exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Position-bias and key maps (``aft_vision.tasks.visualize``, ``aft-vision show-bias / show-keys``).
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+PNG_MAGIC = b'\x89PNG\r\n\x1a\n'
+
+
+@pytest.fixture(scope='module')
+def conv_model(trained_like):
+    torch.manual_seed(0)
+    return trained_like(timm.create_model('aft_conv_test'))
+
+
+@pytest.fixture(scope='module')
+def image():
+    return torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+
+
+def _is_png(path) -> bool:
+    return path.is_file() and path.read_bytes()[:8] == PNG_MAGIC
+
+
+def _reference_keys(model, image):
+    """Keys of every block computed by hand: tokens -> norm1 -> qkv -> key slice, then the block itself."""
+    keys = []
+    with torch.no_grad():
+        x = model.patch_embed(image)
+        if hasattr(model, '_pos_embed'):  # AFT-full / simple ViT: class token and position embedding
+            x, _ = model._pos_embed(x)
+        for block in model.blocks:
+            qkv = block.attn.qkv(block.norm1(x))
+            dim = block.attn.dim
+            if isinstance(block.attn, AFTConv2d):
+                keys.append(qkv[0, ..., dim:dim + block.attn.num_heads].permute(2, 0, 1))  # (h, H, W)
+            else:
+                grid = model.patch_embed.grid_size
+                k = qkv[0, model.num_prefix_tokens:, dim:2 * dim]  # (H * W, C)
+                keys.append(k.view(grid[0], grid[1], dim).permute(2, 0, 1))  # (C, H, W)
+            x = block(x)
+    return torch.stack(keys).numpy()
+
+
+def test_position_bias_maps_are_exp_w_minus_one(conv_model):
+    maps = visualize.position_bias_maps(conv_model)
+    assert maps.shape == (4, 8, 5, 5) and maps.dtype == np.float32
+    for layer, block in enumerate(conv_model.blocks):
+        expected = torch.exp(block.attn.effective_bias().detach()) - 1
+        np.testing.assert_allclose(maps[layer], expected.numpy(), rtol=1e-5, atol=1e-6)
+    assert np.abs(maps).max() > 0.1
+    assert visualize.position_bias_maps(conv_model, num_heads=3).shape == (4, 3, 5, 5)
+    assert not conv_model.training
+
+
+def test_position_bias_maps_of_fresh_model_are_zero():
+    model = timm.create_model('aft_conv_test').train()
+    maps = visualize.position_bias_maps(model)
+    assert np.count_nonzero(maps) == 0  # gamma = beta = 0 (Eq. 8): AFT-simple
+    assert model.training  # mode restored
+
+
+def test_position_bias_for_query_is_exp_w_row():
+    torch.manual_seed(0)
+    model = timm.create_model('aft_full_test').eval()
+    grid = model.patch_embed.grid_size  # (8, 8), 1 class token
+    maps = visualize.position_bias_for_query(model, (2, 5))
+    assert maps.shape == (4, *grid)
+    for layer, block in enumerate(model.blocks):
+        w = block.attn.position_bias().detach()  # (1 + 64, 1 + 64)
+        expected = torch.exp(w[1 + 2 * grid[1] + 5, 1:]).view(grid)
+        np.testing.assert_allclose(maps[layer], expected.numpy(), rtol=1e-5)
+    cls_maps = visualize.position_bias_for_query(model, None)
+    np.testing.assert_allclose(cls_maps[0], torch.exp(model.blocks[0].attn.position_bias()[0, 1:]).view(grid)
+                               .detach().numpy(), rtol=1e-5)
+    with pytest.raises(ValueError, match='off the 8 x 8'):
+        visualize.position_bias_for_query(model, (8, 0))
+
+
+def test_bias_functions_name_the_wrong_family(conv_model):
+    simple = timm.create_model('aft_simple_test')
+    with pytest.raises(ValueError, match='no AFT-conv layer'):
+        visualize.position_bias_maps(simple)
+    with pytest.raises(ValueError, match='no AFT-full layer'):
+        visualize.position_bias_for_query(conv_model, (0, 0))
+
+
+def test_key_maps_conv_equal_qkv_key_slice(conv_model, image):
+    keys = visualize.key_maps(conv_model, image)
+    assert keys.shape == (4, 8, 8, 8)  # (layers, heads, 64 / 8, 64 / 8)
+    np.testing.assert_allclose(keys, _reference_keys(conv_model, image), rtol=1e-5, atol=1e-6)
+    assert visualize.key_maps(conv_model, image[0], num_maps=2).shape == (4, 2, 8, 8)  # (C, H, W) accepted
+
+
+@pytest.mark.parametrize('name', ['aft_full_test', 'aft_simple_test'])
+def test_key_maps_vit_equal_qkv_key_slice(name, image):
+    torch.manual_seed(0)
+    model = timm.create_model(name).eval()
+    keys = visualize.key_maps(model, image, num_maps=5)
+    assert keys.shape == (4, 5, 8, 8)  # first 5 of the 64 key channels
+    np.testing.assert_allclose(keys, _reference_keys(model, image)[:, :5], rtol=1e-5, atol=1e-6)
+
+
+def test_key_maps_rejects_a_batch(conv_model):
+    with pytest.raises(ValueError, match='one image'):
+        visualize.key_maps(conv_model, torch.randn(2, 3, 64, 64))
+
+
+def test_plots_write_png_and_refuse_overwrite(conv_model, image, tmp_path):
+    bias_png = visualize.plot_position_bias(visualize.position_bias_maps(conv_model), tmp_path / 'bias.png')
+    assert _is_png(bias_png)
+    full = timm.create_model('aft_full_test')
+    query_png = visualize.plot_position_bias(visualize.position_bias_for_query(full, (3, 3)), tmp_path / 'q.png',
+                                             query=(3, 3))
+    assert _is_png(query_png)
+    keys_png = visualize.plot_key_maps(visualize.key_maps(conv_model, image), tmp_path / 'keys.png',
+                                       image=np.random.rand(64, 64, 3))
+    assert _is_png(keys_png)
+
+    before = bias_png.read_bytes()
+    with pytest.raises(FileExistsError, match='exists'):
+        visualize.plot_position_bias(np.zeros((1, 1, 3, 3)), bias_png)
+    assert bias_png.read_bytes() == before
+    visualize.plot_position_bias(np.zeros((1, 1, 3, 3)), bias_png, force=True)
+    assert _is_png(bias_png) and bias_png.read_bytes() != before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['bias.png', 'keys.png', 'q.png']  # no temp files left
+    with pytest.raises(ValueError, match='.png'):
+        visualize.plot_key_maps(np.zeros((1, 1, 2, 2)), tmp_path / 'keys.jpg')
+
+
+def test_missing_matplotlib_names_the_extra(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, 'matplotlib', None)
+    monkeypatch.setitem(sys.modules, 'matplotlib.figure', None)
+    with pytest.raises(ImportError, match=r'aft-vision\[demo\]'):
+        visualize.plot_position_bias(np.zeros((1, 1, 3, 3)), tmp_path / 'b.png')
+    assert main(['show-bias', '--model', 'aft_conv_test', '--out', str(tmp_path / 'b.png')]) == 2
+    assert not (tmp_path / 'b.png').exists()
+
+
+def test_cli_show_bias_from_checkpoint(conv_model, tmp_path, capsys):
+    ckpt = tmp_path / 'w.safetensors'
+    save_weights(conv_model.state_dict(), ckpt)
+    out = tmp_path / 'bias.png'
+    args = ['show-bias', '--model', 'aft_conv_test', '--checkpoint', str(ckpt), '--heads', '4', '--out', str(out)]
+    assert main(args) == 0
+    assert _is_png(out) and 'wrote' in capsys.readouterr().out
+    assert main(args) == 2  # refuses to overwrite
+    assert 'exists' in capsys.readouterr().err
+    assert main(args + ['--force', '--log-scale']) == 0
+    # a checkpoint built with other model arguments: --model-kwargs
+    other = timm.create_model('aft_conv_test', kernel_size=7)
+    save_weights(other.state_dict(), tmp_path / 'k7.safetensors')
+    k7 = ['show-bias', '--model', 'aft_conv_test', '--checkpoint', str(tmp_path / 'k7.safetensors'),
+          '--out', str(tmp_path / 'k7.png')]
+    assert main(k7) == 2 and 'pos_weight' in capsys.readouterr().err  # shape mismatch named
+    assert main(k7 + ['--model-kwargs', 'kernel_size=7']) == 0
+
+
+def test_cli_show_bias_full_and_simple(tmp_path, capsys):
+    assert main(['show-bias', '--model', 'aft_full_test', '--query', '1', '2', '--out', str(tmp_path / 'f.png')]) == 0
+    assert _is_png(tmp_path / 'f.png') and 'query (1, 2)' in capsys.readouterr().out
+    assert main(['show-bias', '--model', 'aft_simple_test', '--out', str(tmp_path / 's.png')]) == 2
+    assert 'no position bias' in capsys.readouterr().err
+
+
+def test_cli_show_keys(tmp_path, capsys):
+    picture = tmp_path / 'cat.png'
+    Image.fromarray((np.random.default_rng(0).random((40, 50, 3)) * 255).astype(np.uint8)).save(picture)
+    out = tmp_path / 'keys.png'
+    assert main(['show-keys', '--model', 'aft_conv_test', str(picture), '--img-size', '32', '--out', str(out)]) == 0
+    assert _is_png(out) and 'keys [4, 8, 4, 4]' in capsys.readouterr().out  # 32 px / patch 8
+    assert main(['show-keys', '--model', 'aft_conv_test', str(picture), '--out', str(out)]) == 2
+    assert main(['show-keys', '--model', 'aft_conv_test', str(tmp_path / 'none.png'), '--out',
+                 str(tmp_path / 'k2.png')]) == 2
+    assert 'not found' in capsys.readouterr().err
