@@ -26,10 +26,10 @@ import torch
 from timm.models import parse_model_name, save_for_hf
 
 from ..checkpoints.files import atomic_dir, load_weights, sha256sum
-from .data_config import CROP_MODES, INTERPOLATIONS, resolve_publish_data_config
-from .records import DATA_CONFIG_KEYS, TrainingRecord, _read_json_object, read_training_record, source_architecture
 from ..checkpoints.transfer import select_weights
 from ..version import __version__
+from .data_config import CROP_MODES, INTERPOLATIONS, resolve_publish_data_config
+from .records import DATA_CONFIG_KEYS, TrainingRecord, _read_json_object, read_training_record, source_architecture
 
 __all__ = ['build_hub_folder', 'publish', 'load_checkpoint_into', 'model_from_checkpoint', 'source_architecture',
            'read_training_record', 'resolve_publish_data_config', 'TrainingRecord', 'DATA_CONFIG_KEYS', 'CROP_MODES',

@@ -3,10 +3,10 @@ training resolution and a larger one, publish it as a Hub folder, reload it thro
 also through timm's standard data config (``resolve_data_config({}, model=...)``) that every timm client uses.
 
 ``run(ClassifySettings(...))``; from the command line ``aft-vision train`` or ``python -m aft_vision.train``
-(``bash scripts/run.sh``). ``--data-dir`` takes any ImageFolder with ``train/`` and
-``val/``, ``--model`` any registered AFT model, or any timm model that takes the image size (a ViT baseline of the
-same width, depth, patch and MLP ratio trains under the identical recipe). ``--init-from`` starts from saved weights:
-the model's own, or a ViT / DeiT checkpoint mapped onto an AFT model by ``transfer_vit_weights``.
+(``bash scripts/run.sh``). ``data_dir`` (``--data-dir``) takes any ImageFolder with ``train/`` and ``val/``, ``model``
+any registered AFT model, or any timm model that takes the image size (a ViT baseline of the same width, depth, patch
+and MLP ratio trains under the identical recipe). ``init_from`` starts from saved weights: the model's own, or a ViT /
+DeiT checkpoint mapped onto an AFT model by ``transfer_vit_weights``.
 
 Distributed data parallel under ``torchrun --nproc_per_node=N -m aft_vision.train ...`` (gloo on CPU, NCCL on CUDA):
 each process trains on its shard of the training set (``DistributedSampler``) with ``--batch-size`` images per step;
@@ -36,10 +36,10 @@ from torchvision.datasets import ImageFolder
 from tqdm import tqdm
 
 from ..checkpoints.files import load_weights, save_figure, save_weights
+from ..checkpoints.transfer import TransferReport, is_vit_state_dict, transfer_vit_weights, unwrap_state_dict
 from ..hub import publish, source_architecture
 from ..models import check_pretrained, create_aft_model
 from .regularizers import position_bias_entropy
-from ..checkpoints.transfer import TransferReport, is_vit_state_dict, transfer_vit_weights, unwrap_state_dict
 
 # A small AFT-conv for 32 x 32 digits: patch 4 -> an 8 x 8 token grid, a 15 x 15 window (the whole grid), 8 heads.
 DIGITS_MODEL = dict(patch_size=4, embed_dim=64, depth=4, num_heads=8, kernel_size=15, mlp_ratio=2.)

@@ -32,9 +32,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
 
 from ..checkpoints.files import load_weights, save_figure, save_weights
+from ..checkpoints.transfer import transfer_vit_weights
 from ..models import create_aft_model
 from .classify import DIGITS_MODEL, ClassifySettings, at_size, check_model_and_sizes, evaluate, train, write_digits
-from ..checkpoints.transfer import transfer_vit_weights
 
 __all__ = ['Config', 'Run', 'StudySettings', 'PARTS', 'plan_runs', 'check_settings', 'run_study']
 
