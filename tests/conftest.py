@@ -10,8 +10,10 @@ that look at the whole.
 * aft_reference.py: not a test; the float64 reference and rounding bound above, and the operator cases shared by the
   layer and export tests.
 * floor_check.py: not a test; the script test_dependency_floors.py runs on the declared minimum dependencies.
+* triton_check.py: not a test; the Triton kernel's cases, run by Triton's interpreter in a subprocess of
+  test_layers.py, whose tests also take the cases from it.
 * test_layers.py: the operators and modules against the reference; the depthwise backward; the CUDA behaviour on the
-  CPU; property-based tests; the Triton kernel in Triton's interpreter; the one-hot AFT-conv.
+  CPU; property-based tests; the Triton kernel (``triton_check.py`` in Triton's interpreter); the one-hot AFT-conv.
 * test_checkpoints.py: weight files (safetensors or tensor-only pickles, atomic writes), the DeiT -> AFT transfer,
   training checkpoints, and every entry point that reads weights refusing bad files.
 * test_models.py: the zoo against timm's model contract and the paper (Tables 7 and 8), reliability, the feature

@@ -32,6 +32,7 @@ from aft_vision.layers.aft_conv_onehot import AFTConv2dOneHot, aft_conv2d_onehot
 from aft_vision.layers.depthwise_mix import depthwise_conv_backward
 from aft_vision.layers.dispatch import DEPTHWISE_BACKWARD_METHODS, choose_depthwise_backward, depthwise_backward
 from aft_vision.layers.policy import get_device_policy
+from triton_check import CASES, HALF_CASES, make_inputs, ratios, reference_and_bound
 
 # ---------------------------------------------------------------------------------------------------------------------
 # AFT operators and modules against a plain float64 reference written from the paper's equations.
@@ -970,131 +971,24 @@ def test_each_image_is_independent_of_its_batch(op):
 # The fused windowed AFT-conv Triton kernel (``aft_vision/layers/aft_conv_triton.py``) against a float64 reference.
 #
 # On a CPU-only machine the kernel runs under Triton's interpreter, which must be switched on (``TRITON_INTERPRET=1``)
-# before triton builds the kernels: the cases below therefore run in one subprocess, started by a module fixture, that
-# executes this file as a script and prints, per case, the largest ratio of each result's error to its rounding bound
-# as JSON. The reference and the bound are ``aft_reference.py``'s (the float64 definition of Eq. 6, and per entry
-# ``gamma_n`` times the magnitude of the terms summed plus the exp arguments' rounding, for the split form this kernel
-# evaluates); under the interpreter ``tl.dot`` is a numpy product, so the summation order is OpenBLAS's and changes
-# with the CPU and ``OPENBLAS_CORETYPE``, which the bound allows for. ``MUTATIONS`` (a key dropped, the global term off
-# by one position, the window read one offset off) must each fail the same check.
+# before triton builds the kernels: the cases therefore run in one subprocess, started by a module fixture, that
+# executes ``triton_check.py`` (the cases and the float64 comparisons) and prints, per case, the largest ratio of each
+# result's error to its rounding bound as JSON. The reference and the bound are ``aft_reference.py``'s (the float64
+# definition of Eq. 6, and per entry ``gamma_n`` times the magnitude of the terms summed plus the exp arguments'
+# rounding, for the split form this kernel evaluates); under the interpreter ``tl.dot`` is a numpy product, so the
+# summation order is OpenBLAS's and changes with the CPU and ``OPENBLAS_CORETYPE``, which the bound allows for.
+# ``MUTATIONS`` (a key dropped, the global term off by one position, the window read one offset off) must each fail
+# the same check.
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-# name: (batch, height, width, channels, heads, kernel size, key scale, bias scale, seed)
-CASES = {
-    'borders_5x7_s3': (2, 5, 7, 4, 2, 3, 1.0, 1.0, 0),
-    'window_larger_than_map_s15_4x6': (2, 4, 6, 4, 2, 15, 1.0, 1.0, 1),
-    'one_head': (2, 5, 5, 3, 1, 3, 1.0, 1.0, 2),
-    'head_per_channel': (2, 6, 5, 4, 4, 5, 1.0, 1.0, 3),
-    'kernel_1_non_square': (2, 3, 9, 4, 2, 1, 1.0, 1.0, 4),
-    'tiles_and_channel_blocks_10x9': (3, 10, 9, 44, 1, 3, 1.0, 1.0, 5),
-    'map_1x1_s3': (2, 1, 1, 2, 1, 3, 1.0, 1.0, 6),
-    'key_scale_20_bias_scale_3': (2, 5, 6, 4, 2, 3, 20.0, 3.0, 7),
-    'kernel_31_3x5': (1, 3, 5, 2, 1, 31, 1.0, 1.0, 8),
-}
-# Extreme keys and biases (a bias range below ~87, where the denominator cannot underflow): finite, not exact.
-EXTREME = (2, 6, 7, 4, 2, 5, 1e4, 40.0, 9)
-HALF_CASES = ['borders_5x7_s3', 'window_larger_than_map_s15_4x6', 'key_scale_20_bias_scale_3']
 TIMEOUT_S = 300
 # On a 1 x 1 map every AFT variant returns sigmoid(q) * v whatever the weights: only a dropped key changes anything.
 EQUIVALENT_MUTANTS = {('map_1x1_s3', 'global_term_off_by_one'), ('map_1x1_s3', 'window_offset_shifted')}
 
 
-def make_inputs(batch, height, width, channels, num_heads, ksize, key_scale, bias_scale, seed, device='cpu',
-                dtype=torch.float64):
-    """Seeded q, v (B, H, W, C), k (B, H, W, h), w (h, s, s) and an upstream gradient, rounded to ``dtype``."""
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, height, width, channels, generator=gen, dtype=torch.float64)
-    k = key_scale * torch.randn(batch, height, width, num_heads, generator=gen, dtype=torch.float64)
-    v = torch.randn(batch, height, width, channels, generator=gen, dtype=torch.float64)
-    w = bias_scale * torch.randn(num_heads, ksize, ksize, generator=gen, dtype=torch.float64)
-    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(123), dtype=torch.float64)
-    return [t.to(device=device, dtype=dtype) for t in (q, k, v, w, grad_out)]
-
-
-def _reference_and_bound(case, dtype):
-    """The float64 results on the ``dtype``-rounded inputs (the kernel's error, not the inputs' rounding) and their
-    bounds for the split form, accumulated in float32 with operands in ``dtype``."""
-    q, k, v, w, grad_out = make_inputs(*case, dtype=dtype)
-    problem = ref.conv_problem(q, k, v, w)
-    return problem, grad_out, ref.evaluate(problem, grad_out), ref.bound(
-        problem, grad_out, 'split', torch.float32, dtype)
-
-
-def _ratios(case, device='cpu', dtype=torch.float32):
-    """Largest error-to-bound ratio of the kernel's output and q / k / v / w gradients (inputs in ``dtype``)."""
-    from aft_vision.layers.aft_conv_triton import aft_conv2d_triton
-    _, grad_out, expected, bounds = _reference_and_bound(case, dtype)
-    inputs = [t.to(device).requires_grad_(True) for t in make_inputs(*case, dtype=dtype)[:4]]
-    out = aft_conv2d_triton(*inputs)
-    grads = torch.autograd.grad(out, inputs, grad_out.to(device))
-    results = {name: t.cpu() for name, t in zip(['out', 'dq', 'dk', 'dv', 'dw'], (out,) + grads)}
-    return dict(ref.excess(results, expected, bounds), dtype=str(out.dtype), shape=list(out.shape))
-
-
 def _check(result, label):
     ref.assert_ratios({key: result[key] for key in ['out', 'dq', 'dk', 'dv', 'dw']}, label)
-
-
-def _finite(case):
-    """Whether the kernel's output and gradients are finite for keys and biases of large magnitude."""
-    from aft_vision.layers.aft_conv_triton import aft_conv2d_triton
-    q, k, v, w, _ = make_inputs(*case)
-    w = case[7] * (2.0 * torch.rand(w.shape, generator=torch.Generator().manual_seed(case[8]), dtype=w.dtype) - 1.0)
-    tri_in = [t.float().requires_grad_(True) for t in (q, k, v, w)]
-    out = aft_conv2d_triton(*tri_in)
-    grads = torch.autograd.grad(out.sum(), tri_in)
-    return all(bool(torch.isfinite(t).all()) for t in (out,) + grads)
-
-
-def _wiring(case):
-    """``aft_conv2d(..., method='triton')`` against this kernel called directly."""
-    from aft_vision.layers import functional
-    from aft_vision.layers.aft_conv_triton import aft_conv2d_triton
-    inputs = make_inputs(*case, dtype=torch.float32)[:4]
-    routed = functional.aft_conv2d(*inputs, method='triton')
-    return (routed - aft_conv2d_triton(*inputs)).abs().max().item()
-
-
-def _whole_model():
-    """A small registered model with ``mixer_kwargs={'method': 'triton'}``, and the same weights on the dense and conv
-    methods in float32, each against the dense method in float64: per method, the largest error of the output and of
-    every parameter gradient, relative to that tensor's largest float64 entry."""
-    import timm
-    torch.manual_seed(0)
-    kwargs = dict(img_size=48, num_classes=5, patch_size=8, kernel_size=5)
-    methods = ('triton', 'dense', 'conv', 'exact')
-    models = {method: timm.create_model('aft_conv_test', mixer_kwargs={'method': 'dense' if method == 'exact' else
-                                                                       method}, **kwargs) for method in methods}
-    for name, param in models['triton'].named_parameters():  # a trained-looking bias (Eq. 8's gamma and beta start 0)
-        if 'pos_gamma' in name or 'pos_beta' in name:
-            torch.nn.init.normal_(param)
-    for method in methods[1:]:
-        models[method].load_state_dict(models['triton'].state_dict())
-    models['exact'].double()
-    images = torch.randn(2, 3, 48, 48, dtype=torch.float64)
-    tensors = {}
-    for method, model in models.items():
-        out = model(images.to(next(model.parameters()).dtype))
-        out.square().sum().backward()
-        tensors[method] = [out] + [p.grad for p in model.parameters()]
-    exact = tensors.pop('exact')
-    return {method: max(((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-300)).item()
-                        for got, want in zip(got_all, exact)) for method, got_all in tensors.items()}
-
-
-def _main():
-    """Run every case (call with TRITON_INTERPRET=1 on CPU) and print the results as one JSON line."""
-    lazy = 'aft_vision.layers.aft_conv_triton' not in sys.modules
-    torch.manual_seed(0)
-    results = {name: _ratios(case) for name, case in CASES.items()}
-    # float16 is faithful under the interpreter (bfloat16 tl.dot is not): it covers the half-operand path
-    results['_float16'] = {name: _ratios(CASES[name], dtype=torch.float16) for name in HALF_CASES}
-    results['_lazy_import'] = lazy
-    results['_extreme_finite'] = _finite(EXTREME)
-    results['_wiring'] = _wiring(CASES['borders_5x7_s3'])
-    results['_model'] = _whole_model()
-    print('RESULTS ' + json.dumps(results))
 
 
 @pytest.fixture(scope='module')
@@ -1102,8 +996,9 @@ def interpreter_results():
     pytest.importorskip('triton')
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, TRITON_INTERPRET='1', PYTHONPATH=root + os.pathsep + os.environ.get('PYTHONPATH', ''))
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=root, capture_output=True,
-                          text=True, timeout=TIMEOUT_S)
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'triton_check.py')
+    proc = subprocess.run([sys.executable, script], env=env, cwd=root, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
     lines = [line for line in proc.stdout.splitlines() if line.startswith('RESULTS ')]
     assert proc.returncode == 0 and lines, f'interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}'
     return json.loads(lines[-1][len('RESULTS '):])
@@ -1130,7 +1025,7 @@ MUST_FAIL = [(name, dtype, mutation) for dtype, names in ((torch.float32, CASES)
 @pytest.mark.parametrize('name,dtype,mutation', MUST_FAIL)
 def test_the_bound_rejects_a_wrong_kernel(name, dtype, mutation):
     """A kernel with this defect, returning its exact float64 result rounded to ``dtype``, fails ``_check``."""
-    problem, grad_out, expected, bounds = _reference_and_bound(CASES[name], dtype)
+    problem, grad_out, expected, bounds = reference_and_bound(CASES[name], dtype)
     wrong = {key: t.to(dtype) for key, t in ref.evaluate(problem, grad_out, mutation).items()}
     with pytest.raises(AssertionError, match='its rounding bound'):
         _check(ref.excess(wrong, expected, bounds), f'{name} {mutation} (must fail)')
@@ -1235,7 +1130,7 @@ def _cuda_ready():
 def test_cuda_float32_matches_float64_reference(name):
     if not _cuda_ready():
         pytest.skip('triton is missing or TRITON_INTERPRET=1 is set')
-    _check(_ratios(CUDA_CASES[name], device='cuda', dtype=torch.float32), name)
+    _check(ratios(CUDA_CASES[name], device='cuda', dtype=torch.float32), name)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason=CUDA_REASON)
@@ -1245,7 +1140,7 @@ def test_cuda_float32_matches_float64_reference(name):
 def test_cuda_half_matches_float64_reference(name, dtype):
     if not _cuda_ready():
         pytest.skip('triton is missing or TRITON_INTERPRET=1 is set')
-    result = _ratios(CUDA_CASES[name], device='cuda', dtype=dtype)
+    result = ratios(CUDA_CASES[name], device='cuda', dtype=dtype)
     assert result['dtype'] == str(dtype)
     _check(result, name)
 
@@ -1368,7 +1263,3 @@ def test_onehot_operator_names_bad_inputs(shapes, index, match):
     q, k, v, w = (torch.randn(shape) for shape in shapes)
     with pytest.raises(ValueError, match=match):
         aft_conv2d_onehot(q, k, v, w, torch.zeros(index, dtype=torch.long))
-
-
-if __name__ == '__main__':  # the Triton interpreter's run (interpreter_results)
-    _main()
