@@ -25,7 +25,8 @@ that look at the whole.
 * test_bench.py: ``aft-vision bench`` end to end on tiny models (JSON fields, tables, plot, ``--ops``).
 * test_tasks.py: the main job, DDP on the CPU, the ViT baseline and the transfer into a fine-tuning run; the segment
   job; ``aft-vision study``; position-bias and key maps.
-* test_cli.py: every option of every subcommand checked before it starts; ``predict``; ``python -m aft_vision.run``.
+* test_cli.py: every option of every subcommand checked before it starts; ``predict``; ``python -m aft_vision.run``;
+  timm's ``--device-modules aft_vision.timm_sparsity``.
 * test_imports.py: the package's import graph has no circles, and each part imports only the floors below it.
 * test_docs.py: README.md and docs/*.md against the code (code blocks run, commands parsed, links resolved).
 * test_dependency_floors.py: the package runs on the minimum timm, huggingface_hub and safetensors of setup.cfg.

@@ -3,8 +3,10 @@
 * Every option of every subcommand is checked before the subcommand starts (one line, exit 2).
 * ``aft-vision predict`` on real image files, a broken one among them.
 * ``python -m aft_vision.run SCRIPT ARGS`` runs the script with the AFT models registered.
+* timm ``train.py``'s ``--device-modules aft_vision.timm_sparsity`` registers the models and the regulariser.
 """
 import argparse
+import os
 import subprocess
 import sys
 
@@ -317,3 +319,15 @@ def test_missing_script_is_a_one_line_error(tmp_path):
     done = subprocess.run([sys.executable, '-m', 'aft_vision.run', str(tmp_path / 'nope.py')],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and 'script not found' in done.stderr and 'Traceback' not in done.stderr
+
+
+def test_timm_device_modules_hook_registers_the_models_and_the_regulariser():
+    """timm ``train.py --device-modules aft_vision.timm_sparsity`` imports the module by name: in a fresh process that
+    registers the AFT models and makes timm's classification task add ``AFT_SPARSITY_WEIGHT`` x the Eq. 9 entropy."""
+    code = ("import importlib, timm; importlib.import_module('aft_vision.timm_sparsity'); "
+            "from timm.task import ClassificationTask; "
+            "print(timm.is_model('aft_conv_test'), ClassificationTask.forward.__doc__.splitlines()[-1])")
+    done = subprocess.run([sys.executable, '-c', code], env=dict(os.environ, AFT_SPARSITY_WEIGHT='0.25'),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == 'True (aft_vision: the loss includes 0.25 x the Eq. 9 entropy.)'
