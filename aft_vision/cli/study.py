@@ -1,8 +1,10 @@
 """``aft-vision study``: the paper's claims checked on the digits over seeds (``tasks.study``)."""
 import argparse
+import dataclasses
 from pathlib import Path
 
 from ..tasks.study import PARTS, StudySettings, render_markdown, run_study
+from .args import settings_from
 
 HELP = 'families, DeiT/ViT transfer, window and heads on the digits, over seeds (resumable; tables and plots)'
 
@@ -27,9 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run or resume the study, print the tables."""
-    settings = StudySettings(epochs=args.epochs, seeds=args.seeds, parts=tuple(args.parts), img_size=args.img_size,
-                             eval_img_size=args.eval_img_size, batch_size=args.batch_size, lr=args.lr,
-                             baseline=args.baseline)
+    settings = dataclasses.replace(settings_from(StudySettings, args), parts=tuple(args.parts))
     summary = run_study(settings, Path(args.out_dir))
     print(render_markdown(summary))
     print(f'trained {len(summary["trained"])} runs, {len(summary["skipped"])} found finished; wrote '

@@ -49,20 +49,26 @@ def convert_openvino(model: torch.nn.Module, example: torch.Tensor):
         return ov.convert_model(model, example_input=example)
 
 
-def float_convolutions(path: os.PathLike) -> List[str]:
-    """Names of the grouped (depthwise) convolutions of an ONNX file: AFT's window convolutions, kept in float."""
+def _graph(path: os.PathLike):
     import onnx
 
-    graph = onnx.load(str(path), load_external_data=False).graph
+    return onnx.load(str(path), load_external_data=False).graph
+
+
+def _grouped_convolutions(graph) -> List[str]:
     return [node.name for node in graph.node if node.op_type == 'Conv'
             and any(attr.name == 'group' and attr.i > 1 for attr in node.attribute)]
+
+
+def float_convolutions(path: os.PathLike) -> List[str]:
+    """Names of the grouped (depthwise) convolutions of an ONNX file: AFT's window convolutions, kept in float."""
+    return _grouped_convolutions(_graph(path))
 
 
 def quantize_onnx(src: os.PathLike, dst: os.PathLike, batches: Sequence[np.ndarray]) -> None:
     """INT8 ONNX file ``dst`` from ``src`` by onnxruntime's ``quantize_static``: QDQ, per-channel signed weights,
     signed activations calibrated (min-max) on ``batches`` (N, 3, H, W); MatMul, Gemm and Conv quantized, the
     grouped convolutions (``float_convolutions``) and every element-wise node left in float."""
-    import onnxruntime
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 
     class Reader(CalibrationDataReader):
@@ -74,11 +80,12 @@ def quantize_onnx(src: os.PathLike, dst: os.PathLike, batches: Sequence[np.ndarr
         def get_next(self):
             return next(self.items, None)
 
-    name = onnxruntime.InferenceSession(str(src), providers=['CPUExecutionProvider']).get_inputs()[0].name
-    reader = Reader(name)
-    quantize_static(str(src), str(dst), reader, quant_format=QuantFormat.QDQ, per_channel=True,
+    graph = _graph(src)
+    weights = {tensor.name for tensor in graph.initializer}
+    name = next(value.name for value in graph.input if value.name not in weights)  # the image input
+    quantize_static(str(src), str(dst), Reader(name), quant_format=QuantFormat.QDQ, per_channel=True,
                     activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
-                    op_types_to_quantize=['MatMul', 'Gemm', 'Conv'], nodes_to_exclude=float_convolutions(src))
+                    op_types_to_quantize=['MatMul', 'Gemm', 'Conv'], nodes_to_exclude=_grouped_convolutions(graph))
 
 
 def quantize_openvino(ov_model, batches: Sequence[np.ndarray]):

@@ -1,6 +1,6 @@
 """The study: the paper's comparisons (Tables 7-10 of Zhai et al. 2021) checked on scikit-learn's digits.
 
-``aft-vision study`` trains every configuration below with the main job's recipe (``aft_vision.train``: data,
+``aft-vision study`` trains every configuration below with the main job's recipe (``tasks.classify``: data,
 augmentation, AdamW, cosine schedule, label smoothing) over several seeds, on the main job's 8 x 8 token map
 (patch 4 at 32 px), and reports held-out top-1 at the training size and at a larger one, parameters and MACs:
 
@@ -168,17 +168,15 @@ def check_settings(settings: StudySettings) -> Dict[str, Dict]:
     return kwargs
 
 
-def _write_json(path: Path, data: Dict) -> None:
-    """Write JSON through a temporary sibling, so a record is either whole or absent."""
-    temp = path.with_name(f'.{path.name}.tmp')
-    temp.write_text(json.dumps(data, indent=2))
-    os.replace(temp, path)
-
-
 def _write_text(path: Path, text: str) -> None:
+    """Write through a temporary sibling, so a file (a run's record) is either whole or absent."""
     temp = path.with_name(f'.{path.name}.tmp')
     temp.write_text(text)
     os.replace(temp, path)
+
+
+def _write_json(path: Path, data: Dict) -> None:
+    _write_text(path, json.dumps(data, indent=2))
 
 
 def count_macs(model_name: str, model_kwargs: Dict, img_size: int, num_classes: int) -> int:
@@ -217,7 +215,7 @@ def _train_run(run: Run, model_kwargs: Dict, settings: StudySettings, data_dir: 
         'history': history, 'threads': torch.get_num_threads(),
     }
     if source is not None:
-        _, report = transfer_vit_weights(load_weights(source), model)  # what the start copied, for the record
+        _, report = transfer_vit_weights(init_weights, model)  # what the start copied, for the record
         record.update(init_from=source.name, transfer=report.summary())
     record['weights_sha256'] = save_weights(model.state_dict(), runs_dir / f'{run.id}.safetensors', force=True)
     record['wall_seconds'] = round(time.perf_counter() - start, 1)
