@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from timm.layers import get_channel_dim, get_spatial_dim, set_layer_config
+from timm.layers import get_channel_dim, get_spatial_dim, resize_rel_pos_bias_table_simple, set_layer_config
 from torch import nn
 
 import aft_reference
@@ -36,7 +36,7 @@ import aft_reference as ref
 import aft_vision  # noqa: F401  registers the models
 import aft_vision.models  # noqa: F401  registers the aft_* models
 from aft_vision.checkpoints import save_weights
-from aft_vision.layers import AFTConv2d
+from aft_vision.layers import AFTConv2d, scaled_kernel_size
 from aft_vision.layers.aft_conv_onehot import AFTConv2dOneHot, convert_to_onehot
 from aft_vision.models import SimpleFeaturePyramid
 from aft_vision.models.aft_conv import AFTConvTransformer
@@ -561,6 +561,92 @@ def test_checkpoint_filter_resamples_the_patch_kernel(name):
     for key, tensor in loaded.state_dict().items():
         torch.testing.assert_close(tensor, resized[key], rtol=0, atol=1e-6, msg=key)
     assert resized['patch_embed.proj.weight'].shape[-2:] == (4, 4)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# AFT-conv at another input size: its windows kept, resampled by the size ratio, or its patch resized (resize_mode)
+
+
+def _trained_conv(**kwargs) -> AFTConvTransformer:
+    """aft_conv_test with every Eq. 8 parameter drawn, so that every window offset, gamma and beta matters."""
+    torch.manual_seed(0)
+    model = _create('aft_conv_test', **kwargs).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if '.attn.pos_' in name:
+                param.normal_()
+    return model
+
+
+@pytest.mark.parametrize('kernel, ratio, expected', [
+    (15, 1.5, 23), (5, 1.5, 7), (15, 2.0, 31), (15, 0.75, 11), (5, 0.5, 3), (1, 0.5, 1), (5, 1.0, 5), (25, 384 / 224, 43)])
+def test_scaled_kernel_size_is_the_nearest_odd_window(kernel, ratio, expected):
+    assert scaled_kernel_size(kernel, ratio) == expected
+
+
+@pytest.mark.parametrize('mode', ['keep', 'window', 'patch'])
+def test_a_resize_to_the_same_size_changes_no_bit(mode):
+    model = _trained_conv()
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    model.set_input_size(img_size=64, resize_mode=mode)
+    for block in model.blocks:
+        block.attn.resize_window(5)
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(before[key], after[key]) for key in before)
+
+
+def test_window_resize_stretches_the_eq8_bias_as_timms_table_resize():
+    """The reparameterised bias after the resize is timm's bicubic stretch of the bias before it, in float64 to the
+    rounding of a few operations on numbers of the bias' size; the centre offset keeps its value."""
+    model = _trained_conv().double()
+    biases = [block.attn.dense_bias().detach() for block in model.blocks]  # (8, 5, 5) each
+    model.set_input_size(img_size=96, resize_mode='window')  # 1.5x: 5 x 5 -> 7 x 7
+    for block, bias in zip(model.blocks, biases):
+        assert block.attn.kernel_size == 7 and block.attn.pos_weight.shape == (8, 7, 7)
+        expected = resize_rel_pos_bias_table_simple(bias, (4, 4), (8, 7, 7))
+        scale = float(expected.abs().max()) + 1.0
+        torch.testing.assert_close(block.attn.dense_bias().detach(), expected, rtol=0, atol=1e-12 * scale)
+        torch.testing.assert_close(expected[:, 3, 3], bias[:, 2, 2], rtol=0, atol=1e-12 * scale)
+    assert model(torch.randn(1, 3, 96, 96, dtype=torch.float64)).shape == (1, 1000)
+
+
+@pytest.mark.parametrize('mode, size, patch, kernel', [
+    ('keep', 96, 8, 5), ('window', 96, 8, 7), ('window', 40, 8, 3), ('patch', 96, 12, 5)])
+def test_a_resized_model_rebuilds_from_its_checkpoint_and_its_published_folder(mode, size, patch, kernel, tmp_path):
+    """Built for the new size from the 64 px checkpoint (the filter resamples as ``set_input_size`` does), and from
+    the folder timm's ``save_for_hf`` writes of the resized model: the same patch, window and logits."""
+    model = _trained_conv()
+    checkpoint = {key: value.clone() for key, value in model.state_dict().items()}
+    model.set_input_size(img_size=size, resize_mode=mode)
+    assert model.patch_embed.patch_size == (patch, patch) and model.blocks[0].attn.kernel_size == kernel
+    images = torch.randn(2, 3, size, size)
+    with torch.no_grad():
+        expected = model(images)
+    loaded = _create('aft_conv_test', img_size=size, resize_mode=mode, base_img_size=64, pretrained=True,
+                     pretrained_cfg_overlay=dict(state_dict=checkpoint)).eval()
+    timm.models.save_for_hf(model, tmp_path / 'hub')
+    published = timm.create_model(f'local-dir:{tmp_path / "hub"}', pretrained=True).eval()
+    for rebuilt in (loaded, published):
+        assert rebuilt.patch_embed.patch_size == (patch, patch) and rebuilt.blocks[-1].attn.kernel_size == kernel
+        with torch.no_grad():
+            torch.testing.assert_close(rebuilt(images), expected, rtol=0, atol=0)
+
+
+def test_bad_resizes_are_one_line_and_change_nothing():
+    model = _trained_conv()
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"resize_mode='patch': 68x68 px would need a 8.5x8.5 px patch .*64x64 px"):
+        model.set_input_size(img_size=68, resize_mode='patch')
+    with pytest.raises(ValueError, match="unknown resize_mode 'stretch': choose one of keep, window, patch"):
+        model.set_input_size(img_size=96, resize_mode='stretch')
+    with pytest.raises(ValueError, match="either patch_size or resize_mode='patch'"):
+        model.set_input_size(img_size=96, patch_size=4, resize_mode='patch')
+    assert model.resize_mode == 'keep' and model.patch_embed.img_size == (64, 64)
+    assert all(torch.equal(before[key], value) for key, value in model.state_dict().items())
+    with pytest.raises(ValueError, match="unknown resize_mode 'stretch'"):
+        _create_meta('aft_conv_test', resize_mode='stretch')
+    with pytest.raises(ValueError, match='kernel_size must be a positive odd number, got 6'):
+        model.blocks[0].attn.resize_window(6)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

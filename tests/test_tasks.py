@@ -11,10 +11,12 @@ import csv
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Dict
 
 import numpy as np
 import pytest
@@ -28,7 +30,8 @@ from aft_vision.cli import main
 from aft_vision.cli import main as cli_main
 from aft_vision.layers import AFTConv2d
 from aft_vision.tasks import study, visualize
-from aft_vision.tasks.classify import DIGITS_MODEL, at_size, check_model_and_sizes, evaluate, state_digest
+from aft_vision.tasks.classify import DIGITS_MODEL, ClassifySettings, at_size, check_model_and_sizes, evaluate, \
+    state_digest, train_loader
 from aft_vision.tasks.regularizers import add_to_timm_tasks, position_bias_entropy
 from aft_vision.tasks.scenes import INK, NUM_CLASSES, Scenes, digit_split, make_scenes
 from aft_vision.tasks.study import StudySettings, plan_runs, run_study
@@ -240,13 +243,60 @@ def test_fine_tune_a_published_folder_into_the_onehot_variant(tmp_path, one_thre
 VIT_BASELINE = ['patch_size=8', 'embed_dim=32', 'depth=1', 'num_heads=2', 'mlp_ratio=2']
 
 
-def test_models_tied_to_a_size_are_built_for_the_training_size():
+def _checked(model: str, kwargs: Dict, **settings) -> Dict:
+    return check_model_and_sizes(ClassifySettings(model=model, **settings), dict(kwargs))
+
+
+def test_models_are_built_for_the_training_size():
     trunk = dict(patch_size=4, embed_dim=64, depth=4, mlp_ratio=2.)
-    assert check_model_and_sizes('vit_tiny_patch16_224', dict(trunk, num_heads=2), 32, 48)['img_size'] == 32
-    assert check_model_and_sizes('aft_full_test', dict(trunk), 32, 48)['img_size'] == 32
-    assert check_model_and_sizes('aft_conv_test', DIGITS_MODEL, 32, 48) == DIGITS_MODEL  # the main job's: as it was
+    assert _checked('vit_tiny_patch16_224', dict(trunk, num_heads=2))['img_size'] == 32
+    assert _checked('aft_full_test', trunk)['img_size'] == 32
+    # AFT-conv: built for the training size, its windows given for it unless --base-img-size says otherwise
+    assert _checked('aft_conv_test', DIGITS_MODEL) == dict(DIGITS_MODEL, img_size=32, base_img_size=32)
+    assert _checked('aft_conv_test', DIGITS_MODEL, resize_mode='window', base_img_size=36) == dict(
+        DIGITS_MODEL, img_size=32, base_img_size=36, resize_mode='window')
     with pytest.raises(ValueError, match='--img-size 30: 30 px is not a multiple of the patch size 4x4'):
-        check_model_and_sizes('vit_tiny_patch16_224', dict(trunk, num_heads=2), 30, 48)
+        _checked('vit_tiny_patch16_224', dict(trunk, num_heads=2), img_size=30)
+
+
+@pytest.mark.parametrize('settings, message', [
+    (dict(train_img_sizes=[24, 30]), '--train-img-sizes 30: input size 30x30 is not a multiple of the patch size'),
+    (dict(train_img_sizes=[]), '--train-img-sizes: give at least one size'),
+    (dict(eval_img_sizes=[]), '--eval-img-sizes: give at least one size'),
+    (dict(eval_img_sizes=[2]), '--eval-img-sizes 2: input size 2x2 is smaller than one 4x4 patch'),
+    (dict(train_img_sizes=[24, 32], train_batch_sizes=[8]), '--train-batch-sizes: give one batch size per training'),
+    (dict(train_size_schedule='random'), "--train-size-schedule: choose one of constant, progressive, got 'random'"),
+    (dict(train_size_schedule='progressive'), '--train-size-schedule progressive: give at least two'),
+    (dict(resize_mode='patch', eval_img_sizes=[36]), "--eval-img-sizes 36: resize_mode='patch': 36x36 px would need"),
+    (dict(resize_mode='stretch'), "unknown resize_mode 'stretch'"),
+    (dict(model='aft_full_test', train_img_sizes=[24, 32]), '--train-img-sizes: aft_full_test takes only 32x32 px'),
+    (dict(model='aft_full_test', resize_mode='window'), '--resize-mode / --base-img-size: aft_full_test is not an'),
+])
+def test_bad_sizes_and_modes_are_one_line(settings, message):
+    model = settings.pop('model', 'aft_conv_test')
+    kwargs = DIGITS_MODEL if model == 'aft_conv_test' else dict(patch_size=4, embed_dim=64, depth=4, mlp_ratio=2.)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _checked(model, kwargs, **settings)
+
+
+def test_train_loader_draws_one_size_per_step_and_every_rank_the_same(tmp_path):
+    """timm's scheduled loader: every batch at one size with its batch size, every size drawn, and the sequence of
+    sizes fixed by the seed alone (what each rank under torchrun computes for itself)."""
+    data = _tiny_image_folder(tmp_path / 'data', train=20)
+    model = timm.create_model('aft_conv_test', num_classes=3, **TINY_KWARGS)
+    batch_of = {16: 4, 24: 3, 32: 2}
+    sequences = []
+    for rank_seed in (0, 1):  # another rank: another draw of the images, the same sizes
+        torch.manual_seed(rank_seed)
+        loader = train_loader(data / 'train', model, list(batch_of), list(batch_of.values()), 'constant', 2, seed=7)
+        sizes = []
+        for epoch in range(2):
+            loader.batch_sampler.set_epoch(epoch)
+            for images, labels in loader:
+                assert images.shape[-2:] == (images.shape[-1],) * 2 and len(images) == batch_of[images.shape[-1]]
+                sizes.append(images.shape[-1])
+        sequences.append(sizes)
+    assert set(sequences[0]) == set(batch_of) and sequences[0] == sequences[1]
 
 
 def test_vit_baseline_trains_and_its_checkpoint_transfers_into_a_fine_tuning_run(tmp_path, one_thread):

@@ -38,6 +38,8 @@ LIMITS: Dict[str, Tuple[Optional[float], Optional[float], bool]] = {
     'heads': (1, None, False), 'query': (0, None, False), 'dpi': (10, 1200, False), 'num_classes': (0, None, False),
     'lr': (0, None, True), 'sparsity_weight': (0, None, False), 'crop_pct': (0, 1, True), 'std': (0, None, True),
     'mean': (None, None, False), 'scenes': (1, None, False), 'seeds': (1, None, False),
+    'train_img_sizes': (1, None, False), 'train_batch_sizes': (1, None, False), 'eval_img_sizes': (1, None, False),
+    'base_img_size': (1, None, False),
 }
 # ``train --task``: each task's settings and job. The options whose default differs between tasks take their task's
 # (``TASK_DEFAULTS``, left unset on the command line); an option a task's settings lack is refused when given.

@@ -6,6 +6,8 @@ from typing import List, Optional
 
 from timm.utils import ParseKwargs
 
+from ..models.aft_conv import RESIZE_MODES
+from ..tasks import classify
 from .args import TASKS, Parser, run_command, settings_from
 
 HELP = 'the main job: train on the digits (or --data-dir), evaluate, publish'
@@ -38,7 +40,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--img-size', type=int, default=None,
                         help=f'training and evaluation resolution (default: {_task_default("img_size")})')
     parser.add_argument('--eval-img-size', type=int, default=None,
-                        help=f'the larger evaluation resolution (default: {_task_default("eval_img_size")})')
+                        help=f'--task segment: the larger evaluation resolution (default: '
+                             f'{_task_default("eval_img_size")})')
+    parser.add_argument('--eval-img-sizes', type=int, nargs='+', default=None, metavar='SIZE',
+                        help=f'evaluate at each of these sizes after training (default: '
+                             f'{" ".join(map(str, classify.EVAL_IMG_SIZES))})')
+    parser.add_argument('--train-img-sizes', type=int, nargs='+', default=None, metavar='SIZE',
+                        help='train at these sizes, one drawn per step by timm\'s scheduled loader, the same on '
+                             'every rank (default: --img-size alone)')
+    parser.add_argument('--train-batch-sizes', type=int, nargs='+', default=None, metavar='N',
+                        help='a batch size per training size (default: --batch-size for each)')
+    parser.add_argument('--train-size-schedule', default=None, choices=classify.SIZE_SCHEDULES,
+                        help='draw the sizes uniformly, or move from the first to the last over the epochs '
+                             '(timm\'s batch_choice_schedule; default: constant)')
+    parser.add_argument('--resize-mode', default=None, choices=RESIZE_MODES,
+                        help='AFT-conv at another size: keep its windows, resample them by the size ratio (window), '
+                             'or resize the patch so the token grid stays (patch) (default: the model\'s)')
+    parser.add_argument('--base-img-size', type=int, default=None,
+                        help='AFT-conv: the size its window and patch are given for (default: --img-size)')
     parser.add_argument('--batch-size', type=int, default=None,
                         help=f'images per step and per process (default: {_task_default("batch_size")})')
     parser.add_argument('--lr', type=float, default=None, help=f'default: {_task_default("lr")}')
@@ -55,7 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     settings, job = TASKS[args.task]
-    job(settings_from(settings, args))
+    given = argparse.Namespace(**{dest: value for dest, value in vars(args).items() if value is not None})
+    job(settings_from(settings, given))  # options left unset: the task's defaults
     return 0
 
 

@@ -1,6 +1,6 @@
 """AFT operators: the functional core (``functional``) and the token-mixer modules built on it. The ground floor:
 may import torch, timm and (on CUDA) triton, and nothing else of aft_vision."""
-from .aft_conv import AFTConv2d
+from .aft_conv import AFTConv2d, resize_window_bias, scaled_kernel_size
 from .aft_full import AFTFull, AFTLocal
 from .aft_simple import AFTSimple
 from .dispatch import choose_conv_method

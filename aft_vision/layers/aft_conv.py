@@ -1,12 +1,16 @@
 """AFT-conv token mixer (Eq. 6) with the per-head bias reparameterisation of Eq. 8."""
+import math
+from typing import Tuple
+
 import torch
+from timm.layers import resize_rel_pos_bias_table_simple
 from torch import nn
 
 from .dispatch import CONV_METHODS
 from ._checks import check_tokens
 from .functional import aft_conv2d
 
-__all__ = ['AFTConv2d']
+__all__ = ['AFTConv2d', 'resize_window_bias', 'scaled_kernel_size']
 
 
 class AFTConv2d(nn.Module):
@@ -84,6 +88,18 @@ class AFTConv2d(nn.Module):
         """The bias (h, s, s) that Eq. 6 uses: ``dense_bias()`` here; sparse subclasses select from it."""
         return self.dense_bias()
 
+    @torch.no_grad()
+    def resize_window(self, kernel_size: int) -> None:
+        """Resample the window to ``kernel_size`` x ``kernel_size`` (``resize_window_bias``), for a token grid that
+        grew or shrank by about ``kernel_size / self.kernel_size``; the same size leaves every parameter untouched."""
+        if kernel_size == self.kernel_size:
+            return
+        raw, gamma, beta = resize_window_bias(self.pos_weight, self.pos_gamma, self.pos_beta, kernel_size, self.eps)
+        self.pos_weight = nn.Parameter(raw, requires_grad=self.pos_weight.requires_grad)
+        self.pos_gamma.copy_(gamma)
+        self.pos_beta.copy_(beta)
+        self.kernel_size = kernel_size
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_tokens(x, f'(B, H, W, {self.dim})', self.dim)
         qkv = self.qkv(x)  # (B, H, W, 2C + h)
@@ -93,3 +109,49 @@ class AFTConv2d(nn.Module):
 
     def extra_repr(self) -> str:
         return f'dim={self.dim}, num_heads={self.num_heads}, kernel_size={self.kernel_size}, method={self.method}'
+
+
+def scaled_kernel_size(kernel_size: int, ratio: float) -> int:
+    """The odd window closest to ``kernel_size * ratio`` (ties to the larger), at least 1: the window that covers the
+    same part of an image whose token grid was scaled by ``ratio``."""
+    if not (math.isfinite(ratio) and ratio > 0):
+        raise ValueError(f'the size ratio must be a positive number, got {ratio}')
+    return max(1, 2 * math.floor((kernel_size * ratio - 1) / 2 + 0.5) + 1)
+
+
+def resize_window_bias(
+        raw: torch.Tensor,
+        gamma: torch.Tensor,
+        beta: torch.Tensor,
+        kernel_size: int,
+        eps: float = 1e-5,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stretch an AFT-conv window to ``kernel_size``: the bias ``w`` of Eq. 8 resampled bicubically by timm's
+    ``resize_rel_pos_bias_table_simple`` (the centre offset stays in place), so that it covers the same part of an
+    image whose token grid was scaled by about ``kernel_size / s``.
+
+    The raw bias is resampled and gamma, beta re-solved, so that the reparameterised bias of the results is the
+    stretched ``w`` to rounding (stretching is linear and keeps constants: ``w = scale * raw + shift`` per head keeps
+    its scale and shift).
+
+    Args:
+        raw: Raw bias ``pos_weight`` (h, s, s).
+        gamma: ``pos_gamma`` (h,).
+        beta: ``pos_beta`` (h,).
+        kernel_size: The new odd window size.
+        eps: The layer's ``eps``.
+
+    Returns:
+        The new (raw (h, k, k), gamma (h,), beta (h,)), in the dtypes given.
+    """
+    if kernel_size < 1 or kernel_size % 2 == 0:
+        raise ValueError(f'kernel_size must be a positive odd number, got {kernel_size}')
+    heads, dtype = raw.shape[0], torch.promote_types(raw.dtype, torch.float32)  # float64 stays float64
+    raw_f = raw.to(dtype)
+    half = (kernel_size + 1) // 2
+    resized = resize_rel_pos_bias_table_simple(raw_f, (half, half), (heads, kernel_size, kernel_size))
+    scale = gamma.to(dtype) / torch.sqrt(raw_f.var(dim=(1, 2), unbiased=False) + eps)  # (h,)
+    shift = beta.to(dtype) - raw_f.mean(dim=(1, 2)) * scale
+    new_gamma = scale * torch.sqrt(resized.var(dim=(1, 2), unbiased=False) + eps)
+    new_beta = shift + resized.mean(dim=(1, 2)) * scale
+    return resized.to(raw.dtype), new_gamma.to(gamma.dtype), new_beta.to(beta.dtype)

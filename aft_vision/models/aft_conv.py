@@ -14,6 +14,7 @@ Names follow timm's ViT (``patch_embed.proj``, ``blocks.N.norm1``, ``blocks.N.at
 Model names: ``aft_conv_<size>_<kernel>[_h<heads>]`` (heads = d when no ``_h`` suffix); ``aft_conv_tiny``,
 ``aft_conv_small`` and ``aft_conv_base`` are the recommended configurations.
 """
+import math
 from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Tuple, Type, Union
 
@@ -21,17 +22,20 @@ import torch
 from torch import nn
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import PatchEmbed, LayerNorm, get_act_layer, get_norm_layer, resample_patch_embed
+from timm.layers import PatchEmbed, LayerNorm, get_act_layer, get_norm_layer, resample_patch_embed, to_2tuple
 from timm.models import build_model_with_cfg, checkpoint, checkpoint_seq, generate_default_cfgs, register_model
-from timm.models._input import update_model_input_size  # what timm's ViT records on a resize (not re-exported)
+from timm.models._input import update_model_args, update_model_input_size  # what timm's ViT records on a resize
 
-from aft_vision.layers import AFTConv2d, AFTConv2dOneHot
+from aft_vision.layers import AFTConv2d, AFTConv2dOneHot, resize_window_bias, scaled_kernel_size
 from ._base import PAPER_ID, AFTTransformerBase, Block, adapt_vit_checkpoint, deit_init_cfg, take_block_indices, \
     untrained_cfg
 
 __all__ = ['AFTConvTransformer']  # register_model adds each entry point
 
 GLOBAL_POOLS = ('', 'avg', 'max', 'avgmax')
+# how the model follows an input size other than base_img_size: windows as they are, windows resampled by the size
+# ratio, or the patch resized by it so that the token grid stays (FlexiViT)
+RESIZE_MODES = ('keep', 'window', 'patch')
 # token mixers by name (names travel in config.json): the dense bias of Eq. 6 / 8, or Sec. 8's one-hot bias (Eq. 10)
 MIXER_LAYERS: Dict[str, Type[AFTConv2d]] = {'aft_conv': AFTConv2d, 'aft_conv_onehot': AFTConv2dOneHot}
 
@@ -64,6 +68,12 @@ class AFTConvTransformer(AFTTransformerBase):
         norm_layer: Normalisation layer (default LayerNorm).
         act_layer: MLP activation (default GELU).
         block_fn: Block class.
+        resize_mode: How the model follows an ``img_size`` other than ``base_img_size``: 'keep' (the window stays
+            ``kernel_size`` tokens wide, so it covers less of a larger image), 'window' (each block's window bias is
+            resampled by the size ratio, so it covers the same part of the image) or 'patch' (the patch is resized by
+            the ratio and the token grid stays, FlexiViT). ``set_input_size`` takes it too.
+        base_img_size: The input size that ``kernel_size`` and ``patch_size`` are given for (the training size);
+            None: ``img_size``.
     """
 
     def __init__(
@@ -90,12 +100,20 @@ class AFTConvTransformer(AFTTransformerBase):
             norm_layer: Optional[Union[str, Type[nn.Module]]] = None,
             act_layer: Optional[Union[str, Type[nn.Module]]] = None,
             block_fn: Type[nn.Module] = Block,
+            resize_mode: str = 'keep',
+            base_img_size: Optional[Union[int, Tuple[int, int]]] = None,
             device=None,
             dtype=None,
     ):
         super().__init__(num_classes, in_chans, global_pool, embed_dim, weight_init)
         dd = {'device': device, 'dtype': dtype}
         self._check_global_pool(global_pool)
+        self._check_resize_mode(resize_mode)
+        self.resize_mode = resize_mode
+        self.kernel_size = kernel_size
+        self.base_img_size = to_2tuple(base_img_size or img_size)
+        self.base_patch_size = to_2tuple(patch_size)
+        patch_size, kernel_size = self._size_plan(to_2tuple(img_size))
         norm_layer = get_norm_layer(norm_layer) or LayerNorm
         act_layer = get_act_layer(act_layer) or nn.GELU
         self.output_fmt = 'NHWC'
@@ -125,24 +143,65 @@ class AFTConvTransformer(AFTTransformerBase):
         if global_pool not in GLOBAL_POOLS:
             raise ValueError(f'unknown global_pool {global_pool!r}: choose one of {GLOBAL_POOLS} ("" for no pooling)')
 
+    @staticmethod
+    def _check_resize_mode(resize_mode: str) -> None:
+        if resize_mode not in RESIZE_MODES:
+            raise ValueError(f'unknown resize_mode {resize_mode!r}: choose one of {", ".join(RESIZE_MODES)}')
+
+    def _size_plan(self, img_size: Tuple[int, int]) -> Tuple[Tuple[int, int], int]:
+        """(patch size, window size) at ``img_size`` under ``resize_mode``, from the sizes given for
+        ``base_img_size``."""
+        ratio_h, ratio_w = (size / base for size, base in zip(img_size, self.base_img_size))
+        if self.resize_mode == 'window':
+            return self.base_patch_size, scaled_kernel_size(self.kernel_size, math.sqrt(ratio_h * ratio_w))
+        if self.resize_mode == 'keep':
+            return self.base_patch_size, self.kernel_size
+        patch = (self.base_patch_size[0] * ratio_h, self.base_patch_size[1] * ratio_w)
+        if any(p != round(p) or p < 1 for p in patch):
+            raise ValueError(
+                f"resize_mode='patch': {img_size[0]}x{img_size[1]} px would need a {patch[0]:g}x{patch[1]:g} px patch "
+                f'to keep the token grid of {self.base_img_size[0]}x{self.base_img_size[1]} px: not whole pixels')
+        return (round(patch[0]), round(patch[1])), self.kernel_size
+
     @torch.jit.ignore
     def set_input_size(
             self,
             img_size: Optional[Union[int, Tuple[int, int]]] = None,
             patch_size: Optional[Union[int, Tuple[int, int]]] = None,
+            resize_mode: Optional[str] = None,
     ) -> None:
-        """Change the nominal input size (nothing to resample: the model is fully convolutional) or the patch size
-        (the patch-embedding kernel is resampled). Both are recorded as timm's ViT records them, so
-        ``save_for_hf`` writes the arguments that rebuild this model.
+        """Rebuild for another input size: as ``resize_mode`` says, keep the windows, resample each block's window
+        bias by the size ratio to ``base_img_size`` (``AFTConv2d.resize_window``), or resize the patch by it
+        (timm's ``resample_patch_embed``). The sizes and the mode are recorded as timm's ViT records a resize, so
+        ``save_for_hf`` writes the arguments that rebuild this model; the same size changes nothing.
 
         Args:
-            img_size: New nominal input size, None keeps the current one.
-            patch_size: New patch size, None keeps the current one.
+            img_size: New input size, None keeps the current one.
+            patch_size: New patch size at ``base_img_size`` (the patch-embedding kernel is resampled), None keeps it.
+            resize_mode: 'keep', 'window' or 'patch' from now on, None keeps the current mode.
         """
-        self.patch_embed.set_input_size(img_size=img_size, patch_size=patch_size)
+        if resize_mode is not None:
+            self._check_resize_mode(resize_mode)
+        mode = resize_mode or self.resize_mode
+        if patch_size is not None and mode == 'patch':
+            raise ValueError("give either patch_size or resize_mode='patch' (which sets the patch), not both")
+        img_size = to_2tuple(img_size) if img_size is not None else tuple(self.patch_embed.img_size)
+        previous = (self.resize_mode, self.base_patch_size)
+        self.resize_mode = mode
+        self.base_patch_size = to_2tuple(patch_size) if patch_size is not None else self.base_patch_size
+        try:
+            patch, kernel = self._size_plan(img_size)
+        except ValueError:
+            self.resize_mode, self.base_patch_size = previous
+            raise
+        self.patch_embed.set_input_size(
+            img_size=img_size, patch_size=None if patch == tuple(self.patch_embed.patch_size) else patch)
+        for block in self.blocks:
+            block.attn.resize_window(kernel)
         for info in self.feature_info:
             info['reduction'] = self.patch_embed.feat_ratio()
-        update_model_input_size(self, self.patch_embed.img_size, patch_size=patch_size)
+        update_model_input_size(self, img_size, patch_size=patch_size)
+        update_model_args(self, resize_mode=self.resize_mode, base_img_size=self.base_img_size)
 
     def _embed(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, C, H, W) -> contiguous token map (B, H/p, W/p, C). timm's NHWC ``PatchEmbed`` returns a permuted
@@ -239,17 +298,23 @@ def checkpoint_filter_fn(
     * maps DeiT / ViT checkpoints onto the model by ``transfer_vit_weights`` (values, MLPs, norms, patch embedding;
       the rest fresh);
     * resamples the patch-embedding kernel to the model's patch size (timm's ``resample_patch_embed``, as timm's ViT
-      filter does; that filter itself needs a ``pos_embed``, which AFT-conv has not).
-
-    Nothing else depends on the input size, so a checkpoint of any resolution loads as it is.
+      filter does; that filter itself needs a ``pos_embed``, which AFT-conv has not);
+    * resamples each block's window to the model's (``resize_window_bias``), as a model built with ``img_size`` away
+      from ``base_img_size`` and ``resize_mode='window'`` has it (as timm's ViT filter resamples its ``pos_embed``).
     """
-    state_dict = adapt_vit_checkpoint(state_dict, model)
+    state_dict = dict(adapt_vit_checkpoint(state_dict, model))
     kernel = state_dict.get('patch_embed.proj.weight')
     model_kernel = model.patch_embed.proj.weight
     if kernel is not None and kernel.dim() == 4 and kernel.shape[-2:] != model_kernel.shape[-2:]:
-        state_dict = dict(state_dict)
         state_dict['patch_embed.proj.weight'] = resample_patch_embed(
             kernel, list(model_kernel.shape[-2:]), interpolation=interpolation, antialias=antialias)
+    for name, module in model.named_modules():
+        raw = state_dict.get(f'{name}.pos_weight')
+        if isinstance(module, AFTConv2d) and raw is not None and raw.dim() == 3 and raw.shape[-1] != module.kernel_size:
+            keys = [f'{name}.pos_weight', f'{name}.pos_gamma', f'{name}.pos_beta']
+            if all(key in state_dict for key in keys):
+                resized = resize_window_bias(*(state_dict[key] for key in keys), module.kernel_size, module.eps)
+                state_dict.update(zip(keys, resized))
     return state_dict
 
 

@@ -21,17 +21,17 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import timm
 import torch
 import torch.distributed as dist
-from timm.data import create_transform, resolve_data_config
+from timm.data import create_loader, create_transform, resolve_data_config
 from timm.loss import LabelSmoothingCrossEntropy
 from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 from torchvision.datasets import ImageFolder
 from tqdm import tqdm
 
@@ -43,6 +43,8 @@ from .regularizers import position_bias_entropy
 
 # A small AFT-conv for 32 x 32 digits: patch 4 -> an 8 x 8 token grid, a 15 x 15 window (the whole grid), 8 heads.
 DIGITS_MODEL = dict(patch_size=4, embed_dim=64, depth=4, num_heads=8, kernel_size=15, mlp_ratio=2.)
+EVAL_IMG_SIZES = (24, 32, 40, 48, 64)  # the main job's evaluation sizes: 0.75x to 2x its 32 px
+SIZE_SCHEDULES = ('constant', 'progressive')  # timm's create_loader batch_choice_schedule
 
 
 @dataclass
@@ -54,8 +56,13 @@ class ClassifySettings:
     pretrained: bool = False  # fine-tune from the pretrained tag (or a local-dir: / hf-hub: model's weights)
     init_from: Optional[str] = None  # start from these weights (the model's own, or a ViT / DeiT's)
     epochs: int = 30
-    img_size: int = 32  # training and evaluation resolution
-    eval_img_size: int = 48  # the larger evaluation resolution
+    img_size: int = 32  # the size the model is built and published for, and the headline evaluation's
+    train_img_sizes: Optional[List[int]] = None  # one drawn per step (timm's scheduled loader); None: [img_size]
+    train_batch_sizes: Optional[List[int]] = None  # a batch size per training size; None: batch_size for each
+    train_size_schedule: str = 'constant'  # timm's batch_choice_schedule: 'constant' or 'progressive'
+    eval_img_sizes: List[int] = field(default_factory=lambda: list(EVAL_IMG_SIZES))  # evaluated after training
+    resize_mode: Optional[str] = None  # how an AFT-conv model follows another size (its resize_mode); None: as built
+    base_img_size: Optional[int] = None  # the size the AFT-conv windows are given for; None: the model's default
     batch_size: int = 64  # images per step and per process
     lr: float = 5e-3
     seed: int = 0
@@ -95,29 +102,34 @@ def eval_data_config(model: torch.nn.Module, img_size: int) -> Dict:
     return resolve_data_config({'input_size': (3, img_size, img_size), 'crop_pct': 1.0}, model=model)
 
 
-def _loader(folder: Path, model: torch.nn.Module, img_size: int, train: bool, batch_size: int, seed: int,
-            rank: int = 0, world_size: int = 1, data_config: Optional[Dict] = None) -> DataLoader:
-    """timm's train (augmenting) or eval transforms at ``img_size`` (or as ``data_config`` says) over an ImageFolder;
-    sharded under DDP."""
-    config = data_config or eval_data_config(model, img_size)
-    if train:
-        # No flips (digits). Random crops of 40-100% of the area zoom in by up to 1.6x, so training sees digits larger
-        # than evaluation at the same size does; a larger evaluation size (digits 1.5x larger at 48 px) then stays in
-        # the training distribution: the train / test object-size gap behind the paper's 224 -> 384 gain (FixRes).
-        transform = create_transform(**config, is_training=True, hflip=0.0, scale=(0.4, 1.0), ratio=(0.9, 1.1),
-                                     color_jitter=None, auto_augment=None)
-    else:
-        transform = create_transform(**config)
-    dataset = ImageFolder(str(folder), transform=transform)
+def _loader(folder: Path, model: torch.nn.Module, img_size: int, batch_size: int,
+            data_config: Optional[Dict] = None) -> DataLoader:
+    """timm's eval transform at ``img_size`` (or as ``data_config`` says) over an ImageFolder."""
+    dataset = ImageFolder(str(folder), transform=create_transform(**(data_config or eval_data_config(model, img_size))))
     if not len(dataset):
         raise ValueError(f'no images found in {folder}')
-    sampler = None
-    if world_size > 1:  # each rank a disjoint shard, reshuffled per epoch by sampler.set_epoch
-        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=train, seed=seed)
-    shard = len(dataset) // world_size
-    return DataLoader(dataset, batch_size=batch_size, shuffle=train and sampler is None, sampler=sampler,
-                      num_workers=0, generator=torch.Generator().manual_seed(seed),
-                      drop_last=train and shard > batch_size)
+    return DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=0)
+
+
+def train_loader(folder: Path, model: torch.nn.Module, img_sizes: Sequence[int], batch_sizes: Sequence[int],
+                 schedule: str, epochs: int, seed: int, distributed: bool = False) -> DataLoader:
+    """timm's scheduled training loader: each step one size of ``img_sizes`` (with its batch size), drawn by
+    ``ScheduledBatchSampler`` from ``seed``, so every rank under torchrun draws the same size at each step; the
+    images of a rank from its ``DistributedSampler`` shard. Call ``loader.batch_sampler.set_epoch`` each epoch.
+
+    No flips (digits). Random crops of 40-100% of the area zoom in by up to 1.6x, so training sees digits larger than
+    evaluation at the same size does (the train / test object-size gap behind the paper's 224 -> 384 gain, FixRes).
+    """
+    config = eval_data_config(model, img_sizes[0])
+    dataset = ImageFolder(str(folder))
+    if not len(dataset):
+        raise ValueError(f'no images found in {folder}')
+    return create_loader(
+        dataset, input_size=config['input_size'], batch_size=batch_sizes[0], is_training=True, use_prefetcher=False,
+        num_workers=0, distributed=distributed, hflip=0.0, scale=(0.4, 1.0), ratio=(0.9, 1.1), color_jitter=None,
+        interpolation=config['interpolation'], mean=config['mean'], std=config['std'], crop_pct=config['crop_pct'],
+        input_size_choices=list(img_sizes), batch_size_choices=list(batch_sizes), batch_choice_seed=seed,
+        batch_choice_schedule=schedule, batch_schedule_epochs=epochs if schedule == 'progressive' else None)
 
 
 def _init_distributed(device: str) -> Tuple[int, int, torch.device]:
@@ -157,10 +169,13 @@ def fixed_img_size(model: torch.nn.Module) -> Optional[Tuple[int, int]]:
 
 
 def at_size(model: torch.nn.Module, img_size: int) -> torch.nn.Module:
-    """``model`` if it accepts ``img_size`` x ``img_size`` images as it is, else a copy rebuilt for that size by timm's
-    ``set_input_size`` (position embedding and AFT-full's u, v resampled over the patch grid)."""
+    """``model`` if it runs ``img_size`` x ``img_size`` images as it is, else a copy rebuilt for that size by timm's
+    ``set_input_size``: position embedding and AFT-full's u, v resampled over the patch grid; AFT-conv's windows or
+    patch as its ``resize_mode`` says."""
     fixed = fixed_img_size(model)
-    if fixed is None or fixed == (img_size, img_size):
+    follows = getattr(model, 'resize_mode', 'keep') != 'keep'  # AFT-conv resizing its windows or patch
+    if (fixed is None and not follows) or fixed == (img_size, img_size) or (
+            follows and tuple(model.patch_embed.img_size) == (img_size, img_size)):
         return model
     if not hasattr(model, 'set_input_size'):
         raise ValueError(f'{type(model).__name__} is built for {fixed[0]}x{fixed[1]} px and cannot be rebuilt for '
@@ -216,7 +231,7 @@ def evaluate(model: torch.nn.Module, folder: Path, img_size: Optional[int] = Non
     model.eval()
     device = next(model.parameters()).device
     correct = total = 0
-    for images, labels in _loader(folder, model, img_size, False, batch_size, 0, data_config=data_config):
+    for images, labels in _loader(folder, model, img_size, batch_size, data_config):
         correct += (model(images.to(device)).argmax(-1).cpu() == labels).sum().item()
         total += len(labels)
     return 100.0 * correct / total
@@ -238,6 +253,9 @@ def train(
         world_size: int = 1,
         init_weights: Optional[Mapping[str, torch.Tensor]] = None,
         log: Callable[[str], None] = print,
+        train_img_sizes: Optional[Sequence[int]] = None,
+        train_batch_sizes: Optional[Sequence[int]] = None,
+        size_schedule: str = 'constant',
 ) -> Tuple[torch.nn.Module, List[Dict], List[str]]:
     """Train from scratch (or from the model's pretrained weights, or from ``init_weights``) with timm's components.
 
@@ -250,6 +268,13 @@ def train(
             one that ``transfer_vit_weights`` maps onto the AFT model. Tensors the transfer leaves fresh keep the
             initialisation ``seed`` gives, the same as a run from random weights.
         log: Where the per-epoch lines (and a transfer's report) go.
+        train_img_sizes: The training sizes, one drawn per step (``train_loader``); None: ``img_size`` alone.
+            Evaluation during training is at ``img_size``.
+        train_batch_sizes: A batch size per training size; None: ``batch_size`` for each.
+        size_schedule: timm's choice schedule over the sizes, 'constant' or 'progressive' (small to large).
+
+    Each history record holds the epoch's loss, steps per size, the sha256 of its sequence of sizes (equal on every
+    rank) and, on rank 0, the held-out top-1.
     """
     torch.manual_seed(seed)  # the same initial weights on every rank
     classes = ImageFolder(str(data_dir / 'train')).classes
@@ -261,35 +286,39 @@ def train(
             log(report.summary())
     random.seed(seed + rank)  # timm's crops draw from Python's random, the rest from torch: different per rank
     torch.manual_seed(seed + rank)
-    train_loader = _loader(data_dir / 'train', model, img_size, True, batch_size, seed, rank, world_size)
+    sizes = list(train_img_sizes or [img_size])
+    loader = train_loader(data_dir / 'train', model, sizes, list(train_batch_sizes or [batch_size] * len(sizes)),
+                          size_schedule, epochs, seed, distributed=world_size > 1)
     net = model  # what the training step calls; DDP averages the gradients across ranks
     if world_size > 1:
         net = DistributedDataParallel(model, device_ids=[device] if device.type == 'cuda' else None)
     optimizer = create_optimizer_v2(model, 'adamw', lr=lr, weight_decay=0.05)
     scheduler, _ = create_scheduler_v2(optimizer, sched='cosine', num_epochs=epochs, warmup_epochs=1,
                                        warmup_lr=lr / 10, min_lr=lr / 100, step_on_epochs=False,
-                                       updates_per_epoch=len(train_loader))
+                                       updates_per_epoch=len(loader))
     criterion = LabelSmoothingCrossEntropy(smoothing=0.1)
     history = []
     for epoch in range(epochs):
         net.train()
-        if isinstance(train_loader.sampler, DistributedSampler):
-            train_loader.sampler.set_epoch(epoch)
-        losses = []
-        bar = tqdm(train_loader, desc=f'epoch {epoch + 1}/{epochs}', unit='batch', leave=False, disable=rank != 0)
+        loader.batch_sampler.set_epoch(epoch)  # the epoch's size order and, under DDP, its shard
+        losses, step_sizes = [], []
+        bar = tqdm(loader, desc=f'epoch {epoch + 1}/{epochs}', unit='batch', leave=False, disable=rank != 0)
         for step, (images, labels) in enumerate(bar):
+            step_sizes.append(images.shape[-1])
             loss = criterion(net(images.to(device)), labels.to(device))
             if sparsity_weight:  # Eq. 9 on the shared weights: every rank adds the same term
                 loss = loss + sparsity_weight * position_bias_entropy(model)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            scheduler.step_update(epoch * len(train_loader) + step + 1)
+            scheduler.step_update(epoch * len(loader) + step + 1)
             losses.append(loss.item())
             bar.set_postfix(loss=f'{loss.item():.3f}')
         if not all(math.isfinite(x) for x in losses):
             raise RuntimeError(f'training diverged in epoch {epoch + 1}: non-finite loss')
-        record = {'epoch': epoch + 1, 'loss': sum(losses) / len(losses)}
+        record = {'epoch': epoch + 1, 'loss': sum(losses) / len(losses),
+                  'steps_per_size': {str(size): step_sizes.count(size) for size in sorted(set(step_sizes))},
+                  'size_schedule_sha256': hashlib.sha256(repr(step_sizes).encode()).hexdigest()}
         if rank == 0:
             record['val_top1'] = evaluate(model, data_dir / 'val', img_size)
             log(f'epoch {epoch + 1:2d}  loss {record["loss"]:.4f}  val top-1 {record["val_top1"]:.2f}%')
@@ -297,46 +326,84 @@ def train(
     return model, history, classes
 
 
-def plot_curves(history: List[Dict], path: Path) -> None:
-    """Training loss and validation top-1 per epoch."""
+def plot_curves(history: List[Dict], top1_at: Dict[int, float], train_sizes: Sequence[int], path: Path) -> None:
+    """Training loss and held-out top-1 per epoch, and top-1 against the evaluation size (training sizes marked)."""
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
 
     epochs = [h['epoch'] for h in history]
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(9, 3.5))
+    fig, (ax_loss, ax_acc, ax_size) = plt.subplots(1, 3, figsize=(13, 3.5))
     ax_loss.plot(epochs, [h['loss'] for h in history], '-o')
     ax_loss.set(xlabel='epoch', ylabel='training loss', title='Loss')
     ax_acc.plot(epochs, [h['val_top1'] for h in history], '-o', color='tab:green')
     ax_acc.set(xlabel='epoch', ylabel='val top-1 (%)', title='Held-out accuracy')
-    for ax in (ax_loss, ax_acc):
+    sizes = sorted(top1_at)
+    ax_size.plot(sizes, [top1_at[size] for size in sizes], '-o', color='tab:purple')
+    for size in train_sizes:
+        ax_size.axvline(size, color='grey', alpha=0.3, linestyle='--')
+    ax_size.set(xlabel='evaluation size (px); dashed: training sizes', ylabel='val top-1 (%)', title='Any size')
+    for ax in (ax_loss, ax_acc, ax_size):
         ax.grid(alpha=0.3)
     save_figure(fig, path, dpi=100)
 
 
-def check_model_and_sizes(model_name: str, model_kwargs: Dict, img_size: int, eval_img_size: int) -> Dict:
-    """The model's arguments and both image sizes, on a meta-device copy: before the data set or anything is written.
+def _sizes_text(sizes: Sequence[int]) -> str:
+    return '/'.join(str(size) for size in sizes)
+
+
+def check_model_and_sizes(settings: ClassifySettings, model_kwargs: Dict) -> Dict:
+    """The model's arguments and every image size of ``settings``, on a meta-device copy: before the data set or
+    anything is written.
 
     A model tied to one input size (a ViT, AFT-full) is built for ``img_size`` unless ``model_kwargs`` names one, and
-    evaluated at ``eval_img_size`` by a copy rebuilt for it (``at_size``).
+    evaluated at other sizes by a copy rebuilt for each (``at_size``); it cannot train at several sizes. An AFT-conv
+    model is built for ``img_size``, with the settings' ``resize_mode`` and ``base_img_size`` where given.
 
     Returns:
-        ``model_kwargs``, with ``img_size`` added where the model needs it.
+        ``model_kwargs``, with the arguments above added where the model takes them.
 
     Raises:
         ValueError: An unknown model, arguments it does not take, or a size it cannot take, as one line.
     """
+    train_sizes = list(settings.train_img_sizes or [settings.img_size])
+    if settings.train_img_sizes is not None and not settings.train_img_sizes:
+        raise ValueError('--train-img-sizes: give at least one size')
+    if not settings.eval_img_sizes:
+        raise ValueError('--eval-img-sizes: give at least one size')
+    if settings.train_batch_sizes is not None and len(settings.train_batch_sizes) != len(train_sizes):
+        raise ValueError(f'--train-batch-sizes: give one batch size per training size ({len(train_sizes)}: '
+                         f'{train_sizes}), got {len(settings.train_batch_sizes)}')
+    if settings.train_size_schedule not in SIZE_SCHEDULES:
+        raise ValueError(f'--train-size-schedule: choose one of {", ".join(SIZE_SCHEDULES)}, got '
+                         f'{settings.train_size_schedule!r}')
+    if settings.train_size_schedule == 'progressive' and len(train_sizes) < 2:
+        raise ValueError('--train-size-schedule progressive: give at least two --train-img-sizes')
+    model_name = settings.model
     try:
         with torch.device('meta'):
             probe = create_aft_model(model_name, **model_kwargs)
-            if 'img_size' not in model_kwargs and fixed_img_size(probe) not in (None, (img_size, img_size)):
-                model_kwargs = dict(model_kwargs, img_size=img_size)
-                probe = create_aft_model(model_name, **model_kwargs)
+            if hasattr(probe, 'resize_mode'):  # AFT-conv: built for img_size, following other sizes as asked
+                size_args = dict(img_size=settings.img_size, resize_mode=settings.resize_mode,
+                                 base_img_size=settings.base_img_size or model_kwargs.get('img_size', settings.img_size))
+                model_kwargs = dict({k: v for k, v in size_args.items() if v is not None}, **model_kwargs)
+            elif settings.resize_mode is not None or settings.base_img_size is not None:
+                raise ValueError(f'--resize-mode / --base-img-size: {model_name} is not an AFT-conv model')
+            elif 'img_size' not in model_kwargs and fixed_img_size(probe) not in (None, (settings.img_size,) * 2):
+                model_kwargs = dict(model_kwargs, img_size=settings.img_size)
+            probe = create_aft_model(model_name, **model_kwargs)
     except TypeError as error:  # an argument the model does not take
         raise ValueError(f'--model-kwargs: {model_name} does not take them ({error})') from None
-    for option, size, model in (('--img-size', img_size, probe), ('--eval-img-size', eval_img_size, None)):
+    fixed = fixed_img_size(probe)
+    if len(set(train_sizes)) > 1 and fixed is not None:
+        raise ValueError(f'--train-img-sizes: {model_name} takes only {fixed[0]}x{fixed[1]} px images (position '
+                         f'parameters tied to its token grid); train it at one size, or choose a model that takes '
+                         f'any size (AFT-conv, a ViT with dynamic_img_size=True)')
+    checks = [('--img-size', settings.img_size, probe)] + [('--train-img-sizes', size, probe) for size in train_sizes]
+    checks += [('--eval-img-sizes', size, None) for size in settings.eval_img_sizes]
+    for option, size, model in checks:
         try:
-            with torch.device('meta'):  # trained as built; evaluated at the larger size as rebuilt for it
+            with torch.device('meta'):  # trained as built; evaluated at each size as rebuilt for it
                 check_input_size(model or at_size(probe, size), size)
         except ValueError as error:
             raise ValueError(f'{option} {size}: {error}') from None
@@ -351,7 +418,7 @@ def run(settings: ClassifySettings) -> Dict:
     model_kwargs = dict(settings.model_kwargs or {})
     if settings.model == 'aft_conv_test' and not settings.data_dir:
         model_kwargs = dict(DIGITS_MODEL, **model_kwargs)
-    model_kwargs = check_model_and_sizes(settings.model, model_kwargs, settings.img_size, settings.eval_img_size)
+    model_kwargs = check_model_and_sizes(settings, model_kwargs)
     init_weights = None
     if settings.init_from:
         if settings.pretrained:
@@ -374,11 +441,14 @@ def run(settings: ClassifySettings) -> Dict:
         model, history, classes = train(
             data_dir, settings.model, settings.epochs, settings.img_size, settings.batch_size, settings.lr,
             settings.seed, settings.sparsity_weight, model_kwargs, settings.pretrained, device, rank, world_size,
-            init_weights)
+            init_weights, train_img_sizes=settings.train_img_sizes, train_batch_sizes=settings.train_batch_sizes,
+            size_schedule=settings.train_size_schedule)
         digest = state_digest(model.state_dict())
-        digests = [digest] * world_size
+        schedule = hashlib.sha256(''.join(h['size_schedule_sha256'] for h in history).encode()).hexdigest()
+        digests, schedules = [digest] * world_size, [schedule] * world_size
         if world_size > 1:
             dist.all_gather_object(digests, digest)
+            dist.all_gather_object(schedules, schedule)
     finally:
         if world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
@@ -386,18 +456,25 @@ def run(settings: ClassifySettings) -> Dict:
         return {}
 
     top1 = evaluate(model, data_dir / 'val', settings.img_size)
-    top1_large = evaluate(at_size(model, settings.eval_img_size), data_dir / 'val', settings.eval_img_size)
+    top1_at = {}  # evaluation size -> top-1, the model rebuilt for each size as its resize_mode says
+    for size in tqdm(settings.eval_img_sizes, desc='evaluating', unit='size', leave=False):
+        top1_at[size] = top1 if size == settings.img_size else evaluate(at_size(model, size), data_dir / 'val', size)
     weights = out / 'model.safetensors'
     sha256 = save_weights({k: v.cpu() for k, v in model.state_dict().items()}, weights, force=True)
     architecture, architecture_kwargs = source_architecture(settings.model, model_kwargs)  # a folder's saved arguments
     # How the weights were evaluated, for the published pretrained_cfg. timm's test_input_size is the size a client
     # should evaluate at for the best result (validate.py uses it by default): recorded only if the larger size did
     # at least as well, else validate.py would report the lower figure.
+    # Only a size the published model runs as it is (no rebuild by at_size) can be a test size.
     data_config = eval_data_config(model, settings.img_size)
-    if settings.eval_img_size > settings.img_size and top1_large >= top1 and fixed_img_size(model) is None:
-        data_config['test_input_size'] = (3, settings.eval_img_size, settings.eval_img_size)
-    results = {'top1': top1, f'top1_at_{settings.eval_img_size}': top1_large, 'architecture': architecture,
-               'model_kwargs': architecture_kwargs, 'data_config': data_config}
+    as_built = [size for size in top1_at if size > settings.img_size and at_size(model, size) is model]
+    best = max(as_built, key=lambda size: (top1_at[size], -size), default=None)
+    if best is not None and top1_at[best] >= top1:
+        data_config['test_input_size'] = (3, best, best)
+    train_sizes = list(settings.train_img_sizes or [settings.img_size])
+    results = {'top1': top1, **{f'top1_at_{size}': value for size, value in top1_at.items()},
+               'architecture': architecture, 'model_kwargs': architecture_kwargs, 'data_config': data_config,
+               'train_img_sizes': train_sizes}
     (out / 'results.json').write_text(json.dumps(results, indent=2))
     hub_dir = out / 'hub'
     start_from = 'its pretrained weights' if settings.pretrained else 'scratch'
@@ -408,12 +485,21 @@ def run(settings: ClassifySettings) -> Dict:
     publish(str(weights), architecture, 'aft-vision/digits-demo', out_dir=str(hub_dir), dry_run=True, force=True,
             label_names=classes, results_file=str(out / 'results.json'),
             datasets=[] if settings.data_dir else ['sklearn-digits'],
-            training=f'{settings.epochs} epochs from {start_from} at {settings.img_size} px, AdamW lr {settings.lr}, '
-                     'cosine, label smoothing 0.1 (aft_vision.train).', model_kwargs=architecture_kwargs)
+            training=f'{settings.epochs} epochs from {start_from} at {_sizes_text(train_sizes)} px (one size per step, '
+                     f'{settings.train_size_schedule}), AdamW lr {settings.lr}, cosine, label smoothing 0.1 '
+                     '(aft_vision.train).', model_kwargs=architecture_kwargs)
     reloaded = timm.create_model(f'local-dir:{hub_dir}', pretrained=True).to(device)
     top1_reloaded = evaluate(reloaded, data_dir / 'val', settings.img_size)
     if top1_reloaded != top1:
         raise RuntimeError(f'reloaded model scores {top1_reloaded:.2f}%, the trained one {top1:.2f}%')
+    # A client at another size rebuilds the folder's model for it (timm's img_size; AFT-conv's windows or patch
+    # follow as its resize_mode says): the same figure as the job's own rebuild.
+    largest = max(top1_at)
+    resized = timm.create_model(f'local-dir:{hub_dir}', pretrained=True, img_size=largest).to(device)
+    top1_reloaded_large = evaluate(resized, data_dir / 'val', largest)
+    if top1_reloaded_large != top1_at[largest]:
+        raise RuntimeError(f'{hub_dir} rebuilt for {largest} px scores {top1_reloaded_large:.2f}%, the trained model '
+                           f'at that size {top1_at[largest]:.2f}%')
     # What every timm client does with the folder: the data config its pretrained_cfg gives (the train size), and
     # validate.py's (the test size where one is recorded).
     client_config = resolve_data_config({}, model=reloaded)
@@ -424,29 +510,37 @@ def run(settings: ClassifySettings) -> Dict:
     test_config = resolve_data_config({}, model=reloaded, use_test_size=True)
     top1_test_config = top1_data_config if test_config == client_config else evaluate(  # no test size: same config
         reloaded, data_dir / 'val', data_config=test_config)
-    expected = top1_large if 'test_input_size' in data_config else top1
+    expected = top1_at[best] if 'test_input_size' in data_config else top1
     if top1_test_config != expected:
         raise RuntimeError(f'timm\'s test-size data config for {hub_dir} ({test_config}) gives '
                            f'{top1_test_config:.2f}%, the job {expected:.2f}% at that size')
     try:
-        plot_curves(history, out / 'training_curve.png')
+        plot_curves(history, top1_at, train_sizes, out / 'training_curve.png')
     except ImportError:
         print('matplotlib is not installed (pip install aft-vision[demo]): no training curve written')
     results.update({
         'model': settings.model, 'epochs': settings.epochs,
-        'img_size': settings.img_size, 'eval_img_size': settings.eval_img_size, 'top1_reloaded': top1_reloaded,
+        'img_size': settings.img_size, 'eval_img_sizes': list(top1_at), 'top1_reloaded': top1_reloaded,
+        'top1_reloaded_at': {str(largest): top1_reloaded_large}, 'train_size_schedule': settings.train_size_schedule,
+        'rank_size_schedule_sha256': schedules,
         'top1_timm_data_config': top1_data_config, 'top1_timm_test_data_config': top1_test_config,
         'history': history, 'weights_sha256': sha256, 'world_size': world_size, 'rank_state_sha256': digests,
         'wall_seconds': round(time.perf_counter() - start, 1),
     })
     (out / 'results.json').write_text(json.dumps(results, indent=2))
-    print(f'\n{settings.model} on {data_dir}: top-1 {top1:.2f}% at {settings.img_size}px, {top1_large:.2f}% at '
-          f'{settings.eval_img_size}px; reloaded from {hub_dir}: {top1_reloaded:.2f}% (identical), with timm\'s data '
-          f'config {top1_data_config:.2f}% ({client_config["input_size"][-1]}px, crop_pct '
+    print()
+    for size, value in top1_at.items():
+        print(f'top-1 at {size:3d} px: {value:6.2f}%  ({value - top1:+.2f} against {settings.img_size} px)')
+    others = [size for size in top1_at if size != settings.img_size]
+    print(f'\n{settings.model} on {data_dir}, trained at {_sizes_text(train_sizes)} px: top-1 {top1:.2f}% at '
+          f'{settings.img_size}px; {"/".join(f"{top1_at[size]:.2f}" for size in others)}% at {_sizes_text(others)}px; '
+          f'reloaded from {hub_dir}: {top1_reloaded:.2f}% (identical; at {largest}px: {top1_reloaded_large:.2f}%), '
+          f'with timm\'s data config {top1_data_config:.2f}% ({client_config["input_size"][-1]}px, crop_pct '
           f'{client_config["crop_pct"]}; test size: {top1_test_config:.2f}%)')
     if world_size > 1:
         agree = 'identical on every rank' if len(set(digests)) == 1 else 'DIFFER between ranks'
-        print(f'{world_size} processes: final weights {agree}')
+        same_sizes = 'the same' if len(set(schedules)) == 1 else 'DIFFERENT'
+        print(f'{world_size} processes: final weights {agree}; {same_sizes} size at every step on every rank')
     print(f'wrote {weights} (sha256 {sha256[:16]}...), {hub_dir}/, {out / "results.json"}, '
           f'{out / "training_curve.png"}; {results["wall_seconds"]:.0f} s')
     return results

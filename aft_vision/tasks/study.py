@@ -78,7 +78,7 @@ class StudySettings:
     seeds: int = 3  # seeds 0 .. seeds - 1 for every configuration
     parts: Tuple[str, ...] = PARTS  # which of the three comparisons to run
     img_size: int = _DIGITS.img_size  # training and evaluation size: 32 px, an 8 x 8 token map at patch 4
-    eval_img_size: int = _DIGITS.eval_img_size  # the larger evaluation size, never trained on
+    eval_img_size: int = 48  # the larger evaluation size, never trained on
     batch_size: int = _DIGITS.batch_size
     lr: float = _DIGITS.lr
     baseline: str = 'vit_tiny_patch16_224'  # timm ViT, built at the AFT models' trunk with 2 heads of 32 channels
@@ -161,8 +161,9 @@ def check_settings(settings: StudySettings) -> Dict[str, Dict]:
         if config.key in kwargs:
             continue
         try:
-            kwargs[config.key] = check_model_and_sizes(config.model, dict(config.kwargs), settings.img_size,
-                                                       settings.eval_img_size)
+            job = ClassifySettings(model=config.model, img_size=settings.img_size,
+                                   eval_img_sizes=[settings.eval_img_size])
+            kwargs[config.key] = check_model_and_sizes(job, dict(config.kwargs))
         except ValueError as error:
             raise ValueError(f'{error} ({config.label}: {config.model})') from None
     return kwargs
