@@ -579,7 +579,8 @@ def _trained_conv(**kwargs) -> AFTConvTransformer:
 
 
 @pytest.mark.parametrize('kernel, ratio, expected', [
-    (15, 1.5, 23), (5, 1.5, 7), (15, 2.0, 31), (15, 0.75, 11), (5, 0.5, 3), (1, 0.5, 1), (5, 1.0, 5), (25, 384 / 224, 43)])
+    (15, 1.5, 23), (5, 1.5, 7), (15, 2.0, 31), (15, 0.75, 11), (5, 0.5, 3), (1, 0.5, 1), (5, 1.0, 5),
+    (25, 384 / 224, 43)])
 def test_scaled_kernel_size_is_the_nearest_odd_window(kernel, ratio, expected):
     assert scaled_kernel_size(kernel, ratio) == expected
 

@@ -6,7 +6,8 @@ from pathlib import Path
 from ..tasks.study import PARTS, StudySettings, render_markdown, run_study
 from .args import settings_from
 
-HELP = 'families, DeiT/ViT transfer, window and heads on the digits, over seeds (resumable; tables and plots)'
+HELP = ('families, DeiT/ViT transfer, window and heads, resolution on the digits, over seeds (resumable; tables '
+        'and plots)')
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,6 +20,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help='seeds per configuration, 0 .. N-1 (default: %(default)s)')
     parser.add_argument('--img-size', type=int, default=defaults.img_size, help='default: %(default)s')
     parser.add_argument('--eval-img-size', type=int, default=defaults.eval_img_size, help='default: %(default)s')
+    parser.add_argument('--eval-img-sizes', type=int, nargs='+', default=list(defaults.eval_img_sizes),
+                        metavar='SIZE', help='the resolution part\'s evaluation sizes (default: %(default)s)')
+    parser.add_argument('--train-img-sizes', type=int, nargs='+', default=list(defaults.train_img_sizes),
+                        metavar='SIZE', help='the resolution part\'s multi-size training (default: %(default)s)')
     parser.add_argument('--batch-size', type=int, default=defaults.batch_size, help='default: %(default)s')
     parser.add_argument('--lr', type=float, default=defaults.lr, help='default: %(default)s')
     parser.add_argument('--baseline', default=defaults.baseline,
@@ -29,7 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run or resume the study, print the tables."""
-    settings = dataclasses.replace(settings_from(StudySettings, args), parts=tuple(args.parts))
+    settings = dataclasses.replace(settings_from(StudySettings, args), parts=tuple(args.parts),
+                                   eval_img_sizes=tuple(args.eval_img_sizes),
+                                   train_img_sizes=tuple(args.train_img_sizes))
     summary = run_study(settings, Path(args.out_dir))
     print(render_markdown(summary))
     print(f'trained {len(summary["trained"])} runs, {len(summary["skipped"])} found finished; wrote '

@@ -203,6 +203,27 @@ class AFTConvTransformer(AFTTransformerBase):
         update_model_input_size(self, img_size, patch_size=patch_size)
         update_model_args(self, resize_mode=self.resize_mode, base_img_size=self.base_img_size)
 
+    def window_parameters(self, img_size: Union[int, Tuple[int, int]]) -> Dict[str, torch.Tensor]:
+        """Each block's window at ``img_size`` as ``resize_mode='window'`` sizes it, as differentiable functions of the
+        parameters (``resize_window_bias`` under autograd), by parameter name: for ``torch.func.functional_call``, so
+        that training at several sizes trains the one window every size is resampled from, and each size sees the
+        window it will be evaluated with. Empty in the other modes and where the window would not change.
+
+        Args:
+            img_size: The input size of the step.
+        """
+        if self.resize_mode != 'window':
+            return {}
+        _, kernel = self._size_plan(to_2tuple(img_size))
+        windows = {}
+        for i, block in enumerate(self.blocks):
+            attn = block.attn
+            if kernel != attn.kernel_size:
+                names = [f'blocks.{i}.attn.{name}' for name in ('pos_weight', 'pos_gamma', 'pos_beta')]
+                windows.update(zip(names, resize_window_bias(
+                    attn.pos_weight, attn.pos_gamma, attn.pos_beta, kernel, attn.eps)))
+        return windows
+
     def _embed(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, C, H, W) -> contiguous token map (B, H/p, W/p, C). timm's NHWC ``PatchEmbed`` returns a permuted
         view of its convolution's output; the residual adds would keep that layout through every block, and each

@@ -39,6 +39,7 @@ from ..checkpoints.files import load_weights, save_figure, save_weights
 from ..checkpoints.transfer import TransferReport, is_vit_state_dict, transfer_vit_weights, unwrap_state_dict
 from ..hub import publish, source_architecture
 from ..models import check_pretrained, create_aft_model
+from ..models.aft_conv import AFTConvTransformer, checkpoint_filter_fn as aft_conv_filter
 from .regularizers import position_bias_entropy
 
 # A small AFT-conv for 32 x 32 digits: patch 4 -> an 8 x 8 token grid, a 15 x 15 window (the whole grid), 8 heads.
@@ -200,7 +201,8 @@ def check_input_size(model: torch.nn.Module, img_size: int) -> None:
 
 
 def load_initial_weights(model: torch.nn.Module, weights: Mapping[str, torch.Tensor]) -> Optional[TransferReport]:
-    """Start ``model`` from ``weights``: its own state dict (loaded strictly), or a ViT / DeiT one mapped onto an AFT
+    """Start ``model`` from ``weights``: its own state dict (loaded strictly; an AFT-conv model's windows and patch
+    resampled to its own first, as timm's pretrained loading does), or a ViT / DeiT one mapped onto an AFT
     model by ``transfer_vit_weights`` (DeiT's classifier dropped, ``model``'s fresh head and fresh tensors kept). A
     training checkpoint is read as timm reads it (``unwrap_state_dict``).
 
@@ -212,6 +214,8 @@ def load_initial_weights(model: torch.nn.Module, weights: Mapping[str, torch.Ten
         state_dict, report = transfer_vit_weights(weights, model)
         model.load_state_dict(state_dict)
         return report
+    if isinstance(model, AFTConvTransformer):  # windows and patch resampled to the model's (a FixRes fine-tune)
+        weights = aft_conv_filter(weights, model)
     model.load_state_dict(weights)
     return None
 
@@ -305,7 +309,7 @@ def train(
         bar = tqdm(loader, desc=f'epoch {epoch + 1}/{epochs}', unit='batch', leave=False, disable=rank != 0)
         for step, (images, labels) in enumerate(bar):
             step_sizes.append(images.shape[-1])
-            loss = criterion(net(images.to(device)), labels.to(device))
+            loss = criterion(forward_at_size(net, model, images.to(device)), labels.to(device))
             if sparsity_weight:  # Eq. 9 on the shared weights: every rank adds the same term
                 loss = loss + sparsity_weight * position_bias_entropy(model)
             optimizer.zero_grad()
@@ -324,6 +328,17 @@ def train(
             log(f'epoch {epoch + 1:2d}  loss {record["loss"]:.4f}  val top-1 {record["val_top1"]:.2f}%')
         history.append(record)
     return model, history, classes
+
+
+def forward_at_size(net: torch.nn.Module, model: torch.nn.Module, images: torch.Tensor) -> torch.Tensor:
+    """``net(images)``, where an AFT-conv model whose windows follow the size (``resize_mode='window'``) uses the
+    windows resampled for the images' size, differentiably from its own (``window_parameters``): what it computes
+    once rebuilt for that size. ``net`` is ``model`` or its DistributedDataParallel wrapper."""
+    windows = model.window_parameters(images.shape[-2:]) if hasattr(model, 'window_parameters') else {}
+    if not windows:
+        return net(images)
+    prefix = '' if net is model else 'module.'
+    return torch.func.functional_call(net, {prefix + name: value for name, value in windows.items()}, (images,))
 
 
 def plot_curves(history: List[Dict], top1_at: Dict[int, float], train_sizes: Sequence[int], path: Path) -> None:
@@ -384,12 +399,15 @@ def check_model_and_sizes(settings: ClassifySettings, model_kwargs: Dict) -> Dic
         with torch.device('meta'):
             probe = create_aft_model(model_name, **model_kwargs)
             if hasattr(probe, 'resize_mode'):  # AFT-conv: built for img_size, following other sizes as asked
-                size_args = dict(img_size=settings.img_size, resize_mode=settings.resize_mode,
-                                 base_img_size=settings.base_img_size or model_kwargs.get('img_size', settings.img_size))
+                base = settings.base_img_size or model_kwargs.get('img_size', settings.img_size)
+                size_args = dict(img_size=settings.img_size, resize_mode=settings.resize_mode, base_img_size=base)
                 model_kwargs = dict({k: v for k, v in size_args.items() if v is not None}, **model_kwargs)
             elif settings.resize_mode is not None or settings.base_img_size is not None:
                 raise ValueError(f'--resize-mode / --base-img-size: {model_name} is not an AFT-conv model')
-            elif 'img_size' not in model_kwargs and fixed_img_size(probe) not in (None, (settings.img_size,) * 2):
+            elif 'img_size' not in model_kwargs and getattr(probe, 'patch_embed', None) is not None and (
+                    fixed_img_size(probe) is not None or getattr(probe, 'dynamic_img_size', False)):
+                # built for the training size: a position embedding for its token grid (resampled per step under
+                # dynamic_img_size=True)
                 model_kwargs = dict(model_kwargs, img_size=settings.img_size)
             probe = create_aft_model(model_name, **model_kwargs)
     except TypeError as error:  # an argument the model does not take

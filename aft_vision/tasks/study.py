@@ -10,12 +10,17 @@ augmentation, AdamW, cosine schedule, label smoothing) over several seeds, on th
   fine-tuned for a third of the epochs, against the same models from random weights for that third and for all of
   them; the held-out top-1 of every epoch is plotted for both starts;
 * ``window`` (Tables 9 and 10's structure): AFT-conv with kernels 3, 5 and 7 at per-channel heads, and with 1, 4 and
-  per-channel heads at kernel 5: windows smaller than the 8 x 8 map.
+  per-channel heads at kernel 5: windows smaller than the 8 x 8 map;
+* ``resolution``: each family trained at one size and at several (one drawn per step; ViT, AFT-full and AFT-simple
+  with ``dynamic_img_size=True``, AFT-conv with its windows following the size), evaluated at every evaluation size
+  with the patch kept (the token grid grows): the position embedding resampled, AFT-conv's windows kept, resampled
+  or its patch resized (``resize_mode``).
 
 Every run writes ``runs/<id>.json`` (and its weights) through a temporary file; a run whose record exists is not run
 again, so an interrupted study resumes. At the end ``study.md`` (the tables), ``study.json`` (the same figures) and
 ``plots/*.png`` are written.
 """
+import copy
 import difflib
 import json
 import os
@@ -38,7 +43,9 @@ from .classify import DIGITS_MODEL, ClassifySettings, at_size, check_model_and_s
 
 __all__ = ['Config', 'Run', 'StudySettings', 'PARTS', 'plan_runs', 'check_settings', 'run_study']
 
-PARTS = ('families', 'transfer', 'window')
+PARTS = ('families', 'transfer', 'window', 'resolution')
+FAMILY_KEYS = ('vit', 'aft_full', 'aft_simple', 'aft_conv')
+AFT_CONV_MODES = ('keep', 'window', 'patch')  # resize_mode; the other families resample their position parameters
 # The main job's trunk: patch 4 (an 8 x 8 token map at 32 px), width 64, 4 blocks, MLP ratio 2.
 TRUNK = {key: DIGITS_MODEL[key] for key in ('patch_size', 'embed_dim', 'depth', 'mlp_ratio')}
 WINDOW_KERNELS = (3, 5, 7)  # Table 9: kernels at per-channel heads
@@ -55,6 +62,7 @@ class Config:
     family: str  # 'ViT', 'AFT-full', 'AFT-simple' or 'AFT-conv'
     model: str  # timm model name
     kwargs: Dict = field(default_factory=dict)  # model arguments over the entry point's
+    multi_size: bool = False  # trained at the study's train_img_sizes, one per step (else at img_size)
 
 
 @dataclass(frozen=True)
@@ -79,6 +87,8 @@ class StudySettings:
     parts: Tuple[str, ...] = PARTS  # which of the three comparisons to run
     img_size: int = _DIGITS.img_size  # training and evaluation size: 32 px, an 8 x 8 token map at patch 4
     eval_img_size: int = 48  # the larger evaluation size, never trained on
+    eval_img_sizes: Tuple[int, ...] = (24, 32, 40, 48, 64)  # the resolution part's evaluation sizes
+    train_img_sizes: Tuple[int, ...] = (24, 32, 40, 48)  # the resolution part's multi-size training
     batch_size: int = _DIGITS.batch_size
     lr: float = _DIGITS.lr
     baseline: str = 'vit_tiny_patch16_224'  # timm ViT, built at the AFT models' trunk with 2 heads of 32 channels
@@ -91,7 +101,7 @@ class StudySettings:
     def recipe(self) -> Dict:
         """The settings a run's result depends on besides its configuration, epochs and seed."""
         return dict(img_size=self.img_size, eval_img_size=self.eval_img_size, batch_size=self.batch_size,
-                    lr=self.lr)
+                    lr=self.lr, eval_img_sizes=list(self.eval_img_sizes), train_img_sizes=list(self.train_img_sizes))
 
 
 def configs(settings: StudySettings) -> Dict[str, Config]:
@@ -103,6 +113,10 @@ def configs(settings: StudySettings) -> Dict[str, Config]:
         Config('aft_conv', f'AFT-conv k{DIGITS_MODEL["kernel_size"]} h{DIGITS_MODEL["num_heads"]} (the main job)',
                'AFT-conv', 'aft_conv_test', dict(DIGITS_MODEL)),
     ]
+    found += [  # the families at several sizes: position embeddings resampled per step, AFT-conv's windows following
+        Config(f'{c.key}_ms', f'{c.label.split(" (")[0]} at several sizes', c.family, c.model,
+               dict(c.kwargs, **({'resize_mode': 'window'} if c.key == 'aft_conv' else {'dynamic_img_size': True})),
+               multi_size=True) for c in found[:4]]
     for kernel, heads in sorted({(k, TRUNK['embed_dim']) for k in WINDOW_KERNELS} | {(HEADS_KERNEL, h) for h in HEADS}):
         found.append(Config(f'aft_conv_k{kernel}_h{heads}', f'AFT-conv k{kernel} h{heads}', 'AFT-conv', 'aft_conv_test',
                             dict(DIGITS_MODEL, kernel_size=kernel, num_heads=heads)))
@@ -125,6 +139,8 @@ def plan_runs(settings: StudySettings) -> List[Run]:
                          Run(known[key], 'random', full, seed)]
         if 'window' in settings.parts:
             runs += [Run(known[key], 'random', full, seed) for key in _window_keys()]
+        if 'resolution' in settings.parts:
+            runs += [Run(known[key + suffix], 'random', full, seed) for key in FAMILY_KEYS for suffix in ('', '_ms')]
     return list({run.id: run for run in runs}.values())  # first occurrence kept, in order
 
 
@@ -161,8 +177,10 @@ def check_settings(settings: StudySettings) -> Dict[str, Dict]:
         if config.key in kwargs:
             continue
         try:
-            job = ClassifySettings(model=config.model, img_size=settings.img_size,
-                                   eval_img_sizes=[settings.eval_img_size])
+            job = ClassifySettings(
+                model=config.model, img_size=settings.img_size,
+                eval_img_sizes=sorted({settings.eval_img_size, *settings.eval_img_sizes}),
+                train_img_sizes=list(settings.train_img_sizes) if config.multi_size else None)
             kwargs[config.key] = check_model_and_sizes(job, dict(config.kwargs))
         except ValueError as error:
             raise ValueError(f'{error} ({config.label}: {config.model})') from None
@@ -204,7 +222,8 @@ def _train_run(run: Run, model_kwargs: Dict, settings: StudySettings, data_dir: 
         init_weights = load_weights(source)
     model, history, classes = train(data_dir, run.config.model, run.epochs, settings.img_size, settings.batch_size,
                                     settings.lr, run.seed, model_kwargs=model_kwargs, init_weights=init_weights,
-                                    log=log)
+                                    log=log,
+                                    train_img_sizes=settings.train_img_sizes if run.config.multi_size else None)
     val = data_dir / 'val'
     record = {
         'id': run.id, 'config': asdict(run.config), 'model_kwargs': model_kwargs, 'start': run.start,
@@ -215,6 +234,8 @@ def _train_run(run: Run, model_kwargs: Dict, settings: StudySettings, data_dir: 
         'macs': count_macs(run.config.model, model_kwargs, settings.img_size, len(classes)),
         'history': history, 'threads': torch.get_num_threads(),
     }
+    if 'resolution' in settings.parts and run.config.key.removesuffix('_ms') in FAMILY_KEYS and run.start == 'random':
+        record['top1_at'] = top1_at_sizes(model, val, settings.eval_img_sizes)
     if source is not None:
         _, report = transfer_vit_weights(init_weights, model)  # what the start copied, for the record
         record.update(init_from=source.name, transfer=report.summary())
@@ -222,6 +243,24 @@ def _train_run(run: Run, model_kwargs: Dict, settings: StudySettings, data_dir: 
     record['wall_seconds'] = round(time.perf_counter() - start, 1)
     _write_json(runs_dir / f'{run.id}.json', record)
     return record
+
+
+def top1_at_sizes(model: torch.nn.Module, val: Path, sizes: Sequence[int]) -> Dict[str, Dict[str, float]]:
+    """Top-1 at each size, by how the model follows it: AFT-conv under each ``resize_mode``, the other families with
+    their position parameters resampled ('resample')."""
+    if not hasattr(model, 'resize_mode'):
+        return {'resample': {str(size): evaluate(at_size(model, size), val, size) for size in sizes}}
+    found = {}
+    for mode in AFT_CONV_MODES:
+        found[mode] = {}
+        for size in sizes:
+            resized = copy.deepcopy(model)
+            try:
+                resized.set_input_size(img_size=size, resize_mode=mode)
+            except ValueError:  # the patch cannot follow this size in whole pixels
+                continue
+            found[mode][str(size)] = evaluate(resized, val, size)
+    return found
 
 
 def _finished(path: Path, settings: StudySettings) -> Optional[Dict]:
@@ -313,7 +352,35 @@ def _tables(settings: StudySettings, records: Dict[str, Dict]) -> Dict[str, List
             for start, epochs in starts]
     if 'window' in settings.parts:
         tables['window'] = [_row(settings, records, known[key], 'random', full) for key in _window_keys()]
+    if 'resolution' in settings.parts:
+        tables['resolution'] = _resolution_rows(settings, records, known)
     return tables
+
+
+def _resolution_rows(settings: StudySettings, records: Dict[str, Dict], known: Dict[str, Config]) -> List[Dict]:
+    """A row per family, training (one size, several) and way of following the size: top-1 at every evaluation size
+    over the seeds, and the largest drop from the training size among them."""
+    rows = []
+    for key in FAMILY_KEYS:
+        for config in (known[key], known[f'{key}_ms']):
+            chosen = [records[Run(config, 'random', settings.epochs, seed).id]['top1_at']
+                      for seed in range(settings.seeds)]
+            for mode in chosen[0]:
+                sizes = [size for size in map(str, settings.eval_img_sizes) if all(size in r[mode] for r in chosen)]
+                top1 = {size: _stats(r[mode][size] for r in chosen) for size in sizes}
+                trained = str(settings.img_size)
+                rows.append({
+                    'family': config.family, 'key': config.key,
+                    'training': _sizes_text(settings.train_img_sizes) if config.multi_size else trained,
+                    'mode': mode, 'top1_at': top1,
+                    'worst_drop': max((top1[trained]['mean'] - v['mean'] for v in top1.values()), default=0.0)
+                    if trained in top1 else None,
+                })
+    return rows
+
+
+def _sizes_text(sizes: Sequence[int]) -> str:
+    return '/'.join(map(str, sizes))
 
 
 def _pm(stats: Dict) -> str:
@@ -349,6 +416,19 @@ def render_markdown(summary: Dict) -> str:
                   '|---|---|---|---|---|---|']
         lines += [f'| {r["kernel"]} | {r["heads"]} | {r["params"] / 1e3:.1f} | {r["macs"] / 1e6:.2f} | '
                   f'{_pm(r["top1"])} | {_pm(r["top1_large"])} |' for r in tables['window']]
+        lines.append('')
+    if 'resolution' in tables:
+        sizes = [str(size) for size in settings['eval_img_sizes']]
+        lines += ['## Resolution: one set of weights at every size', '',
+                  f'Patch kept at every size (the token grid grows). Training at several sizes: one of '
+                  f'{_sizes_text(settings["train_img_sizes"])} px per step. Following the size: the position '
+                  'parameters resampled (resample), AFT-conv\'s windows kept (keep), resampled by the size ratio '
+                  '(window) or its patch resized so that the token grid stays (patch).', '',
+                  f'| family | trained at (px) | following the size | {" | ".join(f"{s} px" for s in sizes)} |',
+                  '|---|---|---|' + '---|' * len(sizes)]
+        lines += [f'| {r["family"]} | {r["training"]} | {r["mode"]} | '
+                  + ' | '.join(_pm(r['top1_at'][s]) if s in r['top1_at'] else '-' for s in sizes) + ' |'
+                  for r in tables['resolution']]
         lines.append('')
     return '\n'.join(lines)
 
@@ -400,4 +480,30 @@ def plot_study(summary: Dict, records: Dict[str, Dict], folder: Path) -> List[st
             ax.legend(fontsize=8)
         save_figure(fig, folder / 'transfer.png')
         written.append('transfer.png')
+    if 'resolution' in tables:
+        written.append(_plot_resolution(tables['resolution'], settings, folder / 'resolution.png'))
     return written
+
+
+def _plot_resolution(rows: List[Dict], settings: Dict, path: Path) -> str:
+    """One panel per family: mean top-1 against the evaluation size with the seeds' spread, a line per training and
+    way of following the size."""
+    import matplotlib.pyplot as plt
+
+    families = list(dict.fromkeys(r['family'] for r in rows))
+    fig, axes = plt.subplots(1, len(families), figsize=(4.2 * len(families), 3.6), squeeze=False, sharey=True)
+    for ax, family in zip(axes[0], families):
+        for r in (r for r in rows if r['family'] == family):
+            sizes = sorted(r['top1_at'], key=int)
+            means = [r['top1_at'][s]['mean'] for s in sizes]
+            spread = [r['top1_at'][s]['std'] for s in sizes]
+            style = '-' if '/' in r['training'] else ':'
+            ax.errorbar([int(s) for s in sizes], means, yerr=spread, fmt=style, marker='o', markersize=3, capsize=2,
+                        label=f'{r["training"]} px, {r["mode"]}')
+        ax.axvline(settings['img_size'], color='grey', alpha=0.4, linestyle='--')
+        ax.set(xlabel='evaluation size (px)', title=family)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0][0].set(ylabel=f'held-out top-1 (%), mean ± std over {settings["seeds"]} seeds')
+    save_figure(fig, path)
+    return path.name
