@@ -642,7 +642,7 @@ def test_bad_resizes_are_one_line_and_change_nothing():
         model.set_input_size(img_size=96, resize_mode='stretch')
     with pytest.raises(ValueError, match="either patch_size or resize_mode='patch'"):
         model.set_input_size(img_size=96, patch_size=4, resize_mode='patch')
-    assert model.resize_mode == 'keep' and model.patch_embed.img_size == (64, 64)
+    assert model.resize_mode == 'window' and model.patch_embed.img_size == (64, 64)
     assert all(torch.equal(before[key], value) for key, value in model.state_dict().items())
     with pytest.raises(ValueError, match="unknown resize_mode 'stretch'"):
         _create_meta('aft_conv_test', resize_mode='stretch')

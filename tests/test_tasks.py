@@ -7,7 +7,9 @@
 * ``aft-vision study`` at a one-epoch, one-seed budget: records, tables, plots, resuming, refusals.
 * Position-bias and key maps (``tasks.visualize``, ``show-bias`` / ``show-keys``).
 """
+import copy
 import csv
+import dataclasses
 import json
 import math
 import os
@@ -28,7 +30,7 @@ import aft_vision  # noqa: F401  registers the models
 from aft_vision.checkpoints import load_weights, save_weights, unwrap_state_dict
 from aft_vision.cli import main
 from aft_vision.cli import main as cli_main
-from aft_vision.layers import AFTConv2d
+from aft_vision.layers import AFTConv2d, scaled_kernel_size
 from aft_vision.tasks import study, visualize
 from aft_vision.tasks.classify import DIGITS_MODEL, ClassifySettings, at_size, check_model_and_sizes, evaluate, \
     state_digest, train_loader
@@ -61,10 +63,22 @@ def test_main_job_learns_round_trips_and_evaluates_larger(digits_job):
     num_val = sum(1 for _ in val.rglob('*.png'))  # 20% of each digit's images: 359
     assert results['top1'] > above_chance(num_val, 10)  # 17.9%
     assert results['top1_reloaded'] == results['top1']
-    # both figures are what the saved weights score, recomputed here at each size
-    model = timm.create_model('aft_conv_test', num_classes=10, **dict(DIGITS_MODEL, **digits_job.model_kwargs))
+    # every figure is what the saved weights score, recomputed here at each size with the windows resampled for it
+    assert results['model_kwargs'] == dict(DIGITS_MODEL, **digits_job.model_kwargs, img_size=32, base_img_size=32)
+    model = timm.create_model('aft_conv_test', num_classes=10, **results['model_kwargs'])
     model.load_state_dict(load_weights(out / 'model.safetensors'))
-    assert evaluate(model, val, 32) == results['top1'] and evaluate(model, val, 48) == results['top1_at_48']
+    assert evaluate(model, val, 32) == results['top1']
+    for size in results['eval_img_sizes']:
+        resized = copy.deepcopy(model)
+        resized.set_input_size(img_size=size)
+        assert resized.blocks[0].attn.kernel_size == scaled_kernel_size(7, size / 32)
+        assert evaluate(resized, val, size) == results[f'top1_at_{size}'], size
+    # trained at the recipe's sizes, one per step, every one drawn
+    assert results['train_img_sizes'] == [24, 32, 40, 48] and results['eval_img_sizes'] == [24, 32, 40, 48, 64]
+    drawn = {size for record in results['history'] for size in record['steps_per_size']}
+    assert drawn == {'24', '32', '40', '48'}
+    assert results['top1_reloaded_at'] == {'64': results['top1_at_64']}
+    assert sum(line.startswith('top-1 at ') for line in digits_job.printed.splitlines()) == 5
     assert sorted(p.name for p in (out / 'hub').iterdir()) == ['README.md', 'config.json', 'model.safetensors']
     config = json.loads((out / 'hub' / 'config.json').read_text())
     assert config['label_names'] == [str(i) for i in range(10)]
@@ -143,9 +157,11 @@ def test_ddp_two_processes_end_with_identical_weights(tmp_path):
     out = tmp_path / 'out'
     done = _torchrun('-m', 'aft_vision.train', '--data-dir', str(data), '--epochs', '2', '--batch-size', '4',
                      '--model-kwargs', *TINY_MODEL, '--out-dir', str(out), '--sparsity-weight', '0.001')
-    assert 'final weights identical on every rank' in done.stdout
+    assert 'final weights identical on every rank; the same size at every step on every rank' in done.stdout
     results = json.loads((out / 'results.json').read_text())
     assert results['world_size'] == 2
+    assert len(set(results['rank_size_schedule_sha256'])) == 1  # each rank drew its own, the same
+    assert len({size for record in results['history'] for size in record['steps_per_size']}) > 1
     rank0, rank1 = results['rank_state_sha256']
     assert rank0 == rank1 == state_digest(load_weights(out / 'model.safetensors'))
     torch.manual_seed(0)  # the trainer's seed: the weights both ranks started from
@@ -247,16 +263,21 @@ def _checked(model: str, kwargs: Dict, **settings) -> Dict:
     return check_model_and_sizes(ClassifySettings(model=model, **settings), dict(kwargs))
 
 
-def test_models_are_built_for_the_training_size():
+def test_models_are_built_for_the_training_size_and_train_at_the_recipes_sizes():
     trunk = dict(patch_size=4, embed_dim=64, depth=4, mlp_ratio=2.)
-    assert _checked('vit_tiny_patch16_224', dict(trunk, num_heads=2))['img_size'] == 32
-    assert _checked('aft_full_test', trunk)['img_size'] == 32
+    vit = dict(trunk, num_heads=2)
+    assert _checked('vit_tiny_patch16_224', vit) == (dict(vit, img_size=32), [32])  # tied to one size
+    assert _checked('aft_full_test', trunk) == (dict(trunk, img_size=32), [32])
+    # any size: the recipe's sizes, 0.75-1.5x in whole patches
+    assert _checked('vit_tiny_patch16_224', dict(vit, dynamic_img_size=True), img_size=64) == (
+        dict(vit, dynamic_img_size=True, img_size=64), [48, 64, 80, 96])
     # AFT-conv: built for the training size, its windows given for it unless --base-img-size says otherwise
-    assert _checked('aft_conv_test', DIGITS_MODEL) == dict(DIGITS_MODEL, img_size=32, base_img_size=32)
-    assert _checked('aft_conv_test', DIGITS_MODEL, resize_mode='window', base_img_size=36) == dict(
-        DIGITS_MODEL, img_size=32, base_img_size=36, resize_mode='window')
+    assert _checked('aft_conv_test', DIGITS_MODEL) == (dict(DIGITS_MODEL, img_size=32, base_img_size=32),
+                                                       [24, 32, 40, 48])
+    assert _checked('aft_conv_test', DIGITS_MODEL, resize_mode='keep', base_img_size=36, train_img_sizes=[32]) == (
+        dict(DIGITS_MODEL, img_size=32, base_img_size=36, resize_mode='keep'), [32])
     with pytest.raises(ValueError, match='--img-size 30: 30 px is not a multiple of the patch size 4x4'):
-        _checked('vit_tiny_patch16_224', dict(trunk, num_heads=2), img_size=30)
+        _checked('vit_tiny_patch16_224', vit, img_size=30)
 
 
 @pytest.mark.parametrize('settings, message', [
@@ -266,7 +287,7 @@ def test_models_are_built_for_the_training_size():
     (dict(eval_img_sizes=[2]), '--eval-img-sizes 2: input size 2x2 is smaller than one 4x4 patch'),
     (dict(train_img_sizes=[24, 32], train_batch_sizes=[8]), '--train-batch-sizes: give one batch size per training'),
     (dict(train_size_schedule='random'), "--train-size-schedule: choose one of constant, progressive, got 'random'"),
-    (dict(train_size_schedule='progressive'), '--train-size-schedule progressive: give at least two'),
+    (dict(train_size_schedule='progressive', train_img_sizes=[32]), '--train-size-schedule progressive: give at least'),
     (dict(resize_mode='patch', eval_img_sizes=[36]), "--eval-img-sizes 36: resize_mode='patch': 36x36 px would need"),
     (dict(resize_mode='stretch'), "unknown resize_mode 'stretch'"),
     (dict(model='aft_full_test', train_img_sizes=[24, 32]), '--train-img-sizes: aft_full_test takes only 32x32 px'),
@@ -441,7 +462,7 @@ def test_segment_options_models_and_sizes_refused_before_anything_runs(tmp_path,
 
 
 # One epoch, one seed, 16 px (a 4 x 4 token map at patch 4): the smallest budget that runs every part.
-TINY = StudySettings(epochs=1, seeds=1, img_size=16, eval_img_size=24)
+TINY = StudySettings(epochs=1, seeds=1, img_size=16, eval_img_size=24, eval_img_sizes=(16, 24), train_img_sizes=(16, 24))
 
 
 @pytest.fixture(scope='module')
@@ -471,7 +492,9 @@ def test_plan_covers_every_part_once_and_trains_the_baseline_before_the_transfer
             assert f'{key}-random-e2-s{seed}' in ids and f'{key}-random-e6-s{seed}' in ids
         for kernel, heads in ((3, 64), (5, 64), (7, 64), (5, 1), (5, 4)):
             assert f'aft_conv_k{kernel}_h{heads}-random-e6-s{seed}' in ids
-    assert len(ids) == 2 * (4 + 4 + 5)  # families, transfer's short runs, window and heads (k5 h64 shared)
+        for key in ('vit', 'aft_full', 'aft_simple', 'aft_conv'):  # resolution: the families at several sizes too
+            assert f'{key}_ms-random-e6-s{seed}' in ids
+    assert len(ids) == 2 * (4 + 4 + 5 + 4)  # families, transfer's short runs, window and heads (k5 h64 shared), sizes
     only = [run.id for run in plan_runs(StudySettings(epochs=6, seeds=1, parts=('window',)))]
     assert only == [i for i in ids if i.startswith('aft_conv_k') and i.endswith('s0')]
 
@@ -498,13 +521,26 @@ def test_study_writes_a_record_per_run_the_tables_and_the_plots(finished_study):
     assert 'partially copied' in transferred['transfer'] and 'fresh     blocks.*.attn.pos_weight' in \
         transferred['transfer']
     table = (out / 'study.md').read_text()
-    for title in ('## Families at equal size', '## Transfer from the ViT baseline', '## AFT-conv: window and heads'):
+    for title in ('## Families at equal size', '## Transfer from the ViT baseline', '## AFT-conv: window and heads',
+                  '## Resolution: one set of weights at every size'):
         assert title in table
     assert len(summary['tables']['families']) == 4 and len(summary['tables']['window']) == 5
     assert len(summary['tables']['transfer']) == 1 + 2 * 2  # ViT; AFT-conv, AFT-full from ViT and random (1 == 1/3)
     rows = [line for line in table.splitlines() if line.startswith('| ') and ' ± ' in line]
-    assert len(rows) == 4 + 5 + 5
-    for name in ('families.png', 'transfer.png', 'window.png'):
+    # resolution: ViT, AFT-full, AFT-simple resampled; AFT-conv keep, window, patch; each trained at 1 and 2 sizes
+    assert len(summary['tables']['resolution']) == 2 * (3 + 3)
+    assert len(rows) == 4 + 5 + 5 + 12
+    # the record's figures at every size are what its weights score, rebuilt for each size in each mode
+    record = json.loads((out / 'runs' / 'aft_conv_ms-random-e1-s0.json').read_text())
+    assert record['model_kwargs']['resize_mode'] == 'window'
+    assert {size for r in record['history'] for size in r['steps_per_size']} == {'16', '24'}
+    model = timm.create_model('aft_conv_test', num_classes=10, **record['model_kwargs'])
+    model.load_state_dict(load_weights(out / 'runs' / 'aft_conv_ms-random-e1-s0.safetensors'))
+    for mode in ('keep', 'window', 'patch'):
+        resized = copy.deepcopy(model)
+        resized.set_input_size(img_size=24, resize_mode=mode)
+        assert evaluate(resized, val, 24) == record['top1_at'][mode]['24'], mode
+    for name in ('families.png', 'transfer.png', 'window.png', 'resolution.png'):
         assert (out / 'plots' / name).read_bytes()[:4] == b'\x89PNG'
     assert json.loads((out / 'study.json').read_text())['tables'] == summary['tables']
     assert not list(out.rglob('.*.tmp'))  # every temporary file renamed into place
@@ -523,7 +559,7 @@ def test_second_call_skips_finished_runs(finished_study, monkeypatch):
     assert again['tables'] == first['tables']
     assert {path: path.stat().st_mtime_ns for path in (out / 'runs').iterdir()} == stamps
     with pytest.raises(ValueError, match='another --out-dir'):  # a record of another recipe is not reused
-        run_study(StudySettings(epochs=1, seeds=1, img_size=16, eval_img_size=24, lr=1e-3), out)
+        run_study(dataclasses.replace(TINY, lr=1e-3), out)
 
 
 @pytest.mark.parametrize('args, message', [

@@ -68,10 +68,11 @@ class AFTConvTransformer(AFTTransformerBase):
         norm_layer: Normalisation layer (default LayerNorm).
         act_layer: MLP activation (default GELU).
         block_fn: Block class.
-        resize_mode: How the model follows an ``img_size`` other than ``base_img_size``: 'keep' (the window stays
-            ``kernel_size`` tokens wide, so it covers less of a larger image), 'window' (each block's window bias is
-            resampled by the size ratio, so it covers the same part of the image) or 'patch' (the patch is resized by
-            the ratio and the token grid stays, FlexiViT). ``set_input_size`` takes it too.
+        resize_mode: How the model follows an ``img_size`` other than ``base_img_size``: 'window' (each block's window
+            bias is resampled by the size ratio, so it covers the same part of the image; the default, the best
+            measured in docs/results.md), 'keep' (the window stays ``kernel_size`` tokens wide, so it covers less of a
+            larger image) or 'patch' (the patch is resized by the ratio and the token grid stays, FlexiViT).
+            ``set_input_size`` takes it too.
         base_img_size: The input size that ``kernel_size`` and ``patch_size`` are given for (the training size);
             None: ``img_size``.
     """
@@ -100,7 +101,7 @@ class AFTConvTransformer(AFTTransformerBase):
             norm_layer: Optional[Union[str, Type[nn.Module]]] = None,
             act_layer: Optional[Union[str, Type[nn.Module]]] = None,
             block_fn: Type[nn.Module] = Block,
-            resize_mode: str = 'keep',
+            resize_mode: str = 'window',
             base_img_size: Optional[Union[int, Tuple[int, int]]] = None,
             device=None,
             dtype=None,

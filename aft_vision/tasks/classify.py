@@ -45,6 +45,9 @@ from .regularizers import position_bias_entropy
 # A small AFT-conv for 32 x 32 digits: patch 4 -> an 8 x 8 token grid, a 15 x 15 window (the whole grid), 8 heads.
 DIGITS_MODEL = dict(patch_size=4, embed_dim=64, depth=4, num_heads=8, kernel_size=15, mlp_ratio=2.)
 EVAL_IMG_SIZES = (24, 32, 40, 48, 64)  # the main job's evaluation sizes: 0.75x to 2x its 32 px
+# The recipe's training sizes, as multiples of img_size (24, 32, 40 and 48 px for the main job), for a model that
+# takes any size; a model tied to one size trains at img_size alone (docs/results.md, "Resolution")
+TRAIN_SIZE_RATIOS = (0.75, 1.0, 1.25, 1.5)
 SIZE_SCHEDULES = ('constant', 'progressive')  # timm's create_loader batch_choice_schedule
 
 
@@ -58,7 +61,7 @@ class ClassifySettings:
     init_from: Optional[str] = None  # start from these weights (the model's own, or a ViT / DeiT's)
     epochs: int = 30
     img_size: int = 32  # the size the model is built and published for, and the headline evaluation's
-    train_img_sizes: Optional[List[int]] = None  # one drawn per step (timm's scheduled loader); None: [img_size]
+    train_img_sizes: Optional[List[int]] = None  # one drawn per step (timm's scheduled loader); None: the recipe's
     train_batch_sizes: Optional[List[int]] = None  # a batch size per training size; None: batch_size for each
     train_size_schedule: str = 'constant'  # timm's batch_choice_schedule: 'constant' or 'progressive'
     eval_img_sizes: List[int] = field(default_factory=lambda: list(EVAL_IMG_SIZES))  # evaluated after training
@@ -367,7 +370,7 @@ def _sizes_text(sizes: Sequence[int]) -> str:
     return '/'.join(str(size) for size in sizes)
 
 
-def check_model_and_sizes(settings: ClassifySettings, model_kwargs: Dict) -> Dict:
+def check_model_and_sizes(settings: ClassifySettings, model_kwargs: Dict) -> Tuple[Dict, List[int]]:
     """The model's arguments and every image size of ``settings``, on a meta-device copy: before the data set or
     anything is written.
 
@@ -376,24 +379,21 @@ def check_model_and_sizes(settings: ClassifySettings, model_kwargs: Dict) -> Dic
     model is built for ``img_size``, with the settings' ``resize_mode`` and ``base_img_size`` where given.
 
     Returns:
-        ``model_kwargs``, with the arguments above added where the model takes them.
+        ``model_kwargs``, with the arguments above added where the model takes them, and the training sizes
+        (``train_img_sizes``, or where None the recipe's: ``TRAIN_SIZE_RATIOS`` of ``img_size`` in whole patches for
+        a model that takes any size, ``img_size`` alone for one tied to a size).
 
     Raises:
         ValueError: An unknown model, arguments it does not take, or a size it cannot take, as one line.
     """
-    train_sizes = list(settings.train_img_sizes or [settings.img_size])
+    train_sizes = list(settings.train_img_sizes or [settings.img_size])  # the recipe's, once the model is known
     if settings.train_img_sizes is not None and not settings.train_img_sizes:
         raise ValueError('--train-img-sizes: give at least one size')
     if not settings.eval_img_sizes:
         raise ValueError('--eval-img-sizes: give at least one size')
-    if settings.train_batch_sizes is not None and len(settings.train_batch_sizes) != len(train_sizes):
-        raise ValueError(f'--train-batch-sizes: give one batch size per training size ({len(train_sizes)}: '
-                         f'{train_sizes}), got {len(settings.train_batch_sizes)}')
     if settings.train_size_schedule not in SIZE_SCHEDULES:
         raise ValueError(f'--train-size-schedule: choose one of {", ".join(SIZE_SCHEDULES)}, got '
                          f'{settings.train_size_schedule!r}')
-    if settings.train_size_schedule == 'progressive' and len(train_sizes) < 2:
-        raise ValueError('--train-size-schedule progressive: give at least two --train-img-sizes')
     model_name = settings.model
     try:
         with torch.device('meta'):
@@ -413,6 +413,14 @@ def check_model_and_sizes(settings: ClassifySettings, model_kwargs: Dict) -> Dic
     except TypeError as error:  # an argument the model does not take
         raise ValueError(f'--model-kwargs: {model_name} does not take them ({error})') from None
     fixed = fixed_img_size(probe)
+    if settings.train_img_sizes is None and fixed is None and getattr(probe, 'patch_embed', None) is not None:
+        patch = probe.patch_embed.patch_size[0]
+        train_sizes = [max(patch, round(settings.img_size * ratio / patch) * patch) for ratio in TRAIN_SIZE_RATIOS]
+    if settings.train_batch_sizes is not None and len(settings.train_batch_sizes) != len(train_sizes):
+        raise ValueError(f'--train-batch-sizes: give one batch size per training size ({len(train_sizes)}: '
+                         f'{train_sizes}), got {len(settings.train_batch_sizes)}')
+    if settings.train_size_schedule == 'progressive' and len(train_sizes) < 2:
+        raise ValueError('--train-size-schedule progressive: give at least two --train-img-sizes')
     if len(set(train_sizes)) > 1 and fixed is not None:
         raise ValueError(f'--train-img-sizes: {model_name} takes only {fixed[0]}x{fixed[1]} px images (position '
                          f'parameters tied to its token grid); train it at one size, or choose a model that takes '
@@ -425,7 +433,7 @@ def check_model_and_sizes(settings: ClassifySettings, model_kwargs: Dict) -> Dic
                 check_input_size(model or at_size(probe, size), size)
         except ValueError as error:
             raise ValueError(f'{option} {size}: {error}') from None
-    return model_kwargs
+    return model_kwargs, train_sizes
 
 
 def run(settings: ClassifySettings) -> Dict:
@@ -436,7 +444,7 @@ def run(settings: ClassifySettings) -> Dict:
     model_kwargs = dict(settings.model_kwargs or {})
     if settings.model == 'aft_conv_test' and not settings.data_dir:
         model_kwargs = dict(DIGITS_MODEL, **model_kwargs)
-    model_kwargs = check_model_and_sizes(settings, model_kwargs)
+    model_kwargs, train_sizes = check_model_and_sizes(settings, model_kwargs)
     init_weights = None
     if settings.init_from:
         if settings.pretrained:
@@ -459,7 +467,7 @@ def run(settings: ClassifySettings) -> Dict:
         model, history, classes = train(
             data_dir, settings.model, settings.epochs, settings.img_size, settings.batch_size, settings.lr,
             settings.seed, settings.sparsity_weight, model_kwargs, settings.pretrained, device, rank, world_size,
-            init_weights, train_img_sizes=settings.train_img_sizes, train_batch_sizes=settings.train_batch_sizes,
+            init_weights, train_img_sizes=train_sizes, train_batch_sizes=settings.train_batch_sizes,
             size_schedule=settings.train_size_schedule)
         digest = state_digest(model.state_dict())
         schedule = hashlib.sha256(''.join(h['size_schedule_sha256'] for h in history).encode()).hexdigest()
@@ -489,7 +497,6 @@ def run(settings: ClassifySettings) -> Dict:
     best = max(as_built, key=lambda size: (top1_at[size], -size), default=None)
     if best is not None and top1_at[best] >= top1:
         data_config['test_input_size'] = (3, best, best)
-    train_sizes = list(settings.train_img_sizes or [settings.img_size])
     results = {'top1': top1, **{f'top1_at_{size}': value for size, value in top1_at.items()},
                'architecture': architecture, 'model_kwargs': architecture_kwargs, 'data_config': data_config,
                'train_img_sizes': train_sizes}

@@ -176,12 +176,16 @@ def check_settings(settings: StudySettings) -> Dict[str, Dict]:
         config = run.config
         if config.key in kwargs:
             continue
+        train_sizes = list(settings.train_img_sizes if config.multi_size else [settings.img_size])
         try:
-            job = ClassifySettings(
-                model=config.model, img_size=settings.img_size,
-                eval_img_sizes=sorted({settings.eval_img_size, *settings.eval_img_sizes}),
-                train_img_sizes=list(settings.train_img_sizes) if config.multi_size else None)
-            kwargs[config.key] = check_model_and_sizes(job, dict(config.kwargs))
+            for option, sizes in (('--eval-img-size', [settings.eval_img_size]),
+                                  ('--eval-img-sizes', list(settings.eval_img_sizes))):
+                job = ClassifySettings(model=config.model, img_size=settings.img_size, eval_img_sizes=sizes,
+                                       train_img_sizes=train_sizes)
+                try:
+                    kwargs[config.key] = check_model_and_sizes(job, dict(config.kwargs))[0]
+                except ValueError as error:  # named as the study names the option
+                    raise ValueError(str(error).replace('--eval-img-sizes', option, 1)) from None
         except ValueError as error:
             raise ValueError(f'{error} ({config.label}: {config.model})') from None
     return kwargs
