@@ -462,7 +462,8 @@ def test_segment_options_models_and_sizes_refused_before_anything_runs(tmp_path,
 
 
 # One epoch, one seed, 16 px (a 4 x 4 token map at patch 4): the smallest budget that runs every part.
-TINY = StudySettings(epochs=1, seeds=1, img_size=16, eval_img_size=24, eval_img_sizes=(16, 24), train_img_sizes=(16, 24))
+TINY = StudySettings(epochs=1, seeds=1, img_size=16, eval_img_size=24, eval_img_sizes=(16, 24),
+                     train_img_sizes=(16, 24))
 
 
 @pytest.fixture(scope='module')
