@@ -55,6 +55,8 @@ pytest.importorskip('nncf')
 TEST_CASES = {
     'aft_conv_test': ('aft_conv_test', {}),
     'aft_conv_test_onehot': ('aft_conv_test', {'mixer_layer': 'aft_conv_onehot'}),
+    # built for 1.5x its 64 px with its windows resampled (resize_mode='window'): 5 x 5 -> 7 x 7
+    'aft_conv_test_window': ('aft_conv_test', {'img_size': 96, 'base_img_size': 64}),
     'aft_full_test': ('aft_full_test', {}),
     'aft_simple_test': ('aft_simple_test', {}),
 }
