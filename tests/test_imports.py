@@ -22,7 +22,7 @@ FLOORS = (
     ('hub', 'deploy'),  # publishing and loading back; ONNX / OpenVINO and INT8
     ('bench', 'tasks'),  # benchmarks; the jobs (classify, segment, study, visualize)
     ('cli',),  # the aft-vision command line: options in, plain Python settings out
-    ('__init__', 'run', 'train', 'timm_sparsity'),  # entry points
+    ('__init__', 'run', 'train', 'timm_sparsity', 'timm_train'),  # entry points
 )
 
 

@@ -108,7 +108,7 @@ def test_entropy_regulariser_matches_a_plain_computation():
     assert position_bias_entropy(timm.create_model('aft_full_test')).item() == 0.0
 
 
-def test_timm_task_hook_adds_the_weighted_entropy_and_undoes():
+def test_timm_task_hook_adds_the_weighted_entropy_follows_the_windows_and_undoes():
     from timm.task import ClassificationTask
 
     original = ClassificationTask.forward
@@ -119,14 +119,21 @@ def test_timm_task_hook_adds_the_weighted_entropy_and_undoes():
     task = ClassificationTask(model, criterion=torch.nn.CrossEntropyLoss())
     images, target = torch.randn(2, 3, 64, 64), torch.tensor([0, 2])
     plain = task(images, target)['loss']
+    larger = torch.randn(2, 3, 96, 96)
+    resized = copy.deepcopy(model)
+    resized.set_input_size(img_size=96)  # windows 5 -> 7
     try:
         add_to_timm_tasks(0.5)
         hooked = task(images, target)
+        at_96 = task(larger, target)
     finally:
-        add_to_timm_tasks(0)
+        add_to_timm_tasks(0, follow_windows=False)
     assert torch.allclose(hooked['loss'], plain + 0.5 * position_bias_entropy(model))
-    hooked['loss'].backward()
-    assert model.blocks[0].attn.pos_gamma.grad.abs().sum() > 0
+    # at another size the task runs the windows resampled for it, and trains the model's own
+    assert torch.equal(at_96['output'], resized(larger))
+    at_96['loss'].backward()
+    assert model.blocks[0].attn.pos_weight.grad.shape == (8, 5, 5)
+    assert model.blocks[0].attn.pos_weight.grad.abs().sum() > 0 and model.blocks[0].attn.pos_gamma.grad.abs().sum() > 0
     assert ClassificationTask.forward is original
 
 

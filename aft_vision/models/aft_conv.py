@@ -30,7 +30,7 @@ from aft_vision.layers import AFTConv2d, AFTConv2dOneHot, resize_window_bias, sc
 from ._base import PAPER_ID, AFTTransformerBase, Block, adapt_vit_checkpoint, deit_init_cfg, take_block_indices, \
     untrained_cfg
 
-__all__ = ['AFTConvTransformer']  # register_model adds each entry point
+__all__ = ['AFTConvTransformer', 'forward_at_size']  # register_model adds each entry point
 
 GLOBAL_POOLS = ('', 'avg', 'max', 'avgmax')
 # how the model follows an input size other than base_img_size: windows as they are, windows resampled by the size
@@ -298,6 +298,21 @@ class AFTConvTransformer(AFTTransformerBase):
         if pool_type == 'avgmax':
             return 0.5 * (x.mean(dim=(1, 2)) + x.amax(dim=(1, 2)))
         return x
+
+
+def forward_at_size(net: nn.Module, images: torch.Tensor) -> torch.Tensor:
+    """``net(images)`` for a training step, where an AFT-conv model in ``net`` (itself, or wrapped by DDP or
+    ``torch.compile``) whose windows follow the size (``resize_mode='window'``) runs with the windows resampled for
+    the images' size, differentiably from its own (``window_parameters``): what it computes once rebuilt for that
+    size, so that training at several sizes trains the one window all of them are resampled from."""
+    for prefix, model in net.named_modules():
+        if isinstance(model, AFTConvTransformer):
+            windows = model.window_parameters(images.shape[-2:])
+            if windows:
+                prefix = f'{prefix}.' if prefix else ''
+                return torch.func.functional_call(net, {prefix + k: v for k, v in windows.items()}, (images,))
+            break
+    return net(images)
 
 
 def _mixer_class(mixer_layer: Union[str, Callable[..., nn.Module]]) -> Callable[..., nn.Module]:

@@ -39,7 +39,7 @@ from ..checkpoints.files import load_weights, save_figure, save_weights
 from ..checkpoints.transfer import TransferReport, is_vit_state_dict, transfer_vit_weights, unwrap_state_dict
 from ..hub import publish, source_architecture
 from ..models import check_pretrained, create_aft_model
-from ..models.aft_conv import AFTConvTransformer, checkpoint_filter_fn as aft_conv_filter
+from ..models.aft_conv import AFTConvTransformer, checkpoint_filter_fn as aft_conv_filter, forward_at_size
 from .regularizers import position_bias_entropy
 
 # A small AFT-conv for 32 x 32 digits: patch 4 -> an 8 x 8 token grid, a 15 x 15 window (the whole grid), 8 heads.
@@ -312,7 +312,7 @@ def train(
         bar = tqdm(loader, desc=f'epoch {epoch + 1}/{epochs}', unit='batch', leave=False, disable=rank != 0)
         for step, (images, labels) in enumerate(bar):
             step_sizes.append(images.shape[-1])
-            loss = criterion(forward_at_size(net, model, images.to(device)), labels.to(device))
+            loss = criterion(forward_at_size(net, images.to(device)), labels.to(device))
             if sparsity_weight:  # Eq. 9 on the shared weights: every rank adds the same term
                 loss = loss + sparsity_weight * position_bias_entropy(model)
             optimizer.zero_grad()
@@ -331,17 +331,6 @@ def train(
             log(f'epoch {epoch + 1:2d}  loss {record["loss"]:.4f}  val top-1 {record["val_top1"]:.2f}%')
         history.append(record)
     return model, history, classes
-
-
-def forward_at_size(net: torch.nn.Module, model: torch.nn.Module, images: torch.Tensor) -> torch.Tensor:
-    """``net(images)``, where an AFT-conv model whose windows follow the size (``resize_mode='window'``) uses the
-    windows resampled for the images' size, differentiably from its own (``window_parameters``): what it computes
-    once rebuilt for that size. ``net`` is ``model`` or its DistributedDataParallel wrapper."""
-    windows = model.window_parameters(images.shape[-2:]) if hasattr(model, 'window_parameters') else {}
-    if not windows:
-        return net(images)
-    prefix = '' if net is model else 'module.'
-    return torch.func.functional_call(net, {prefix + name: value for name, value in windows.items()}, (images,))
 
 
 def plot_curves(history: List[Dict], top1_at: Dict[int, float], train_sizes: Sequence[int], path: Path) -> None:
