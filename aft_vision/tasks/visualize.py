@@ -198,7 +198,8 @@ def load_model(
         use_ema: bool = True,
         **model_kwargs,
 ) -> nn.Module:
-    """An AFT model in eval mode: ``name`` built fresh, with its pretrained weights, or sized to a checkpoint.
+    """An AFT model in eval mode, as every command loads one (``hub.load_model``): ``name`` built fresh (random
+    weights, said on stderr), with its pretrained weights, or sized to a checkpoint and its run record.
 
     Args:
         name: Registered model (``aft_conv_small``), or a timm source ``local-dir:FOLDER`` / ``hf-hub:org/name``
@@ -208,16 +209,13 @@ def load_model(
         use_ema: Take a training checkpoint's EMA weights where it has them (timm's rule), else its trained ones.
         **model_kwargs: Passed to ``timm.create_model`` (e.g. ``patch_size=4, kernel_size=15``).
     """
-    from ..hub import load_checkpoint_into
-    from ..models import create_aft_model
+    from ..hub import load_model as load
 
     if checkpoint is not None and pretrained:
         raise ValueError('pass a checkpoint or pretrained, not both')
-    if checkpoint is not None:
-        if not Path(checkpoint).is_file():
-            raise FileNotFoundError(f'checkpoint file not found: {checkpoint}')
-        return load_checkpoint_into(name, str(checkpoint), use_ema=use_ema, **model_kwargs).eval()
-    return create_aft_model(name, pretrained=pretrained or ':' in name, **model_kwargs).eval()
+    if checkpoint is not None and not Path(checkpoint).is_file():
+        raise FileNotFoundError(f'checkpoint file not found: {checkpoint}')
+    return load(name, None if checkpoint is None else str(checkpoint), pretrained, use_ema, model_kwargs)[0]
 
 
 def load_image(path: PathLike, model: nn.Module, img_size: Optional[int] = None) -> Tuple[torch.Tensor, np.ndarray]:
