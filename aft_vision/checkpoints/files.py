@@ -106,6 +106,7 @@ def save_weights(state_dict: Mapping[str, torch.Tensor], path: PathLike, force: 
         temp_file = staging / path.name
         tensors = {key: value.detach().contiguous().cpu() for key, value in state_dict.items()}
         save_file(tensors, str(temp_file), metadata=dict(metadata or {}))
+        temp_file.chmod(umask_mode(0o666))  # safetensors writes 0600
         digest = sha256sum(temp_file)
         os.replace(temp_file, path)
         shutil.rmtree(staging, ignore_errors=True)

@@ -5,6 +5,7 @@ import tempfile
 from pathlib import Path
 
 from ..deploy import FORMATS, calibration_files, export
+from ..hub import warn_random_weights
 from ..tasks.classify import write_digits
 from .predict import add_model_arguments, model_from_args
 
@@ -33,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
         if not Path(args.calibration).is_dir():
             raise ValueError(f'--calibration: {args.calibration} is not a folder of images (or "digits")')
         calibration_files(args.calibration, args.seed)  # a folder without images: refused before the model is built
-    model = model_from_args(args)
+    model, weights = model_from_args(args)
     with tempfile.TemporaryDirectory(prefix='aft-digits-') as scratch:  # never the working directory's
         calibration, held_out = args.calibration, None
         if calibration == 'digits':
@@ -49,4 +50,5 @@ def run(args: argparse.Namespace) -> int:
     if 'int8_top1' in report:
         line += f" (top-1 eager {report['eager_top1']:.2f}%, INT8 {report['int8_top1']:.2f}%)"
     print(line)
+    warn_random_weights(args.model, weights)
     return 0

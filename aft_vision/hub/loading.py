@@ -27,13 +27,11 @@ from .publishing import model_from_checkpoint
 from .records import read_training_record, source_architecture
 
 __all__ = ['load_model', 'check_aft_model', 'check_init_weights', 'check_model_kwargs', 'check_source',
-           'RANDOM_WEIGHTS']
+           'warn_random_weights', 'RANDOM_WEIGHTS']
 
 HUB_TIMEOUT_S = 3.0  # how long a connection to the Hub may take before it counts as offline
 WEIGHT_FILES = ('model.safetensors', 'pytorch_model.bin', 'open_clip_pytorch_model.bin')  # timm's order
-# what a bare name gives, said on stderr by every command that runs it (the one rule: allowed, with this warning)
-RANDOM_WEIGHTS = ('{name} has random weights (no --checkpoint, --pretrained or local-dir: / hf-hub: source): its '
-                  'outputs mean nothing')
+RANDOM_WEIGHTS = 'random weights'  # what ``load_model`` says a bare name holds
 _BUILD_ERRORS = (TypeError, ValueError, ZeroDivisionError, AssertionError, RuntimeError, KeyError, IndexError)
 
 
@@ -134,6 +132,14 @@ def check_init_weights(path: str, name: str, model_kwargs: Dict[str, Any], num_c
                              f'{num_classes} classes) expects {list(expected[key].shape)}')
 
 
+def warn_random_weights(name: str, weights: str) -> None:
+    """The one rule for a bare name in every command: allowed, and said on stderr once the command has succeeded
+    (a refusal stays one line)."""
+    if weights == RANDOM_WEIGHTS:
+        print(f'warning: {name} has random weights (no --checkpoint, --pretrained or local-dir: / hf-hub: source): '
+              'its outputs mean nothing', file=sys.stderr)
+
+
 def _data_config_of(model: torch.nn.Module, checkpoint: str) -> str:
     """Give ``model`` the preprocessing the run record beside ``checkpoint`` says its weights were evaluated with,
     as ``publish`` would publish it; returns where it came from."""
@@ -163,8 +169,8 @@ def load_model(
         aft_only: Refuse a model that is not an AFT model.
 
     Returns:
-        The model and, in words, which weights it holds (random weights are allowed and said on stderr: one rule
-        for every command).
+        The model and, in words, which weights it holds: ``RANDOM_WEIGHTS`` for a bare name, allowed in every
+        command, which then says so (``warn_random_weights``).
 
     Raises:
         ValueError: Unknown or non-AFT model, damaged weights, arguments that do not build, an unreachable Hub; one
@@ -192,6 +198,4 @@ def load_model(
     except (SafetensorError, RuntimeError, OSError, ValueError) as error:  # weights that do not fit or read
         raise ValueError(f'{name}: its weights cannot be loaded ({type(error).__name__}: '
                          f'{_first_line(error)})') from None
-    if not loads:
-        print(f'warning: {RANDOM_WEIGHTS.format(name=name)}', file=sys.stderr)
-    return model.eval(), 'pretrained weights' if loads else 'random weights'
+    return model.eval(), 'pretrained weights' if loads else RANDOM_WEIGHTS

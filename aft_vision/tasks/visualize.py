@@ -218,6 +218,13 @@ def load_model(
     return load(name, None if checkpoint is None else str(checkpoint), pretrained, use_ema, model_kwargs)[0]
 
 
+def _warn_if_random(name: str, checkpoint: Optional[PathLike], pretrained: bool) -> None:
+    from ..hub import RANDOM_WEIGHTS, warn_random_weights
+
+    if checkpoint is None and not pretrained and ':' not in name:
+        warn_random_weights(name, RANDOM_WEIGHTS)
+
+
 def load_image(path: PathLike, model: nn.Module, img_size: Optional[int] = None) -> Tuple[torch.Tensor, np.ndarray]:
     """Open an image with PIL and transform it with timm's eval transform for ``model``.
 
@@ -487,6 +494,7 @@ def show_bias(model: str, out: PathLike, checkpoint: Optional[PathLike] = None, 
                            title=f'{name}: exp(w) for query {query} over the patch grid, per layer')
         what = f'AFT-full exp(w) for query {query}'
     print(f'wrote {out}: {what}, array {list(maps.shape)} (layers, ...); {time.perf_counter() - start:.1f} s')
+    _warn_if_random(name, checkpoint, pretrained)
     return maps
 
 
@@ -515,4 +523,5 @@ def show_keys(image: PathLike, model: str, out: PathLike, checkpoint: Optional[P
     plot_key_maps(keys, out, image=shown, map_label=label, force=force, dpi=dpi,
                   title=f'{name}: keys of {Path(image).name}, layers (rows) x {label}s (columns)')
     print(f'wrote {out}: keys {list(keys.shape)} (layers, {label}s, H, W); {time.perf_counter() - start:.1f} s')
+    _warn_if_random(name, checkpoint, pretrained)
     return keys
