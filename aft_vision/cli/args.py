@@ -6,6 +6,7 @@ and exit code 2. Both ``aft_vision.cli`` and ``python -m aft_vision.train`` ente
 import argparse
 import dataclasses
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Callable, Dict, Optional, Sequence, Tuple
@@ -158,7 +159,8 @@ def check_args(args: argparse.Namespace) -> Optional[str]:
             except OSError as error:
                 return f'{_option(dest)}: {str(error).split(": ", 1)[1]}'
     out_dir = options.get('out_dir')
-    if out_dir is not None and (args.command != 'publish' or options.get('dry_run')):
+    writer = int(os.environ.get('RANK', 0)) == 0  # under torchrun the other ranks only read (rank 0 has begun)
+    if out_dir is not None and writer and (args.command != 'publish' or options.get('dry_run')):
         try:
             check_output_dir(out_dir, options.get('force', False), resumes=args.command in RESUMES)
         except OSError as error:
