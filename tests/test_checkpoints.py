@@ -9,6 +9,7 @@ import collections
 import hashlib
 import os
 import random
+import stat
 
 import pytest
 import timm
@@ -17,7 +18,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 import aft_vision  # noqa: F401  registers the models
-from aft_vision.checkpoints import atomic_dir, load_weights, save_weights, transfer_vit_weights
+from aft_vision.checkpoints import atomic_dir, load_weights, output_dir, save_weights, swap_in, transfer_vit_weights
 from aft_vision.cli import main as cli_main
 from aft_vision.hub import model_from_checkpoint
 
@@ -114,7 +115,73 @@ def test_atomic_dir_leaves_nothing_on_failure_and_keeps_the_old_folder(tmp_path)
             pass
     with atomic_dir(target, force=True) as staging:
         (staging / 'b.txt').write_text('second')
-    assert sorted(p.name for p in target.iterdir()) == ['b.txt']
+        (staging / 'a.txt').write_text('replaced')
+    assert {p.name: p.read_text() for p in target.iterdir()} == {'a.txt': 'replaced', 'b.txt': 'second'}
+    (target / 'mine.txt').write_text('the user\'s')  # force replaces only what the block writes
+    with atomic_dir(target, force=True) as staging:
+        (staging / 'a.txt').write_text('third')
+    assert {p.name: p.read_text() for p in target.iterdir()} == {
+        'a.txt': 'third', 'b.txt': 'second', 'mine.txt': 'the user\'s'}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['out']
+
+
+def test_swap_in_puts_everything_back_when_a_move_fails(tmp_path, monkeypatch):
+    target, staging = tmp_path / 'out', tmp_path / 'staging'
+    for folder in (target, staging):
+        folder.mkdir()
+        for name in ('a', 'b', 'c'):
+            (folder / name).write_text(f'{folder.name} {name}')
+    real_replace, calls = os.replace, []
+
+    def failing_replace(src, dst):  # the fifth move (setting the third old entry aside) fails
+        calls.append(dst)
+        if len(calls) == 5:
+            raise OSError('disk full')
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, 'replace', failing_replace)
+    with pytest.raises(OSError, match='disk full'):
+        swap_in(staging, target)
+    monkeypatch.setattr(os, 'replace', real_replace)
+    assert {p.name: p.read_text() for p in target.iterdir()} == {n: f'out {n}' for n in 'abc'}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['out']
+
+
+def test_written_files_and_folders_get_the_users_umask(tmp_path):
+    old = os.umask(0o022)
+    try:
+        with atomic_dir(tmp_path / 'folder') as staging:
+            (staging / 'a.txt').write_text('x')
+        save_weights({'w': torch.zeros(1)}, tmp_path / 'w.safetensors')
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / 'folder').stat().st_mode) == 0o755
+    assert stat.S_IMODE((tmp_path / 'folder' / 'a.txt').stat().st_mode) == 0o644
+    assert stat.S_IMODE((tmp_path / 'w.safetensors').stat().st_mode) == 0o644
+
+
+def test_output_dir_refuses_checks_and_restores(tmp_path):
+    out = tmp_path / 'run'
+    out.mkdir()
+    (out / 'model.safetensors').write_text('old weights')
+    (out / 'notes.txt').write_text('mine')
+    with pytest.raises(FileExistsError, match='pass --force'):
+        with output_dir(out, writes=['model.safetensors']):
+            pass
+    with pytest.raises(RuntimeError):  # a job that fails after writing: the folder as it was
+        with output_dir(out, force=True, writes=['model.safetensors', 'hub']) as folder:
+            (folder / 'model.safetensors').write_text('half new')
+            (folder / 'hub').mkdir()
+            raise RuntimeError('the state does not fit')
+    assert {p.name: p.read_text() for p in out.iterdir()} == {'model.safetensors': 'old weights', 'notes.txt': 'mine'}
+    with output_dir(out, force=True, writes=['model.safetensors']) as folder:
+        (folder / 'model.safetensors').write_text('new weights')
+    assert {p.name: p.read_text() for p in out.iterdir()} == {'model.safetensors': 'new weights', 'notes.txt': 'mine'}
+    with pytest.raises(RuntimeError):  # a folder the job created is gone again
+        with output_dir(tmp_path / 'fresh', writes=['a']) as folder:
+            (folder / 'a').write_text('x')
+            raise RuntimeError
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['run']
 
 
 # ---------------------------------------------------------------------------------------------------------------------

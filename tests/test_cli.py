@@ -159,19 +159,20 @@ def test_missing_positional_files_are_refused(command, argv, option, setup, caps
 def test_existing_outputs_are_not_replaced_without_force(command, setup, capsys):
     _, out, valid = setup
     target = out / {'transfer': 'o.safetensors', 'show-bias': 'b.png', 'publish': 'folder'}[command]
-    target.mkdir() if command == 'publish' else target.write_bytes(b'keep')
+    kept = target / 'mine.txt' if command == 'publish' else target
+    kept.parent.mkdir(exist_ok=True)
+    kept.write_bytes(b'keep')
     assert cli_main([command, *valid[command]]) == 2
     err = capsys.readouterr().err.strip()
     assert '\n' not in err and 'exists; pass --force' in err
     assert sorted(p.name for p in out.iterdir()) == [target.name]
-    assert command == 'publish' or target.read_bytes() == b'keep'
+    assert kept.read_bytes() == b'keep'
 
 
 @pytest.mark.parametrize('extra, words', [
     (['--img-size', '30'], '--img-size 30: input size 30x30 is not a multiple of the patch size 4x4'),
     (['--model', 'aft_full_test', '--model-kwargs', 'img_size=64'],  # built for 32 px unless img_size is named
      '--img-size 32: input size 32x32 does not match the 64x64'),
-    (['--model-kwargs', 'foo=1'], "unexpected keyword argument 'foo'"),
 ])
 def test_train_checks_the_model_and_sizes_before_writing_the_data_set(extra, words, setup, capsys):
     """What only the model knows (its arguments, patch size, fixed input size), checked on a meta-device copy."""
@@ -239,7 +240,6 @@ def test_no_readable_image_is_an_error(tmp_path, capsys):
 
 
 @pytest.mark.parametrize('model, pretrained, why', [
-    ('aft_conv_small', False, 'aft_conv_small without --pretrained or --checkpoint has random weights'),
     ('aft_conv_small', True, 'aft_conv_small has no pretrained weights (tag .untrained)'),
     ('aft_conv_small.deit_in1k', True, 'aft_conv_small.deit_in1k has no trained classifier'),
     ('backbone-folder', False, 'has no classifier (num_classes=0)'),

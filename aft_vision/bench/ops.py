@@ -18,6 +18,7 @@ import timm
 import torch
 from tqdm import tqdm
 
+from ..checkpoints.files import atomic_dir
 from ..layers import AFTConv2d, aft_conv2d, choose_conv_method
 from ..layers.dispatch import DEPTHWISE_BACKWARD_METHODS, choose_depthwise_backward, depthwise_backward
 from ..layers.policy import get_device_policy, product_dtype
@@ -128,9 +129,9 @@ def main(settings, models: List[str], resolutions: List[int]) -> int:
                      + ' | '.join(f"{t['forward']:.2f} / {t['backward']:.2f}" for t in row['split_ms'].values()) + ' |')
     table = '\n'.join(lines)
     out = Path(settings.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / 'ops.json').write_text(json.dumps({'command': dataclasses.asdict(settings), 'rows': rows}, indent=2))
-    (out / 'ops.md').write_text(table + '\n')
+    with atomic_dir(out, force=True) as staging:  # the earlier files of those names replaced, nothing else
+        (staging / 'ops.json').write_text(json.dumps({'command': dataclasses.asdict(settings), 'rows': rows}, indent=2))
+        (staging / 'ops.md').write_text(table + '\n')
     print(table)
     print(f'wrote {out}/ops.json, ops.md')
     return 0

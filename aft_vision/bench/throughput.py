@@ -34,7 +34,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
 
-from ..checkpoints.files import save_figure
+from ..checkpoints.files import atomic_dir, check_output_dir, save_figure
 
 __all__ = ['BenchSettings', 'run_benchmark', 'main', 'RUNTIMES', 'DEPLOY_PRECISIONS']
 
@@ -447,11 +447,29 @@ class BenchSettings:
     quick: bool = False  # tiny run: aft_conv_test vs test_vit at 64 px
     readme: bool = False  # the run behind docs/performance.md (README_RUN)
     out_dir: str = 'outputs/bench'
+    force: bool = False  # write into an out_dir that holds something, replacing only the files bench writes
+
+
+# what --quick and --readme fix, so that giving them too contradicts those options
+FIXED_BY = {'quick': ('models', 'resolutions', 'repeats', 'warmup', 'readme'),
+            'readme': tuple(README_RUN)}
+
+
+def check_settings(settings: BenchSettings) -> None:
+    """Refuse options that ``quick`` or ``readme`` would silently replace, and an out_dir bench may not write."""
+    defaults = BenchSettings()
+    for switch, fixed in FIXED_BY.items():
+        given = [key for key in fixed if getattr(settings, key) != getattr(defaults, key)]
+        if getattr(settings, switch) and given:
+            options = ', '.join('--' + key.replace('_', '-') for key in given)
+            raise ValueError(f'--{switch} fixes {options}: give one or the other')
+    check_output_dir(settings.out_dir, settings.force)
 
 
 def main(settings: BenchSettings) -> int:
     """Time what ``settings`` asks for and write ``bench.json``, ``bench.md`` and ``bench.png`` into its out_dir
     (``bench_dense.*`` for ``dense``, ``ops.*`` for ``ops``); returns 0."""
+    check_settings(settings)
     settings = dataclasses.replace(settings)  # a copy: --readme and --quick fill it in
     if settings.threads:
         torch.set_num_threads(settings.threads)
@@ -487,14 +505,15 @@ def main(settings: BenchSettings) -> int:
                          settings.precision, train=not settings.no_train, baselines=baselines, runtime=runtime,
                          pairs=pairs, batch_at=batch_at, peak_memory=not settings.no_peak_memory)
     out = Path(settings.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     table = markdown_table(rows) + '\n\nAFT against its baseline (the README table):\n\n' + summary_table(rows)
-    (out / 'bench.json').write_text(json.dumps({'command': dataclasses.asdict(settings), 'rows': rows}, indent=2))
-    (out / 'bench.md').write_text(table + '\n')
-    try:
-        plot(rows, out / 'bench.png')
-    except ImportError:
-        print('matplotlib is not installed (pip install aft-vision[demo]): no plot written')
+    with atomic_dir(out, force=True) as staging:  # the earlier files of those names replaced, nothing else
+        (staging / 'bench.json').write_text(json.dumps({'command': dataclasses.asdict(settings), 'rows': rows},
+                                                       indent=2))
+        (staging / 'bench.md').write_text(table + '\n')
+        try:
+            plot(rows, staging / 'bench.png')
+        except ImportError:
+            print('matplotlib is not installed (pip install aft-vision[demo]): no plot written')
     print(table)
     print(f'wrote {out}/bench.json, bench.md, bench.png')
     return 0
@@ -552,10 +571,11 @@ def dense_main(settings: BenchSettings) -> int:
         del group
         gc.collect()
     out = Path(settings.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     table = markdown_table(rows)
-    (out / 'bench_dense.json').write_text(json.dumps({'command': dataclasses.asdict(settings), 'rows': rows}, indent=2))
-    (out / 'bench_dense.md').write_text(table + '\n')
+    with atomic_dir(out, force=True) as staging:
+        (staging / 'bench_dense.json').write_text(json.dumps({'command': dataclasses.asdict(settings), 'rows': rows},
+                                                             indent=2))
+        (staging / 'bench_dense.md').write_text(table + '\n')
     print(table)
     print(f'wrote {out}/bench_dense.json, bench_dense.md')
     return 0

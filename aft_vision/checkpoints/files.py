@@ -1,4 +1,6 @@
-"""Safe weight files: read only safetensors or tensor-only pickles, write atomically, never clobber silently."""
+"""Safe weight files and outputs: read only safetensors or tensor-only pickles; write through a temporary sibling and
+swap it in, never clobbering silently; ``--force`` replaces only the entries a command writes; modes follow the
+user's umask."""
 import argparse
 import contextlib
 import hashlib
@@ -9,13 +11,14 @@ import shutil
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Dict, Iterator, Mapping, Optional, Union
+from typing import Dict, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-__all__ = ['load_weights', 'save_weights', 'atomic_dir', 'save_figure', 'sha256sum']
+__all__ = ['load_weights', 'save_weights', 'atomic_dir', 'output_dir', 'check_output_dir', 'swap_in', 'save_figure',
+           'sha256sum', 'umask_mode']
 
 PathLike = Union[str, os.PathLike]
 
@@ -56,13 +59,34 @@ def load_weights(path: PathLike) -> Dict[str, torch.Tensor]:
     return dict(checkpoint)
 
 
+def umask_mode(mode: int = 0o777) -> int:
+    """``mode`` less the process umask: what ``mkdir`` or ``open`` would give (``tempfile`` gives 0700 / 0600)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mode & ~mask
+
+
+def _temporary_dir(target: Path, kind: str = '') -> Path:
+    """An empty hidden sibling of ``target``, mode as the umask gives (it may become ``target`` itself)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix=f'.{target.name}.{kind}', dir=target.parent))
+    folder.chmod(umask_mode())
+    return folder
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
 @contextlib.contextmanager
 def _staged(target: Path, force: bool) -> Iterator[Path]:
     """Yield a temporary sibling of ``target``; move it into place on success, delete it on any failure."""
-    if target.exists() and not force:
+    if target.exists() and not force and not (target.is_dir() and not any(target.iterdir())):
         raise FileExistsError(f'{target} exists; pass force=True (--force) to overwrite it')
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f'.{target.name}.', dir=target.parent))
+    staging = _temporary_dir(target)
     try:
         yield staging
     except BaseException:
@@ -82,6 +106,7 @@ def save_weights(state_dict: Mapping[str, torch.Tensor], path: PathLike, force: 
         temp_file = staging / path.name
         tensors = {key: value.detach().contiguous().cpu() for key, value in state_dict.items()}
         save_file(tensors, str(temp_file), metadata=dict(metadata or {}))
+        temp_file.chmod(umask_mode(0o666))  # safetensors writes 0600
         digest = sha256sum(temp_file)
         os.replace(temp_file, path)
         shutil.rmtree(staging, ignore_errors=True)
@@ -90,18 +115,108 @@ def save_weights(state_dict: Mapping[str, torch.Tensor], path: PathLike, force: 
 
 @contextlib.contextmanager
 def atomic_dir(path: PathLike, force: bool = False) -> Iterator[Path]:
-    """Build a folder in a temporary sibling; it replaces ``path`` only if the block succeeds."""
+    """Build a folder's entries in a temporary sibling; they reach ``path`` only if the block succeeds.
+
+    An existing ``path`` (``force``) keeps every entry the block did not write: each one it wrote replaces the entry
+    of that name (``swap_in``), so a folder the user keeps more in loses nothing but what the command writes.
+    """
     path = Path(path)
     with _staged(path, force) as staging:
         yield staging
-        if path.exists():
-            retired = path.with_name(f'.{path.name}.old')
-            shutil.rmtree(retired, ignore_errors=True)
-            os.replace(path, retired)
-            os.replace(staging, path)
-            shutil.rmtree(retired, ignore_errors=True)
+        if path.is_dir():
+            swap_in(staging, path)
         else:
+            if path.exists():
+                path.unlink()
             os.replace(staging, path)
+
+
+def swap_in(staging: Path, target: Path) -> None:
+    """Move every entry of the folder ``staging`` into the folder ``target``, then remove ``staging``.
+
+    The entries they replace are set aside until all have moved and put back if a move fails, so ``target`` ends
+    either fully updated or as it was. Entries of ``target`` that ``staging`` lacks are left alone.
+    """
+    retired = _temporary_dir(target, 'old.')
+    moved = []
+    try:
+        for entry in sorted(staging.iterdir()):
+            if (target / entry.name).exists() or (target / entry.name).is_symlink():
+                os.replace(target / entry.name, retired / entry.name)
+            moved.append(entry.name)
+            os.replace(entry, target / entry.name)
+    except BaseException:
+        for name in reversed(moved):
+            if not (staging / name).exists():  # the new entry had moved in: take it out again
+                _remove(target / name)
+            if (retired / name).exists() or (retired / name).is_symlink():
+                os.replace(retired / name, target / name)
+        raise
+    finally:
+        shutil.rmtree(retired, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def check_output_dir(path: PathLike, force: bool = False, resumes: bool = False) -> None:
+    """Raise unless a command may write the folder ``path``: not a file; empty or absent unless ``force`` (or
+    ``resumes``: the command continues what is there); in a place the user can write. Touches nothing.
+
+    Raises:
+        NotADirectoryError, FileExistsError, PermissionError: as one line naming ``path``.
+    """
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(f'--out-dir: {path} is a file, not a folder')
+    if path.is_dir() and not (force or resumes) and any(path.iterdir()):
+        raise FileExistsError(f'--out-dir: {path} exists; pass --force to replace what this command writes there')
+    existing = next(folder for folder in [path, *path.absolute().parents] if folder.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise PermissionError(f'--out-dir: cannot write {path} ({existing} is not a writable folder)')
+
+
+@contextlib.contextmanager
+def output_dir(path: PathLike, force: bool = False, writes: Sequence[str] = (), active: bool = True
+               ) -> Iterator[Path]:
+    """The folder a job writes into, ``path`` itself (so what it prints and records names the real place).
+
+    Refused if it exists with anything in it, unless ``force``; made and checked writable before the job starts. The
+    entries ``writes`` names that are there already are set aside while the job runs: on success they are dropped
+    (``force`` replaces only what the job writes), on failure the job's entries are removed and they are put back, so
+    the folder is as it was. A folder the job created is removed again on failure.
+
+    Args:
+        writes: The entries (files, folders) the job writes directly under ``path``.
+        active: False on processes that only read (ranks other than 0): the folder is yielded untouched.
+
+    Raises:
+        FileExistsError: ``path`` holds something and ``force`` is False.
+        NotADirectoryError: ``path`` is a file.
+        OSError: ``path`` cannot be created or written.
+    """
+    path = Path(path)
+    if not active:
+        yield path
+        return
+    check_output_dir(path, force)
+    created = not path.exists()
+    path.mkdir(parents=True, exist_ok=True)
+    retired = _temporary_dir(path / 'old')  # hidden, outside ``writes``; made here: the folder is writable
+    try:
+        for name in writes:
+            if (path / name).exists() or (path / name).is_symlink():
+                os.replace(path / name, retired / name)
+        yield path
+    except BaseException:
+        if created:
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            for name in writes:
+                _remove(path / name)
+                if (retired / name).exists() or (retired / name).is_symlink():
+                    os.replace(retired / name, path / name)
+        raise
+    finally:
+        shutil.rmtree(retired, ignore_errors=True)
 
 
 def sha256sum(path: PathLike) -> str:

@@ -6,13 +6,17 @@ and exit code 2. Both ``aft_vision.cli`` and ``python -m aft_vision.train`` ente
 import argparse
 import dataclasses
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
+from timm.utils import ParseKwargs
 
+from ..checkpoints import check_output_dir
 from ..tasks import classify, segment
+from ..tasks.image_folders import check_image_folders
 
 __all__ = ['LIMITS', 'TASKS', 'TASK_DEFAULTS', 'Parser', 'check_args', 'fill_task_defaults', 'parse_device',
            'run_command', 'settings_from']
@@ -49,9 +53,12 @@ TASK_DEFAULTS: Dict[str, Dict[str, object]] = {
     task: {option: getattr(settings(), option) for option in TASK_OPTIONS if hasattr(settings, option)}
     for task, (settings, _) in TASKS.items()}
 # options naming files that must exist, and output files with the suffix they must have (unless --force)
-INPUT_FILES = ('checkpoint', 'image', 'labels', 'results')
+INPUT_FILES = ('checkpoint', 'image', 'labels', 'results', 'init_from')
 OUTPUT_FILES = {'out': {'transfer': '.safetensors', 'show-bias': '.png', 'show-keys': '.png'}}
 WEIGHT_SUFFIXES = ('.safetensors', '.pth', '.pt', '.bin')
+AFT_ONLY = ('predict', 'export', 'show-bias', 'show-keys', 'transfer')  # commands that run only AFT models
+LOADS_SOURCE = ('predict', 'export', 'show-bias', 'show-keys')  # commands that load a local-dir: / hf-hub: --model
+RESUMES = ('study',)  # commands that continue what their --out-dir holds
 
 
 def _option(dest: str) -> str:
@@ -69,14 +76,34 @@ def _check_number(dest: str, value: float) -> Optional[str]:
     return f'must be {" and ".join(b for b in (lower, upper) if b)}, got {value}'
 
 
-def _check_model(name: str) -> Optional[str]:
-    """None for a registered AFT model (and tag) or an existing ``local-dir:`` folder, else what is wrong."""
+def _check_model(name: str, command: str, options: Dict) -> Optional[str]:
+    """None for a model ``command`` can run, else what is wrong: the name registered (and its tag), an existing
+    ``local-dir:`` folder, an AFT model where only those serve, a source whose weights read, a reachable (or cached)
+    Hub, ``--model-kwargs`` it can be built with."""
+    from ..hub import check_aft_model, check_source
     from ..models import check_model_name
 
     if name.startswith('local-dir:') and not Path(name.split(':', 1)[1]).is_dir():
         return f'{name.split(":", 1)[1]} is not a folder'
     try:
         check_model_name(name)
+        loads_weights = command in LOADS_SOURCE and not options.get('checkpoint') or options.get('pretrained')
+        if name.startswith('hf-hub:') or (name.startswith('local-dir:') and loads_weights):
+            check_source(name)
+        if command in AFT_ONLY:
+            check_aft_model(name)
+    except (ValueError, OSError) as error:
+        return str(error)
+    return None
+
+
+def _check_model_kwargs(name: str, command: str, options: Dict) -> Optional[str]:
+    """None if a registered ``name`` builds with ``--model-kwargs`` (``train``'s digits model: over its own)."""
+    from ..hub import check_model_kwargs
+
+    digits = command == 'train' and name == 'aft_conv_test' and not options.get('data_dir')
+    try:
+        check_model_kwargs(name, options.get('model_kwargs') or {}, classify.DIGITS_MODEL if digits else None)
     except ValueError as error:
         return str(error)
     return None
@@ -128,28 +155,49 @@ def check_args(args: argparse.Namespace) -> Optional[str]:
             return f'{_option(dest)}: must be a {suffix} file, got {value}'
         if value is not None and Path(value).exists() and not options.get('force'):
             return f'{_option(dest)}: {value} exists; pass --force to overwrite it'
+        if value is not None:
+            try:
+                check_output_dir(Path(value).parent, resumes=True)  # a folder the user can write
+            except OSError as error:
+                return f'{_option(dest)}: {str(error).split(": ", 1)[1]}'
     out_dir = options.get('out_dir')
-    if out_dir is not None and Path(out_dir).exists() and not Path(out_dir).is_dir():
-        return f'--out-dir: {out_dir} is a file, not a folder'
-    if args.command == 'publish' and out_dir is not None and Path(out_dir).exists() and not args.force:
-        return f'--out-dir: {out_dir} exists; pass --force to replace it'
+    writer = int(os.environ.get('RANK', 0)) == 0  # under torchrun the other ranks only read (rank 0 has begun)
+    if out_dir is not None and writer and (args.command != 'publish' or options.get('dry_run')):
+        try:
+            check_output_dir(out_dir, options.get('force', False), resumes=args.command in RESUMES)
+        except OSError as error:
+            return str(error)
     data_dir = options.get('data_dir')
-    if data_dir is not None and not all((Path(data_dir) / split).is_dir() for split in ('train', 'val')):
-        return f'--data-dir: {data_dir} needs train/ and val/ ImageFolders'
+    if data_dir is not None:
+        try:
+            check_image_folders(data_dir)
+        except (ValueError, OSError) as error:
+            return str(error)
     if args.command == 'transfer' and not Path(args.src).is_file():
         import timm
         if Path(args.src).suffix in WEIGHT_SUFFIXES or not timm.is_model(args.src):
             return f'--src: {args.src} not found: neither a checkpoint file nor a timm model name'
     for name in [options.get('model')] + list(options.get('models') or []):
-        problem = name and _check_model(name)
+        problem = name and _check_model(name, args.command, options)
         if problem:
             return f'--model{"s" if options.get("models") else ""}: {problem}'
+    if options.get('model_kwargs') and ':' not in (options.get('model') or ':'):
+        problem = _check_model_kwargs(options['model'], args.command, options)
+        if problem:
+            return f'--model-kwargs: {problem}'
     if options.get('pretrained') and args.command != 'predict':  # predict asks for more, a trained classifier
         from ..models import check_pretrained
         try:
             check_pretrained(args.model)
         except ValueError as error:
             return f'--pretrained: {error}'
+    if options.get('init_from') and options.get('model'):
+        from ..hub import check_init_weights
+        try:
+            check_init_weights(options['init_from'], options['model'], _training_kwargs(options),
+                               len(check_image_folders(data_dir)) if data_dir else 10)
+        except ValueError as error:
+            return f'--init-from: {error}'
     if options.get('device') is not None:
         try:
             parse_device(options['device'])
@@ -158,8 +206,31 @@ def check_args(args: argparse.Namespace) -> Optional[str]:
     return None
 
 
+def _training_kwargs(options: Dict) -> Dict:
+    """The arguments ``train`` builds its model with (the digits' ``aft_conv_test``: ``DIGITS_MODEL`` under them)."""
+    digits = options.get('model') == 'aft_conv_test' and not options.get('data_dir')
+    return {**(classify.DIGITS_MODEL if digits else {}), **(options.get('model_kwargs') or {})}
+
+
+class ModelKwargs(ParseKwargs):
+    """timm's ``KEY=VALUE`` option (``--model-kwargs``), with a value that is not ``KEY=VALUE`` a usage error."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        for value in values:
+            key = value.split('=', 1)[0]
+            if value and ('=' not in value or not key.isidentifier()):
+                parser.error(f'argument {option_string}: {value!r} is not KEY=VALUE (e.g. patch_size=4)')
+        super().__call__(parser, namespace, values, option_string)
+
+
 class Parser(argparse.ArgumentParser):
-    """Usage errors as one line on stderr, exit code 2, like every other user error of the command."""
+    """Usage errors as one line on stderr, exit code 2, like every other user error of the command; ``--model-kwargs``
+    values checked as they are parsed (``ModelKwargs``)."""
+
+    def add_argument(self, *args, **kwargs):
+        if kwargs.get('action') is ParseKwargs:
+            kwargs['action'] = ModelKwargs
+        return super().add_argument(*args, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f'{self.prog}: error: {message} (see {self.prog} --help)\n')
@@ -186,6 +257,7 @@ def run_command(parser: argparse.ArgumentParser, argv: Sequence[str],
     try:
         return command(args)
     except (ValueError, TypeError, OSError, KeyError, RuntimeError) as e:  # OSError: missing or unwritable paths
-        message = e.args[0] if isinstance(e, KeyError) and e.args else e
-        print(f'{parser.prog}: error: {message}', file=sys.stderr)
+        message = str(e.args[0] if isinstance(e, KeyError) and e.args else e).strip().splitlines() or [repr(e)]
+        more = f' (and {len(message) - 1} more lines)' if len(message) > 1 else ''
+        print(f'{parser.prog}: error: {message[0]}{more}', file=sys.stderr)  # one line, whatever raised it
         return 2

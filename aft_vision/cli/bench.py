@@ -45,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--readme', action='store_true',
                         help=f'the run behind docs/performance.md: {README_RUN} (--repeats, --warmup still apply)')
     parser.add_argument('--out-dir', default=defaults.out_dir, help='where bench.json, bench.md and bench.png go')
+    parser.add_argument('--force', action='store_true',
+                        help='write into an --out-dir that holds something, replacing only the files bench writes')
 
 
 def run(args: argparse.Namespace) -> int:

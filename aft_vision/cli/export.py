@@ -1,14 +1,15 @@
 """``aft-vision export``: a model as ``predict`` takes it, written as an ONNX file or an OpenVINO IR, float32 or INT8,
 and checked against eager PyTorch before it is moved into place (``deploy.export``)."""
 import argparse
+import tempfile
 from pathlib import Path
 
 from ..deploy import FORMATS, calibration_files, export
+from ..hub import warn_random_weights
 from ..tasks.classify import write_digits
 from .predict import add_model_arguments, model_from_args
 
 HELP = 'write an ONNX file or an OpenVINO IR, float32 or INT8, checked against eager PyTorch'
-DIGITS_DATA = Path('outputs/digits/data')  # where the main job writes the digits
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,7 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--int8', action='store_true', help='quantize: needs --calibration')
     parser.add_argument('--calibration', default=None, metavar='DIR',
                         help='INT8: a folder of images (20%% held out to check against), or "digits" (the main '
-                             'job\'s training digits; its 359 held-out digits are checked against, with top-1)')
+                             'job\'s training digits, made as it makes them in a temporary folder; its 359 held-out '
+                             'digits are checked against, with top-1)')
     parser.add_argument('--seed', type=int, default=0)
     parser.add_argument('--force', action='store_true', help='overwrite --out')
 
@@ -28,16 +30,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.int8 != (args.calibration is not None):
         raise ValueError('--int8 and --calibration go together: INT8 is calibrated on your images')
-    calibration, held_out = args.calibration, None
-    if calibration == 'digits':
-        root = write_digits(DIGITS_DATA)
-        calibration, held_out = root / 'train', root / 'val'
-    elif calibration:
-        if not Path(calibration).is_dir():
-            raise ValueError(f'--calibration: {calibration} is not a folder of images (or "digits")')
-        calibration_files(calibration, args.seed)  # a folder without images: refused before the model is built
-    model = model_from_args(args)
-    report = export(model, args.out, args.format, args.img_size, calibration, args.force, args.seed, held_out)
+    if args.calibration not in (None, 'digits'):
+        if not Path(args.calibration).is_dir():
+            raise ValueError(f'--calibration: {args.calibration} is not a folder of images (or "digits")')
+        calibration_files(args.calibration, args.seed)  # a folder without images: refused before the model is built
+    model, weights = model_from_args(args)
+    with tempfile.TemporaryDirectory(prefix='aft-digits-') as scratch:  # never the working directory's
+        calibration, held_out = args.calibration, None
+        if calibration == 'digits':
+            root = write_digits(Path(scratch) / 'data')  # the main job's split: the same seed, the same files
+            calibration, held_out = root / 'train', root / 'val'
+        report = export(model, args.out, args.format, args.img_size, calibration, args.force, args.seed, held_out)
     size = 'x'.join(map(str, report['img_size']))
     line = (f"wrote {' and '.join(report['files'])} ({report['format']}, {report['precision']}, {size} px): "
             f"largest logit error {report['max_abs_error']:.3g} ({report['max_rel_error']:.2g} of the largest logit) "
@@ -47,4 +50,5 @@ def run(args: argparse.Namespace) -> int:
     if 'int8_top1' in report:
         line += f" (top-1 eager {report['eager_top1']:.2f}%, INT8 {report['int8_top1']:.2f}%)"
     print(line)
+    warn_random_weights(args.model, weights)
     return 0

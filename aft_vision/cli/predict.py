@@ -2,15 +2,15 @@
 import argparse
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from PIL import Image, UnidentifiedImageError
 from timm.data import ImageNetInfo, create_transform, resolve_data_config
 from timm.utils import ParseKwargs
 
-from ..hub import model_from_checkpoint
-from ..models import check_pretrained, create_aft_model
+from ..hub import load_model, warn_random_weights
+from ..models import check_pretrained
 
 __all__ = ['predict', 'add_arguments', 'add_model_arguments', 'model_from_args', 'run']
 
@@ -62,13 +62,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help='a training checkpoint\'s trained weights, not its EMA weights (timm\'s default)')
 
 
-def model_from_args(args: argparse.Namespace) -> torch.nn.Module:
-    """The model ``add_model_arguments`` names, with its weights; says on stderr which weights a checkpoint gave."""
+def model_from_args(args: argparse.Namespace) -> Tuple[torch.nn.Module, str]:
+    """The model ``add_model_arguments`` names, with its weights and data config (``hub.load_model``, the one loader),
+    and which weights it holds (a checkpoint's said on stderr; random ones for ``warn_random_weights``)."""
+    model, weights = load_model(args.model, args.checkpoint, args.pretrained, args.use_ema, args.model_kwargs)
     if args.checkpoint:
-        model, weights = model_from_checkpoint(args.model, args.checkpoint, args.use_ema, **args.model_kwargs)
         print(f'aft-vision: {args.checkpoint}: {weights}', file=sys.stderr)
-        return model
-    return create_aft_model(args.model, pretrained=args.pretrained or ':' in args.model, **args.model_kwargs)
+    return model, weights
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,12 +85,9 @@ def _fine_tune_first(name: str) -> str:
 
 
 def _check_classifier(args: argparse.Namespace) -> None:
-    """Refuse, before anything is downloaded, a model whose weights hold no trained classifier."""
-    if args.checkpoint or ':' in args.model:
-        return  # the given weights; a folder's head is checked once loaded
-    if not args.pretrained:
-        raise ValueError(f'{args.model} without --pretrained or --checkpoint has random weights: '
-                         f'{_fine_tune_first(args.model)}')
+    """Refuse, before anything is downloaded, a pretrained tag whose weights hold no trained classifier."""
+    if not args.pretrained or ':' in args.model:
+        return  # the given weights, or random ones (said as a warning); a folder's head is checked once loaded
     try:
         check_pretrained(args.model, classifier=True)
     except ValueError as error:
@@ -99,7 +96,7 @@ def _check_classifier(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check_classifier(args)
-    model = model_from_args(args)
+    model, weights = model_from_args(args)
     if not model.num_classes:
         raise ValueError(f'{args.model} has no classifier (num_classes=0): {_fine_tune_first(args.model)}')
     out = predict(model, args.images, args.img_size, args.topk)
@@ -109,4 +106,5 @@ def run(args: argparse.Namespace) -> int:
         print(f'{Path(path).name}: ' + ', '.join(f'{name} {p:.3f}' for name, p in top))
     if not out['results']:
         raise ValueError('no image could be read')
+    warn_random_weights(args.model, weights)
     return 0

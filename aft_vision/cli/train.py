@@ -70,6 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--out-dir', default=None,
                         help=f'where weights, hub folder and plots go (default: {_task_default("out_dir")})')
     parser.add_argument('--device', default='cpu', help='cpu or cuda (under torchrun: one GPU per process)')
+    parser.add_argument('--force', action='store_true',
+                        help='write into an --out-dir that holds something, replacing only what the job writes')
 
 
 def run(args: argparse.Namespace) -> int:

@@ -35,11 +35,12 @@ from torch.utils.data import DataLoader
 from torchvision.datasets import ImageFolder
 from tqdm import tqdm
 
-from ..checkpoints.files import load_weights, save_figure, save_weights
+from ..checkpoints.files import load_weights, output_dir, save_figure, save_weights
 from ..checkpoints.transfer import TransferReport, is_vit_state_dict, transfer_vit_weights, unwrap_state_dict
 from ..hub import publish, source_architecture
 from ..models import check_pretrained, create_aft_model
 from ..models.aft_conv import AFTConvTransformer, checkpoint_filter_fn as aft_conv_filter, forward_at_size
+from .image_folders import check_image_folders
 from .regularizers import position_bias_entropy
 
 # A small AFT-conv for 32 x 32 digits: patch 4 -> an 8 x 8 token grid, a 15 x 15 window (the whole grid), 8 heads.
@@ -73,6 +74,7 @@ class ClassifySettings:
     sparsity_weight: float = 0.0  # weight of the Eq. 9 entropy regulariser (the paper: 0.001)
     out_dir: str = 'outputs/digits'
     device: str = 'cpu'
+    force: bool = False  # write into an out_dir that holds something, replacing only RUN_OUTPUTS there
 
 
 def write_digits(root: Path, size: int = 32, val_fraction: float = 0.2, seed: int = 0) -> Path:
@@ -425,7 +427,18 @@ def check_model_and_sizes(settings: ClassifySettings, model_kwargs: Dict) -> Tup
     return model_kwargs, train_sizes
 
 
+RUN_OUTPUTS = ('model.safetensors', 'results.json', 'hub', 'training_curve.png')  # what run writes in out_dir
+
+
 def run(settings: ClassifySettings) -> Dict:
+    """The whole job (``_run``) in its out_dir: refused if it holds anything unless ``force``, checked writable before
+    training, left as it was if the job fails (``output_dir``); ``data/`` too for the digits."""
+    writes = RUN_OUTPUTS + (() if settings.data_dir else ('data',))
+    with output_dir(settings.out_dir, settings.force, writes, active=int(os.environ.get('RANK', 0)) == 0):
+        return _run(settings)
+
+
+def _run(settings: ClassifySettings) -> Dict:
     """The whole job; returns the results written to ``results.json`` (an empty dict on ranks other than 0)."""
     start = time.perf_counter()
     if settings.pretrained:
@@ -453,6 +466,7 @@ def run(settings: ClassifySettings) -> Dict:
         for split in ('train', 'val'):
             if not (data_dir / split).is_dir():
                 raise FileNotFoundError(f'{data_dir / split} not found: --data-dir needs train/ and val/ ImageFolders')
+        check_image_folders(data_dir)
         model, history, classes = train(
             data_dir, settings.model, settings.epochs, settings.img_size, settings.batch_size, settings.lr,
             settings.seed, settings.sparsity_weight, model_kwargs, settings.pretrained, device, rank, world_size,

@@ -21,7 +21,7 @@ from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
 from tqdm import tqdm
 
-from ..checkpoints.files import save_figure, save_weights
+from ..checkpoints.files import check_output_dir, save_figure, save_weights
 from ..models import create_aft_model
 from .scenes import NUM_CLASSES, Scenes, digit_split, make_scenes
 
@@ -49,6 +49,7 @@ class SegmentSettings:
     seed: int = 0
     out_dir: str = 'outputs/segment'
     device: str = 'cpu'
+    force: bool = False  # write into an out_dir that holds something (its files of the same names replaced)
 
 
 def build_dpt(model_name: str, model_kwargs: Dict, classes: int = NUM_CLASSES) -> torch.nn.Module:
@@ -167,6 +168,7 @@ def plot(history: List[Dict], model: torch.nn.Module, scenes: Scenes, path: Path
 def run(settings: SegmentSettings) -> Dict:
     """The whole job; returns the results written to ``results.json``."""
     start = time.perf_counter()
+    check_output_dir(settings.out_dir, settings.force)  # before the scenes are made and trained on
     _check_model_and_sizes(settings)
     device = torch.device(settings.device)
     digits = digit_split(seed=settings.seed)

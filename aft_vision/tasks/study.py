@@ -267,11 +267,15 @@ def top1_at_sizes(model: torch.nn.Module, val: Path, sizes: Sequence[int]) -> Di
     return found
 
 
-def _finished(path: Path, settings: StudySettings) -> Optional[Dict]:
-    """A finished run's record, None if it has none; a record of another recipe is an error (another --out-dir)."""
+def _finished(path: Path, settings: StudySettings, run: Run) -> Optional[Dict]:
+    """A finished run's record, None if it has none; a record of another recipe or configuration (another
+    --baseline) is an error (another --out-dir): it is never relabelled."""
     if not path.is_file():
         return None
     record = json.loads(path.read_text())
+    if record.get('config') != json.loads(json.dumps(asdict(run.config))):
+        raise ValueError(f'{path} was trained as {record.get("config")}, this study asks for {asdict(run.config)}: '
+                         f'give another --out-dir')
     if record.get('recipe') != settings.recipe():
         raise ValueError(f'{path} was trained with {record.get("recipe")}, this study asks for {settings.recipe()}: '
                          f'give another --out-dir')
@@ -290,7 +294,7 @@ def run_study(settings: StudySettings, out_dir: Path) -> Dict:
     out_dir = Path(out_dir)
     runs_dir = out_dir / 'runs'
     runs = plan_runs(settings)
-    finished = {run.id: _finished(runs_dir / f'{run.id}.json', settings) for run in runs}
+    finished = {run.id: _finished(runs_dir / f'{run.id}.json', settings, run) for run in runs}
     runs_dir.mkdir(parents=True, exist_ok=True)
     data_dir = write_digits(out_dir / 'data')
     records, trained, skipped = {}, [], []

@@ -198,7 +198,8 @@ def load_model(
         use_ema: bool = True,
         **model_kwargs,
 ) -> nn.Module:
-    """An AFT model in eval mode: ``name`` built fresh, with its pretrained weights, or sized to a checkpoint.
+    """An AFT model in eval mode, as every command loads one (``hub.load_model``): ``name`` built fresh (random
+    weights, said on stderr), with its pretrained weights, or sized to a checkpoint and its run record.
 
     Args:
         name: Registered model (``aft_conv_small``), or a timm source ``local-dir:FOLDER`` / ``hf-hub:org/name``
@@ -208,16 +209,20 @@ def load_model(
         use_ema: Take a training checkpoint's EMA weights where it has them (timm's rule), else its trained ones.
         **model_kwargs: Passed to ``timm.create_model`` (e.g. ``patch_size=4, kernel_size=15``).
     """
-    from ..hub import load_checkpoint_into
-    from ..models import create_aft_model
+    from ..hub import load_model as load
 
     if checkpoint is not None and pretrained:
         raise ValueError('pass a checkpoint or pretrained, not both')
-    if checkpoint is not None:
-        if not Path(checkpoint).is_file():
-            raise FileNotFoundError(f'checkpoint file not found: {checkpoint}')
-        return load_checkpoint_into(name, str(checkpoint), use_ema=use_ema, **model_kwargs).eval()
-    return create_aft_model(name, pretrained=pretrained or ':' in name, **model_kwargs).eval()
+    if checkpoint is not None and not Path(checkpoint).is_file():
+        raise FileNotFoundError(f'checkpoint file not found: {checkpoint}')
+    return load(name, None if checkpoint is None else str(checkpoint), pretrained, use_ema, model_kwargs)[0]
+
+
+def _warn_if_random(name: str, checkpoint: Optional[PathLike], pretrained: bool) -> None:
+    from ..hub import RANDOM_WEIGHTS, warn_random_weights
+
+    if checkpoint is None and not pretrained and ':' not in name:
+        warn_random_weights(name, RANDOM_WEIGHTS)
 
 
 def load_image(path: PathLike, model: nn.Module, img_size: Optional[int] = None) -> Tuple[torch.Tensor, np.ndarray]:
@@ -489,6 +494,7 @@ def show_bias(model: str, out: PathLike, checkpoint: Optional[PathLike] = None, 
                            title=f'{name}: exp(w) for query {query} over the patch grid, per layer')
         what = f'AFT-full exp(w) for query {query}'
     print(f'wrote {out}: {what}, array {list(maps.shape)} (layers, ...); {time.perf_counter() - start:.1f} s')
+    _warn_if_random(name, checkpoint, pretrained)
     return maps
 
 
@@ -517,4 +523,5 @@ def show_keys(image: PathLike, model: str, out: PathLike, checkpoint: Optional[P
     plot_key_maps(keys, out, image=shown, map_label=label, force=force, dpi=dpi,
                   title=f'{name}: keys of {Path(image).name}, layers (rows) x {label}s (columns)')
     print(f'wrote {out}: keys {list(keys.shape)} (layers, {label}s, H, W); {time.perf_counter() - start:.1f} s')
+    _warn_if_random(name, checkpoint, pretrained)
     return keys
