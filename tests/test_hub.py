@@ -243,8 +243,12 @@ def test_config_json_follows_timms_convention_and_round_trips(digits_job):
 
     out, results = digits_job.out, digits_job.results
     config = json.loads((out / 'hub' / 'config.json').read_text())
-    # the architecture's own arguments only (img_size: AFT-conv's nominal size, as timm records it)
-    assert {key: value for key, value in config['model_args'].items() if key != 'img_size'} == digits_job.model_kwargs
+    # the architecture's own arguments only, and the sizes that rebuild its windows (img_size: the nominal size, as
+    # timm records it; base_img_size: the size its windows are given for)
+    args = config['model_args']
+    assert {key: value for key, value in args.items() if key != 'img_size'} == dict(digits_job.model_kwargs,
+                                                                                    base_img_size=32)
+    assert args['img_size'] in (32, [32, 32])
     assert config['num_classes'] == 10 and config['global_pool'] == 'avg'
     cfg = config['pretrained_cfg']
     assert cfg['input_size'] == [3, 32, 32] and cfg['crop_pct'] == 1.0 and cfg['crop_mode'] == 'center'

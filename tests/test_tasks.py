@@ -244,6 +244,27 @@ ClassificationTask.prepare_distributed = prepare_distributed
     assert float(validated['top1']) == pytest.approx(evaluate(model, data / 'val', data_config=config), abs=1e-3)
 
 
+@pytest.mark.skipif(not os.environ.get('AFT_TIMM_SCRIPTS'),
+                    reason='set AFT_TIMM_SCRIPTS to a timm checkout (the folder holding train.py and validate.py)')
+def test_timm_train_py_draws_several_sizes_with_the_windows_following(tmp_path):
+    """timm's ``--train-img-sizes`` on an AFT-conv with ``--device-modules aft_vision.timm_train``: every size drawn,
+    and the checkpoint is the model as built (its windows given for 32 px), whatever sizes it trained at."""
+    shutil.copy(Path(os.environ['AFT_TIMM_SCRIPTS']) / 'train.py', tmp_path / 'train.py')
+    data = _tiny_image_folder(tmp_path / 'data')
+    done = subprocess.run(
+        [sys.executable, str(tmp_path / 'train.py'), '--data-dir', str(data), '--val-split', 'val',
+         '--device-modules', 'aft_vision.timm_train', '--model', 'aft_conv_test', '--model-kwargs', *TINY_MODEL,
+         'img_size=32', '--num-classes', '3', '--img-size', '32', '--train-img-sizes', '24', '32', '40', '-b', '4',
+         '--epochs', '1', '--device', 'cpu', '--no-prefetcher', '--workers', '0', '--hflip', '0',
+         '--output', str(tmp_path / 'runs'), '--experiment', 'sizes'],
+        capture_output=True, text=True, timeout=300, env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert 'Using scheduled training resolutions [24, 32, 40]' in done.stdout + done.stderr
+    trained = unwrap_state_dict(load_weights(tmp_path / 'runs' / 'sizes' / 'last.pth.tar'))
+    model = timm.create_model('aft_conv_test', num_classes=3, img_size=32, **TINY_KWARGS)
+    model.load_state_dict(trained)  # strict: the 3 x 3 windows as built
+
+
 def test_fine_tune_a_published_folder_into_the_onehot_variant(tmp_path, one_thread):
     data = _tiny_image_folder(tmp_path / 'data')
     dense, sparse = tmp_path / 'dense', tmp_path / 'sparse'
