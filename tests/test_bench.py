@@ -38,6 +38,19 @@ def test_no_train_prints_a_dash_for_the_skipped_figures(tmp_path, capsys):
     assert 'nan' not in table and aft_line.count('| - ') >= 3
 
 
+def test_base_img_size_times_aft_conv_with_its_windows_resampled(tmp_path):
+    """``--base-img-size 64``: aft_conv_test's 5 x 5 windows at 64 px, grown to 7 x 7 at 96 px (more parameters);
+    AFT-full and the baseline as registered."""
+    assert cli_main(['bench', '--quick', '--pairs', 'aft_conv_test=test_vit@96', 'aft_full_test=test_vit@64',
+                     '--no-train', '--no-peak-memory', '--base-img-size', '64', '--out-dir', str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / 'bench.json').read_text())['rows']
+    models = {(row['resolution'], row['aft']['model']): row['aft'] for row in rows}
+    assert set(models) == {(64, 'aft_conv_test (5x5 window)'), (64, 'aft_full_test'), (96, 'aft_conv_test (7x7 window)')}
+    resized = timm.create_model('aft_conv_test', img_size=96, base_img_size=64, num_classes=1000)
+    assert models[96, 'aft_conv_test (7x7 window)']['params'] == sum(p.numel() for p in resized.parameters())
+    assert models[96, 'aft_conv_test (7x7 window)']['params'] > models[64, 'aft_conv_test (5x5 window)']['params']
+
+
 def test_ops_times_every_method_and_names_the_auto_choice(tmp_path):
     assert cli_main(['bench', '--ops', '--models', 'aft_conv_test', '--resolutions', '64', '--batch-size', '2',
                      '--repeats', '1', '--warmup', '0', '--out-dir', str(tmp_path)]) == 0

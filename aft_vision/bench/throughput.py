@@ -35,6 +35,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
 
 from ..checkpoints.files import atomic_dir, check_output_dir, save_figure
+from ..models.aft_conv import AFTConvTransformer
 
 __all__ = ['BenchSettings', 'run_benchmark', 'main', 'RUNTIMES', 'DEPLOY_PRECISIONS']
 
@@ -96,9 +97,15 @@ class _Case:
     """One model at one resolution: its inference and training-step closures."""
 
     def __init__(self, name: str, img_size: int, batch_size: int, device: torch.device, precision: str,
-                 runtime: str = 'eager', train_batch_size: Optional[int] = None):
+                 runtime: str = 'eager', train_batch_size: Optional[int] = None, base_img_size: Optional[int] = None):
         self.name, self.device, self.precision = name, device, precision
         self.eager = timm.create_model(name, img_size=img_size, num_classes=1000).to(device)
+        self.label = name
+        if base_img_size and isinstance(self.eager, AFTConvTransformer):  # its windows resampled for img_size
+            self.eager = timm.create_model(name, img_size=img_size, base_img_size=base_img_size, resize_mode='window',
+                                           num_classes=1000).to(device)
+            window = self.eager.blocks[0].attn.kernel_size
+            self.label = f'{name} ({window}x{window} window)'
         self.model = torch.compile(self.eager, fullgraph=True) if runtime == 'compile' else self.eager
         self.images = torch.randn(batch_size, 3, img_size, img_size, device=device)
         self.runner = _deployed(self.eager, self.images, runtime, precision) if runtime in DEPLOY_PRECISIONS else None
@@ -271,6 +278,7 @@ def run_benchmark(
         pairs: Optional[List[Tuple[str, str, List[int]]]] = None,
         batch_at: Optional[Dict[int, Tuple[int, int]]] = None,
         peak_memory: bool = True,
+        base_img_size: Optional[int] = None,
 ) -> List[Dict]:
     """Measure every model and its DeiT baseline at every resolution; one result row per (model, resolution).
 
@@ -289,6 +297,8 @@ def run_benchmark(
         pairs: Extra (model, baseline, resolutions) cases.
         batch_at: Resolution -> (inference batch, training batch).
         peak_memory: Measure peak memory (a fresh process per model and figure on CPU).
+        base_img_size: AFT-conv models with their windows given for this size, resampled for each resolution
+            (``resize_mode='window'``); None: the windows as registered.
     """
     device = torch.device(device)
     if runtime not in RUNTIMES:
@@ -309,7 +319,7 @@ def run_benchmark(
     for (res, baseline), names in groups.items():
         infer_batch, train_batch = batch_at.get(res, (batch_size, batch_size))
         bar.set_postfix_str(f'{res} px: {", ".join(names)} vs {baseline}')
-        group = {who: _Case(who, res, infer_batch, device, precision, runtime, train_batch)
+        group = {who: _Case(who, res, infer_batch, device, precision, runtime, train_batch, base_img_size)
                  for who in [baseline, *names]}
         times = _time_round_robin(group, train, warmup, repeats)
         records = {who: _record(case, times, train, peak_memory) for who, case in group.items()}
@@ -351,7 +361,7 @@ def _record(case: _Case, times: Dict, train: bool, peak_memory: bool) -> Dict:
     batch, train_batch = case.images.shape[0], case.train_images.shape[0]
     flops = case.flops()
     infer_s = statistics.median(times[case.name, 'infer'])
-    record = {'model': case.name, 'params': case.params, 'gmacs': flops / 2 / batch / 1e9,
+    record = {'model': case.label, 'params': case.params, 'gmacs': flops / 2 / batch / 1e9,
               'infer_img_s': batch / infer_s, 'infer_gflop_s': flops / infer_s / 1e9}
     if peak_memory:
         record['infer_peak_mb'] = case.peak_memory('infer') / 2 ** 20
@@ -446,6 +456,7 @@ class BenchSettings:
     dense: bool = False  # time whole segmentation networks instead (DENSE_PAIR in smp's DPT, batch 1)
     quick: bool = False  # tiny run: aft_conv_test vs test_vit at 64 px
     readme: bool = False  # the run behind docs/performance.md (README_RUN)
+    base_img_size: Optional[int] = None  # AFT-conv's windows given for this size, resampled for each resolution
     out_dir: str = 'outputs/bench'
     force: bool = False  # write into an out_dir that holds something, replacing only the files bench writes
 
@@ -503,7 +514,8 @@ def main(settings: BenchSettings) -> int:
         return ops_main(settings, models, resolutions)
     rows = run_benchmark(models, resolutions, settings.batch_size, settings.repeats, settings.warmup, settings.device,
                          settings.precision, train=not settings.no_train, baselines=baselines, runtime=runtime,
-                         pairs=pairs, batch_at=batch_at, peak_memory=not settings.no_peak_memory)
+                         pairs=pairs, batch_at=batch_at, peak_memory=not settings.no_peak_memory,
+                         base_img_size=settings.base_img_size)
     out = Path(settings.out_dir)
     table = markdown_table(rows) + '\n\nAFT against its baseline (the README table):\n\n' + summary_table(rows)
     with atomic_dir(out, force=True) as staging:  # the earlier files of those names replaced, nothing else

@@ -41,6 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f'time whole segmentation networks instead: {DENSE_PAIR[0]} against {DENSE_PAIR[1]} '
                              f'(dynamic_img_size=True) in the same smp DPT, batch 1 (--resolutions, default '
                              f'{DENSE_RESOLUTIONS}; needs aft-vision[dense])')
+    parser.add_argument('--base-img-size', type=int, default=None,
+                        help='AFT-conv models with their windows given for this size and resampled for each '
+                             'resolution (resize_mode=window; e.g. 224: 15x15 -> 25x25 at 384 px); default: the '
+                             'windows as registered')
     parser.add_argument('--quick', action='store_true', help='tiny run: aft_conv_test vs test_vit at 64 px')
     parser.add_argument('--readme', action='store_true',
                         help=f'the run behind docs/performance.md: {README_RUN} (--repeats, --warmup still apply)')
