@@ -45,7 +45,8 @@ def test_base_img_size_times_aft_conv_with_its_windows_resampled(tmp_path):
                      '--no-train', '--no-peak-memory', '--base-img-size', '64', '--out-dir', str(tmp_path)]) == 0
     rows = json.loads((tmp_path / 'bench.json').read_text())['rows']
     models = {(row['resolution'], row['aft']['model']): row['aft'] for row in rows}
-    assert set(models) == {(64, 'aft_conv_test (5x5 window)'), (64, 'aft_full_test'), (96, 'aft_conv_test (7x7 window)')}
+    assert set(models) == {(64, 'aft_conv_test (5x5 window)'), (64, 'aft_full_test'),
+                           (96, 'aft_conv_test (7x7 window)')}
     resized = timm.create_model('aft_conv_test', img_size=96, base_img_size=64, num_classes=1000)
     assert models[96, 'aft_conv_test (7x7 window)']['params'] == sum(p.numel() for p in resized.parameters())
     assert models[96, 'aft_conv_test (7x7 window)']['params'] > models[64, 'aft_conv_test (5x5 window)']['params']
