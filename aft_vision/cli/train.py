@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              'every rank (default: --img-size alone)')
     parser.add_argument('--train-batch-sizes', type=int, nargs='+', default=None, metavar='N',
                         help='a batch size per training size (default: the pixels of --batch-size images at '
-                             '--img-size, e.g. 112 64 41 28 at 24 32 40 48 px)')
+                             '--img-size: 114 64 41 28 at 24 32 40 48 px for 64 at 32 px)')
     parser.add_argument('--train-size-schedule', default=None, choices=classify.SIZE_SCHEDULES,
                         help='draw the sizes uniformly, or move from the first to the last over the epochs '
                              '(timm\'s batch_choice_schedule; default: constant)')

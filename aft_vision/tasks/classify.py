@@ -510,7 +510,9 @@ def _run(settings: ClassifySettings) -> Dict:
         data_config['test_input_size'] = (3, best, best)
     results = {'top1': top1, **{f'top1_at_{size}': value for size, value in top1_at.items()},
                'architecture': architecture, 'model_kwargs': architecture_kwargs, 'data_config': data_config,
-               'train_img_sizes': train_sizes}
+               'train_img_sizes': train_sizes,
+               'train_batch_sizes': settings.train_batch_sizes or pixel_matched_batches(
+                   settings.batch_size, settings.img_size, train_sizes)}
     (out / 'results.json').write_text(json.dumps(results, indent=2))
     hub_dir = out / 'hub'
     start_from = 'its pretrained weights' if settings.pretrained else 'scratch'
@@ -522,8 +524,9 @@ def _run(settings: ClassifySettings) -> Dict:
             label_names=classes, results_file=str(out / 'results.json'),
             datasets=[] if settings.data_dir else ['sklearn-digits'],
             training=f'{settings.epochs} epochs from {start_from} at {_sizes_text(train_sizes)} px (one size per step, '
-                     f'{settings.train_size_schedule}), AdamW lr {settings.lr}, cosine, label smoothing 0.1 '
-                     '(aft_vision.train).', model_kwargs=architecture_kwargs)
+                     f'batches of {_sizes_text(results["train_batch_sizes"])}, {settings.train_size_schedule}), AdamW '
+                     f'lr {settings.lr}, cosine, label smoothing 0.1 (aft_vision.train).',
+            model_kwargs=architecture_kwargs)
     reloaded = timm.create_model(f'local-dir:{hub_dir}', pretrained=True).to(device)
     top1_reloaded = evaluate(reloaded, data_dir / 'val', settings.img_size)
     if top1_reloaded != top1:
