@@ -75,7 +75,7 @@ def test_main_job_learns_round_trips_and_evaluates_larger(digits_job):
         assert evaluate(resized, val, size) == results[f'top1_at_{size}'], size
     # trained at the recipe's sizes, one per step, every one drawn
     assert results['train_img_sizes'] == [24, 32, 40, 48] and results['eval_img_sizes'] == [24, 32, 40, 48, 64]
-    assert results['train_batch_sizes'] == [114, 64, 41, 28]  # the pixels of 64 images at 32 px
+    assert results['train_batch_sizes'] == [85, 64, 51, 43]  # 64 at 32 px, inversely proportional to the side
     drawn = {size for record in results['history'] for size in record['steps_per_size']}
     assert drawn == {'24', '32', '40', '48'}
     assert results['top1_reloaded_at'] == {'64': results['top1_at_64']}

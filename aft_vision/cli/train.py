@@ -49,8 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help='train at these sizes, one drawn per step by timm\'s scheduled loader, the same on '
                              'every rank (default: --img-size alone)')
     parser.add_argument('--train-batch-sizes', type=int, nargs='+', default=None, metavar='N',
-                        help='a batch size per training size (default: the pixels of --batch-size images at '
-                             '--img-size: 114 64 41 28 at 24 32 40 48 px for 64 at 32 px)')
+                        help='a batch size per training size (default: --batch-size at --img-size, inversely '
+                             'proportional to the side elsewhere: 85 64 51 43 at 24 32 40 48 px)')
     parser.add_argument('--train-size-schedule', default=None, choices=classify.SIZE_SCHEDULES,
                         help='draw the sizes uniformly, or move from the first to the last over the epochs '
                              '(timm\'s batch_choice_schedule; default: constant)')

@@ -63,7 +63,7 @@ class ClassifySettings:
     epochs: int = 30
     img_size: int = 32  # the size the model is built and published for, and the headline evaluation's
     train_img_sizes: Optional[List[int]] = None  # one drawn per step (timm's scheduled loader); None: the recipe's
-    train_batch_sizes: Optional[List[int]] = None  # a batch size per training size; None: pixel_matched_batches
+    train_batch_sizes: Optional[List[int]] = None  # a batch size per training size; None: size_scaled_batches
     train_size_schedule: str = 'constant'  # timm's batch_choice_schedule: 'constant' or 'progressive'
     eval_img_sizes: List[int] = field(default_factory=lambda: list(EVAL_IMG_SIZES))  # evaluated after training
     resize_mode: Optional[str] = None  # how an AFT-conv model follows another size (its resize_mode); None: as built
@@ -117,10 +117,11 @@ def _loader(folder: Path, model: torch.nn.Module, img_size: int, batch_size: int
     return DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=0)
 
 
-def pixel_matched_batches(batch_size: int, img_size: int, sizes: Sequence[int]) -> List[int]:
-    """A batch size per training size holding about the pixels of ``batch_size`` images at ``img_size`` (at least
-    1): every step costs about the same, and training at several sizes about what it costs at one."""
-    return [max(1, round(batch_size * (img_size / size) ** 2)) for size in sizes]
+def size_scaled_batches(batch_size: int, img_size: int, sizes: Sequence[int]) -> List[int]:
+    """A batch size per training size, ``batch_size`` at ``img_size`` and inversely proportional to the side
+    elsewhere (at least 1): a step's cost grows with the side rather than the area, so training at 0.75-1.5x costs
+    about 1.1x a training at one size (docs/results.md, "Resolution")."""
+    return [max(1, round(batch_size * img_size / size)) for size in sizes]
 
 
 def train_loader(folder: Path, model: torch.nn.Module, img_sizes: Sequence[int], batch_sizes: Sequence[int],
@@ -285,7 +286,7 @@ def train(
         log: Where the per-epoch lines (and a transfer's report) go.
         train_img_sizes: The training sizes, one drawn per step (``train_loader``); None: ``img_size`` alone.
             Evaluation during training is at ``img_size``.
-        train_batch_sizes: A batch size per training size; None: ``pixel_matched_batches`` (``batch_size`` at
+        train_batch_sizes: A batch size per training size; None: ``size_scaled_batches`` (``batch_size`` at
             ``img_size``).
         size_schedule: timm's choice schedule over the sizes, 'constant' or 'progressive' (small to large).
 
@@ -303,7 +304,7 @@ def train(
     random.seed(seed + rank)  # timm's crops draw from Python's random, the rest from torch: different per rank
     torch.manual_seed(seed + rank)
     sizes = list(train_img_sizes or [img_size])
-    batch_sizes = list(train_batch_sizes or pixel_matched_batches(batch_size, img_size, sizes))
+    batch_sizes = list(train_batch_sizes or size_scaled_batches(batch_size, img_size, sizes))
     loader = train_loader(data_dir / 'train', model, sizes, batch_sizes, size_schedule, epochs, seed,
                           distributed=world_size > 1)
     net = model  # what the training step calls; DDP averages the gradients across ranks
@@ -511,7 +512,7 @@ def _run(settings: ClassifySettings) -> Dict:
     results = {'top1': top1, **{f'top1_at_{size}': value for size, value in top1_at.items()},
                'architecture': architecture, 'model_kwargs': architecture_kwargs, 'data_config': data_config,
                'train_img_sizes': train_sizes,
-               'train_batch_sizes': settings.train_batch_sizes or pixel_matched_batches(
+               'train_batch_sizes': settings.train_batch_sizes or size_scaled_batches(
                    settings.batch_size, settings.img_size, train_sizes)}
     (out / 'results.json').write_text(json.dumps(results, indent=2))
     hub_dir = out / 'hub'

@@ -39,8 +39,8 @@ from tqdm import tqdm
 from ..checkpoints.files import load_weights, save_figure, save_weights
 from ..checkpoints.transfer import transfer_vit_weights
 from ..models import create_aft_model
-from .classify import DIGITS_MODEL, ClassifySettings, at_size, check_model_and_sizes, evaluate, pixel_matched_batches, \
-    train, write_digits
+from .classify import DIGITS_MODEL, ClassifySettings, at_size, check_model_and_sizes, evaluate, train, \
+    size_scaled_batches, write_digits
 
 __all__ = ['Config', 'Run', 'StudySettings', 'PARTS', 'plan_runs', 'check_settings', 'run_study']
 
@@ -103,7 +103,7 @@ class StudySettings:
         """The settings a run's result depends on besides its configuration, epochs and seed."""
         return dict(img_size=self.img_size, eval_img_size=self.eval_img_size, batch_size=self.batch_size,
                     lr=self.lr, eval_img_sizes=list(self.eval_img_sizes), train_img_sizes=list(self.train_img_sizes),
-                    train_batch_sizes=pixel_matched_batches(self.batch_size, self.img_size, self.train_img_sizes))
+                    train_batch_sizes=size_scaled_batches(self.batch_size, self.img_size, self.train_img_sizes))
 
 
 def configs(settings: StudySettings) -> Dict[str, Config]:
@@ -432,8 +432,8 @@ def render_markdown(summary: Dict) -> str:
         lines += ['## Resolution: one set of weights at every size', '',
                   f'Patch kept at every size (the token grid grows). Training at several sizes: one of '
                   f'{_sizes_text(settings["train_img_sizes"])} px per step, batches of '
-                  f'{_sizes_text(pixel_matched_batches(settings["batch_size"], size, settings["train_img_sizes"]))} '
-                  'images (the pixels of one batch at the training size). Following the size: the position '
+                  f'{_sizes_text(size_scaled_batches(settings["batch_size"], size, settings["train_img_sizes"]))} '
+                  'images (inversely proportional to the side). Following the size: the position '
                   'parameters resampled (resample), AFT-conv\'s windows kept (keep), resampled by the size ratio '
                   '(window) or its patch resized so that the token grid stays (patch).', '',
                   f'| family | trained at (px) | following the size | {" | ".join(f"{s} px" for s in sizes)} |',
