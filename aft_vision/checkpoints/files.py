@@ -149,12 +149,17 @@ def swap_in(staging: Path, target: Path) -> None:
         for name in reversed(moved):
             if not (staging / name).exists():  # the new entry had moved in: take it out again
                 _remove(target / name)
-            if (retired / name).exists() or (retired / name).is_symlink():
-                os.replace(retired / name, target / name)
+            _put_back(retired, target, name)
         raise
     finally:
         shutil.rmtree(retired, ignore_errors=True)
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _put_back(retired: Path, target: Path, name: str) -> None:
+    """Move the entry ``name`` set aside in ``retired`` back into ``target``, where there is one."""
+    if (retired / name).exists() or (retired / name).is_symlink():
+        os.replace(retired / name, target / name)
 
 
 def check_output_dir(path: PathLike, force: bool = False, resumes: bool = False) -> None:
@@ -212,8 +217,7 @@ def output_dir(path: PathLike, force: bool = False, writes: Sequence[str] = (), 
         else:
             for name in writes:
                 _remove(path / name)
-                if (retired / name).exists() or (retired / name).is_symlink():
-                    os.replace(retired / name, path / name)
+                _put_back(retired, path, name)
         raise
     finally:
         shutil.rmtree(retired, ignore_errors=True)
