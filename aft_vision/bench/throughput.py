@@ -546,7 +546,7 @@ class _DenseCase(_Case):
     def __init__(self, name: str, img_size: int, batch_size: int, device: torch.device, precision: str):
         import segmentation_models_pytorch as smp
 
-        self.name, self.device, self.precision = name, device, precision
+        self.name, self.label, self.device, self.precision = name, name, device, precision
         kwargs = {} if name.startswith('aft_') else {'dynamic_img_size': True}
         self.eager = self.model = smp.DPT(f'tu-{name}', encoder_weights=None, classes=DENSE_CLASSES,
                                           decoder_readout='ignore', **kwargs).to(device)

@@ -132,9 +132,20 @@ def settings_from(settings: type, args: argparse.Namespace):
                        if field.name in options})
 
 
+def one_line(message: str) -> str:
+    """``message`` with its line breaks (from a value the user typed) written as ``\\n``, so it stays one line."""
+    return message.replace('\r', '\\r').replace('\n', '\\n')
+
+
 def check_args(args: argparse.Namespace) -> Optional[str]:
-    """The first problem with a parsed command line, as '--option: why', or None: numbers in range, input files
-    present, output files of the right kind and not silently replaced, model names registered, devices available."""
+    """The first problem with a parsed command line, as one line '--option: why', or None: numbers in range, input
+    files present, output files of the right kind and not silently replaced, model names registered, devices
+    available."""
+    problem = _first_problem(args)
+    return None if problem is None else one_line(problem)
+
+
+def _first_problem(args: argparse.Namespace) -> Optional[str]:
     options = vars(args)
     if options.get('task') is not None:
         problem = _check_task(options)
@@ -233,7 +244,7 @@ class Parser(argparse.ArgumentParser):
         return super().add_argument(*args, **kwargs)
 
     def error(self, message: str):
-        self.exit(2, f'{self.prog}: error: {message} (see {self.prog} --help)\n')
+        self.exit(2, f'{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n')
 
 
 def run_command(parser: argparse.ArgumentParser, argv: Sequence[str],

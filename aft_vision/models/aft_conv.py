@@ -110,6 +110,8 @@ class AFTConvTransformer(AFTTransformerBase):
         dd = {'device': device, 'dtype': dtype}
         self._check_global_pool(global_pool)
         self._check_resize_mode(resize_mode)
+        if kernel_size < 1 or kernel_size % 2 == 0:
+            raise ValueError(f'kernel_size must be a positive odd number, got {kernel_size}')
         self.resize_mode = resize_mode
         self.kernel_size = kernel_size
         self.base_img_size = to_2tuple(base_img_size or img_size)
