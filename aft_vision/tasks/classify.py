@@ -31,7 +31,7 @@ from timm.loss import LabelSmoothingCrossEntropy
 from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 from torchvision.datasets import ImageFolder
 from tqdm import tqdm
 
@@ -137,12 +137,20 @@ def train_loader(folder: Path, model: torch.nn.Module, img_sizes: Sequence[int],
     dataset = ImageFolder(str(folder))
     if not len(dataset):
         raise ValueError(f'no images found in {folder}')
-    return create_loader(
+    loader = create_loader(
         dataset, input_size=config['input_size'], batch_size=batch_sizes[0], is_training=True, use_prefetcher=False,
         num_workers=0, distributed=distributed, hflip=0.0, scale=(0.4, 1.0), ratio=(0.9, 1.1), color_jitter=None,
         interpolation=config['interpolation'], mean=config['mean'], std=config['std'], crop_pct=config['crop_pct'],
         input_size_choices=list(img_sizes), batch_size_choices=list(batch_sizes), batch_choice_seed=seed,
         batch_choice_schedule=schedule, batch_schedule_epochs=epochs if schedule == 'progressive' else None)
+    # The image order from the seed alone, not from torch's global generator (which timm's loader would draw it
+    # from, between the crops' draws): the ViT baseline trained markedly worse so (docs/results.md, "Resolution").
+    images = loader.batch_sampler.sampler
+    if isinstance(images, RandomSampler):
+        images.generator = torch.Generator().manual_seed(seed)
+    elif isinstance(images, DistributedSampler):
+        images.seed = seed
+    return loader
 
 
 def _init_distributed(device: str) -> Tuple[int, int, torch.device]:
