@@ -368,7 +368,8 @@ def plot_curves(history: List[Dict], top1_at: Dict[int, float], train_sizes: Seq
     ax_size.plot(sizes, [top1_at[size] for size in sizes], '-o', color='tab:purple')
     for size in train_sizes:
         ax_size.axvline(size, color='grey', alpha=0.3, linestyle='--')
-    ax_size.set(xlabel='evaluation size (px); dashed: training sizes', ylabel='val top-1 (%)', title='Any size')
+    ax_size.set(xlabel='evaluation size (px); dashed: training sizes', ylabel='val top-1 (%)', title='Any size',
+                ylim=(max(0, min(top1_at.values()) - 5), 100))
     for ax in (ax_loss, ax_acc, ax_size):
         ax.grid(alpha=0.3)
     save_figure(fig, path, dpi=100)
