@@ -114,6 +114,8 @@ class AFTConv2d(nn.Module):
 def scaled_kernel_size(kernel_size: int, ratio: float) -> int:
     """The odd window closest to ``kernel_size * ratio`` (ties to the larger), at least 1: the window that covers the
     same part of an image whose token grid was scaled by ``ratio``."""
+    if kernel_size < 1 or kernel_size % 2 == 0:
+        raise ValueError(f'kernel_size must be a positive odd number, got {kernel_size}')
     if not (math.isfinite(ratio) and ratio > 0):
         raise ValueError(f'the size ratio must be a positive number, got {ratio}')
     return max(1, 2 * math.floor((kernel_size * ratio - 1) / 2 + 0.5) + 1)

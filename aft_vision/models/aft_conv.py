@@ -110,8 +110,6 @@ class AFTConvTransformer(AFTTransformerBase):
         dd = {'device': device, 'dtype': dtype}
         self._check_global_pool(global_pool)
         self._check_resize_mode(resize_mode)
-        if kernel_size < 1 or kernel_size % 2 == 0:
-            raise ValueError(f'kernel_size must be a positive odd number, got {kernel_size}')
         self.resize_mode = resize_mode
         self.kernel_size = kernel_size
         self.base_img_size = to_2tuple(base_img_size or img_size)
@@ -151,15 +149,21 @@ class AFTConvTransformer(AFTTransformerBase):
         if resize_mode not in RESIZE_MODES:
             raise ValueError(f'unknown resize_mode {resize_mode!r}: choose one of {", ".join(RESIZE_MODES)}')
 
-    def _size_plan(self, img_size: Tuple[int, int]) -> Tuple[Tuple[int, int], int]:
-        """(patch size, window size) at ``img_size`` under ``resize_mode``, from the sizes given for
-        ``base_img_size``."""
+    def _size_plan(
+            self,
+            img_size: Tuple[int, int],
+            mode: Optional[str] = None,
+            base_patch: Optional[Tuple[int, int]] = None,
+    ) -> Tuple[Tuple[int, int], int]:
+        """(patch size, window size) at ``img_size`` under ``mode`` (default ``resize_mode``), from the sizes given
+        for ``base_img_size`` (the patch ``base_patch``, default ``base_patch_size``). Changes nothing."""
+        mode, base_patch = mode or self.resize_mode, base_patch or self.base_patch_size
         ratio_h, ratio_w = (size / base for size, base in zip(img_size, self.base_img_size))
-        if self.resize_mode == 'window':
-            return self.base_patch_size, scaled_kernel_size(self.kernel_size, math.sqrt(ratio_h * ratio_w))
-        if self.resize_mode == 'keep':
-            return self.base_patch_size, self.kernel_size
-        patch = (self.base_patch_size[0] * ratio_h, self.base_patch_size[1] * ratio_w)
+        if mode == 'window':
+            return base_patch, scaled_kernel_size(self.kernel_size, math.sqrt(ratio_h * ratio_w))
+        if mode == 'keep':
+            return base_patch, self.kernel_size
+        patch = (base_patch[0] * ratio_h, base_patch[1] * ratio_w)
         if any(p != round(p) or p < 1 for p in patch):
             raise ValueError(
                 f"resize_mode='patch': {img_size[0]}x{img_size[1]} px would need a {patch[0]:g}x{patch[1]:g} px patch "
@@ -189,14 +193,9 @@ class AFTConvTransformer(AFTTransformerBase):
         if patch_size is not None and mode == 'patch':
             raise ValueError("give either patch_size or resize_mode='patch' (which sets the patch), not both")
         img_size = to_2tuple(img_size) if img_size is not None else tuple(self.patch_embed.img_size)
-        previous = (self.resize_mode, self.base_patch_size)
-        self.resize_mode = mode
-        self.base_patch_size = to_2tuple(patch_size) if patch_size is not None else self.base_patch_size
-        try:
-            patch, kernel = self._size_plan(img_size)
-        except ValueError:
-            self.resize_mode, self.base_patch_size = previous
-            raise
+        base_patch = to_2tuple(patch_size) if patch_size is not None else self.base_patch_size
+        patch, kernel = self._size_plan(img_size, mode, base_patch)  # raises before anything changes
+        self.resize_mode, self.base_patch_size = mode, base_patch
         self.patch_embed.set_input_size(
             img_size=img_size, patch_size=None if patch == tuple(self.patch_embed.patch_size) else patch)
         for block in self.blocks:

@@ -465,6 +465,7 @@ def _run(settings: ClassifySettings) -> Dict:
     if settings.model == 'aft_conv_test' and not settings.data_dir:
         model_kwargs = dict(DIGITS_MODEL, **model_kwargs)
     model_kwargs, train_sizes = check_model_and_sizes(settings, model_kwargs)
+    batch_sizes = settings.train_batch_sizes or size_scaled_batches(settings.batch_size, settings.img_size, train_sizes)
     init_weights = None
     if settings.init_from:
         if settings.pretrained:
@@ -488,7 +489,7 @@ def _run(settings: ClassifySettings) -> Dict:
         model, history, classes = train(
             data_dir, settings.model, settings.epochs, settings.img_size, settings.batch_size, settings.lr,
             settings.seed, settings.sparsity_weight, model_kwargs, settings.pretrained, device, rank, world_size,
-            init_weights, train_img_sizes=train_sizes, train_batch_sizes=settings.train_batch_sizes,
+            init_weights, train_img_sizes=train_sizes, train_batch_sizes=batch_sizes,
             size_schedule=settings.train_size_schedule)
         digest = state_digest(model.state_dict())
         schedule = hashlib.sha256(''.join(h['size_schedule_sha256'] for h in history).encode()).hexdigest()
@@ -503,9 +504,12 @@ def _run(settings: ClassifySettings) -> Dict:
         return {}
 
     top1 = evaluate(model, data_dir / 'val', settings.img_size)
-    top1_at = {}  # evaluation size -> top-1, the model rebuilt for each size as its resize_mode says
+    top1_at, rebuilt = {}, set()  # evaluation size -> top-1, the model rebuilt for a size as its resize_mode says
     for size in tqdm(settings.eval_img_sizes, desc='evaluating', unit='size', leave=False):
-        top1_at[size] = top1 if size == settings.img_size else evaluate(at_size(model, size), data_dir / 'val', size)
+        sized = at_size(model, size)
+        if sized is not model:
+            rebuilt.add(size)
+        top1_at[size] = top1 if size == settings.img_size else evaluate(sized, data_dir / 'val', size)
     weights = out / 'model.safetensors'
     sha256 = save_weights({k: v.cpu() for k, v in model.state_dict().items()}, weights, force=True)
     architecture, architecture_kwargs = source_architecture(settings.model, model_kwargs)  # a folder's saved arguments
@@ -514,15 +518,13 @@ def _run(settings: ClassifySettings) -> Dict:
     # at least as well, else validate.py would report the lower figure.
     # Only a size the published model runs as it is (no rebuild by at_size) can be a test size.
     data_config = eval_data_config(model, settings.img_size)
-    as_built = [size for size in top1_at if size > settings.img_size and at_size(model, size) is model]
+    as_built = [size for size in top1_at if size > settings.img_size and size not in rebuilt]
     best = max(as_built, key=lambda size: (top1_at[size], -size), default=None)
     if best is not None and top1_at[best] >= top1:
         data_config['test_input_size'] = (3, best, best)
     results = {'top1': top1, **{f'top1_at_{size}': value for size, value in top1_at.items()},
                'architecture': architecture, 'model_kwargs': architecture_kwargs, 'data_config': data_config,
-               'train_img_sizes': train_sizes,
-               'train_batch_sizes': settings.train_batch_sizes or size_scaled_batches(
-                   settings.batch_size, settings.img_size, train_sizes)}
+               'train_img_sizes': train_sizes, 'train_batch_sizes': batch_sizes}
     (out / 'results.json').write_text(json.dumps(results, indent=2))
     hub_dir = out / 'hub'
     start_from = 'its pretrained weights' if settings.pretrained else 'scratch'
@@ -534,7 +536,7 @@ def _run(settings: ClassifySettings) -> Dict:
             label_names=classes, results_file=str(out / 'results.json'),
             datasets=[] if settings.data_dir else ['sklearn-digits'],
             training=f'{settings.epochs} epochs from {start_from} at {_sizes_text(train_sizes)} px (one size per step, '
-                     f'batches of {_sizes_text(results["train_batch_sizes"])}, {settings.train_size_schedule}), AdamW '
+                     f'batches of {_sizes_text(batch_sizes)}, {settings.train_size_schedule}), AdamW '
                      f'lr {settings.lr}, cosine, label smoothing 0.1 (aft_vision.train).',
             model_kwargs=architecture_kwargs)
     reloaded = timm.create_model(f'local-dir:{hub_dir}', pretrained=True).to(device)
