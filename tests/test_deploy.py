@@ -25,7 +25,7 @@ from aft_reference import CAUSAL, inputs
 from aft_vision import deploy
 from aft_vision.cli import main as cli_main
 from aft_vision.layers import aft_conv2d, aft_full, aft_local, aft_simple
-from aft_vision.models.aft_conv import AFTConvTransformer
+from aft_vision.models.aft_conv import AFTConvTransformer, export_layout
 
 # the deployment toolchains (the test extra): without them this part is skipped
 onnx = pytest.importorskip('onnx')
@@ -76,7 +76,7 @@ STATES = ('built', 'trained')
 def _build(case: str, state: str) -> torch.nn.Module:
     """The case's model in eval mode; ``'trained'`` draws every position-bias parameter (AFT-conv's Eq. 8 raw bias,
     gamma and beta; AFT-full's factors), so that every window offset and bias entry matters."""
-    arch, kwargs = {**TEST_CASES, **FULL_CASES}[case]
+    arch, kwargs = {**TEST_CASES, **FULL_CASES, **OPENVINO_CASES}[case]
     torch.manual_seed(0)
     model = timm.create_model(arch, **kwargs).eval()
     if state == 'trained':
@@ -356,7 +356,14 @@ def test_exported_operator_keeps_the_cuda_policy_bound(op, exporter, tmp_path):
 ELEMENT_WISE = ('Add', 'Multiply', 'Divide', 'Subtract', 'Maximum', 'Sigmoid', 'Exp')
 
 
-@pytest.mark.parametrize('case', list(TEST_CASES))
+# OpenVINO also runs AFT-conv's dense method (its channel-first graph takes the convolution) and one key per channel
+OPENVINO_CASES = {
+    'aft_conv_test_dense': ('aft_conv_test', {'mixer_kwargs': {'method': 'dense'}}),
+    'aft_conv_test_heads': ('aft_conv_test', {'num_heads': 64}),
+}
+
+
+@pytest.mark.parametrize('case', list(TEST_CASES) + list(OPENVINO_CASES))
 def test_openvino_ir_matches_eager(case, tmp_path):
     model = _build(case, 'trained')
     example_size, fresh = _sizes(model)
@@ -369,6 +376,41 @@ def test_openvino_ir_matches_eager(case, tmp_path):
         assert_agrees(case, 'trained', got, size, seed, f'{case} in OpenVINO at {size}')
 
 
+def test_export_layout_leaves_eager_untouched_and_is_restored():
+    """``export_layout`` changes only what a tracer records: eager logits bit for bit, the layout restored on leaving
+    (an error included) in every AFT-conv model of a wrapper; an unknown layout is refused by name."""
+    model = _build('aft_conv_test', 'trained')
+    features = timm.create_model('aft_conv_test', features_only=True, out_indices=(1, 3)).eval()
+    x = _images(2, 64, 64, 1)
+    with torch.no_grad():
+        before = model(x)
+        with export_layout(model, 'NCHW'):
+            assert model.export_layout == 'NCHW'
+            assert torch.equal(model(x), before)
+        with pytest.raises(RuntimeError, match='inside'), export_layout(features, 'NCHW'):
+            assert [m.export_layout for m in features.modules() if isinstance(m, AFTConvTransformer)] == ['NCHW']
+            raise RuntimeError('inside')
+    assert model.export_layout == 'NHWC'
+    assert all(m.export_layout == 'NHWC' for m in features.modules() if isinstance(m, AFTConvTransformer))
+    with pytest.raises(ValueError, match="unknown export layout 'NWHC'"), export_layout(model, 'NWHC'):
+        pass
+
+
+def test_channel_first_trace_of_a_feature_extractor_matches_eager():
+    """``forward_intermediates`` recorded channel-first (as a segmentation model's encoder is converted) gives every
+    feature map of the eager extractor, at a size other than the trace's, to the float32 rounding bound."""
+    torch.manual_seed(0)
+    features = timm.create_model('aft_conv_test', features_only=True, out_indices=(1, 3)).eval()
+    x = _images(3, 96, 80, 2)
+    with torch.no_grad(), _quiet(), export_layout(features, 'NCHW'):
+        traced = torch.jit.trace(features, _images(2, 64, 64, 0))
+    with torch.no_grad():
+        got, eager, exact = traced(x), features(x), copy.deepcopy(features).double()(x.double())
+    for i, (g, e, r) in enumerate(zip(got, eager, exact)):
+        assert g.shape == e.shape
+        ref.assert_model_agrees(g, r, e, label=f'feature map {i}')
+
+
 def _constant_folded(model):
     from openvino.passes import ConstantFolding, Manager
 
@@ -378,13 +420,49 @@ def _constant_folded(model):
     return model
 
 
-def test_converted_aft_conv_runs_element_wise_on_token_rows():
-    """What OpenVINO runs fast: element-wise nodes on (B, T, n) rows with n innermost and no size-1 innermost axis
-    (a (B, H, W, C) map is laid out as NCHW, H innermost), the sums of N and D from two convolutions rather than one
-    split: one Split per block (q, k, v) and no Concat."""
+def _data_ops(graph):
+    """The graph's ops on real-valued data that depends on its input (no shape arithmetic, no work on parameters)."""
+    reached, frontier = {}, list(graph.get_parameters())
+    while frontier:
+        op = frontier.pop()
+        for output in op.outputs():
+            for target in output.get_target_inputs():
+                node = target.get_node()
+                if node.get_friendly_name() not in reached and node.get_type_name() != 'ShapeOf':
+                    reached[node.get_friendly_name()] = node
+                    frontier.append(node)
+    return [op for op in reached.values() if op.get_output_element_type(0).is_real()
+            and op.get_type_name() != 'Result' and op.get_output_partial_shape(0).rank.get_length() > 0]
+
+
+def test_converted_aft_conv_runs_channel_first_without_layout_changes():
+    """What ``convert_openvino`` gives OpenVINO (``export_layout(model, 'NCHW')``): every node from the patch
+    embedding to the pooling on a 4-D map with the channels on axis 1 (OpenVINO's blocked layout), no Transpose,
+    Split or Concat of data, the linear layers as 1 x 1 convolutions (the head alone a MatMul), N and D from two
+    depthwise convolutions per block."""
     model = timm.create_model('aft_conv_test').eval()
     with _quiet():
-        graph = _constant_folded(deploy.convert_openvino(model, torch.randn(2, 3, 64, 64)))
+        ops = _data_ops(deploy.convert_openvino(model, torch.randn(2, 3, 64, 64)))
+    types = [op.get_type_name() for op in ops]
+    for banned in ('Transpose', 'Split', 'VariadicSplit', 'Concat', 'Gather'):
+        assert banned not in types, [op.get_friendly_name() for op in ops if op.get_type_name() == banned]
+    assert types.count('MatMul') == 1  # the head
+    assert types.count('GroupConvolution') == 2 * len(model.blocks)
+    assert types.count('Convolution') == 1 + 6 * len(model.blocks)  # patch embedding; q, k, v, proj, fc1, fc2
+    for op in ops:
+        if op.get_type_name() in ELEMENT_WISE:
+            shape = op.get_output_partial_shape(0)
+            assert shape.rank.get_length() == 4, f'{op.get_friendly_name()}: {op.get_type_name()} on {shape}'
+
+
+def test_plain_conversion_runs_element_wise_on_token_rows():
+    """``openvino.convert_model`` without ``export_layout`` records token rows (as ONNX does): element-wise nodes on
+    (B, T, n) rows with n innermost and no size-1 innermost axis (a (B, H, W, C) map is laid out as NCHW, H
+    innermost), the sums of N and D from two convolutions rather than one split: one Split per block (q, k, v), no
+    Concat."""
+    model = timm.create_model('aft_conv_test').eval()
+    with _quiet(), torch.no_grad():
+        graph = _constant_folded(ov.convert_model(model, example_input=torch.randn(2, 3, 64, 64)))
     ops = graph.get_ops()
     for op in ops:
         sources = {port.get_source_output().get_node().get_type_name() for port in op.inputs()}

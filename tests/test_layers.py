@@ -1263,3 +1263,39 @@ def test_onehot_operator_names_bad_inputs(shapes, index, match):
     q, k, v, w = (torch.randn(shape) for shape in shapes)
     with pytest.raises(ValueError, match=match):
         aft_conv2d_onehot(q, k, v, w, torch.zeros(index, dtype=torch.long))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The channel-first form (``forward_nchw``, ``depthwise_mix_nchw``): what OpenVINO is given, held to the float64
+# reference on its own, as an exported graph is (the 'cuda' policy's bound: no repair in a graph)
+
+def _nchw(x):
+    return x.permute(0, 3, 1, 2)
+
+
+@pytest.mark.parametrize('shape', GRID_SHAPES)
+@pytest.mark.parametrize('scale', [1.0, 3.0])
+def test_channel_first_sums_match_reference(shape, scale):
+    from aft_vision.layers.depthwise_mix import depthwise_mix_nchw
+    q, k, v, w = grid_inputs(*shape, scale=scale)
+    out = depthwise_mix_nchw(_nchw(q), _nchw(k), _nchw(v), w).permute(0, 2, 3, 1)
+    ref.assert_output(out, ref.conv_problem(q, k, v, w), ref.terms_for('conv', 'cuda'), label=f'{shape} x{scale}')
+    extreme = depthwise_mix_nchw(*(_nchw(x) * 1e4 for x in (q, k, v)), w * 1e4)
+    assert torch.isfinite(extreme).all()
+
+
+@pytest.mark.parametrize('layer_cls', [AFTConv2d, AFTConv2dOneHot])
+@pytest.mark.parametrize('dim, heads, kernel', [(16, 4, 5), (12, 12, 3)])
+def test_layer_forward_nchw_equals_forward(layer_cls, dim, heads, kernel):
+    """The layer on a channel-first map computes its token-row forward (eval; the one-hot layer's indexing form)."""
+    torch.manual_seed(0)
+    layer = layer_cls(dim, num_heads=heads, kernel_size=kernel).eval()
+    with torch.no_grad():
+        for param in (layer.pos_gamma, layer.pos_beta):
+            param.normal_()
+        x = torch.randn(2, 6, 5, dim)
+        got = layer.forward_nchw(_nchw(x)).permute(0, 2, 3, 1)
+        eager, exact = layer(x), copy.deepcopy(layer).double()(x.double())
+    ref.assert_model_agrees(got, exact, eager, label=f'{layer_cls.__name__} {dim}/{heads}/{kernel}')
+    with pytest.raises(ValueError, match=rf'expected a map \(B, {dim}, H, W\)'):
+        layer.forward_nchw(x)

@@ -19,6 +19,8 @@ from typing import Callable, List, Optional, Sequence
 import numpy as np
 import torch
 
+from ..models import export_layout
+
 __all__ = ['FORMATS', 'PRECISIONS', 'export_onnx', 'convert_openvino', 'quantize_onnx', 'quantize_openvino',
            'float_convolutions', 'load_runner', 'onnx_runner', 'openvino_runner', 'temporary_onnx']
 
@@ -40,11 +42,12 @@ def export_onnx(model: torch.nn.Module, example: torch.Tensor, path: os.PathLike
 
 
 def convert_openvino(model: torch.nn.Module, example: torch.Tensor):
-    """``openvino.convert_model(model, example_input=example)``: an ``openvino.Model`` (dynamic input shape)."""
+    """``openvino.convert_model(model, example_input=example)`` with every AFT-conv model in ``model`` recorded
+    channel-first (``models.export_layout(model, 'NCHW')``): an ``openvino.Model`` (dynamic input shape)."""
     import openvino as ov
 
     model.eval()
-    with warnings.catch_warnings(), torch.no_grad():
+    with warnings.catch_warnings(), torch.no_grad(), export_layout(model, 'NCHW'):
         warnings.simplefilter('ignore')
         return ov.convert_model(model, example_input=example)
 

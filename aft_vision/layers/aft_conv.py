@@ -8,6 +8,8 @@ from torch import nn
 
 from .dispatch import CONV_METHODS
 from ._checks import check_tokens
+from .channels_first import linear_nchw
+from .depthwise_mix import depthwise_mix_nchw
 from .functional import aft_conv2d
 
 __all__ = ['AFTConv2d', 'resize_window_bias', 'scaled_kernel_size']
@@ -106,6 +108,20 @@ class AFTConv2d(nn.Module):
         q, k, v = qkv.split([self.dim, self.num_heads, self.dim], dim=-1)
         x = aft_conv2d(q, k, v, self.effective_bias(), method=self.method)  # (B, H, W, C)
         return self.proj_drop(self.proj(x))
+
+    def _check_map(self, x: torch.Tensor) -> None:
+        if x.dim() != 4 or x.shape[1] != self.dim:
+            raise ValueError(f'expected a map (B, {self.dim}, H, W), got shape {list(x.shape)}')
+
+    def forward_nchw(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer on a channel-first map (B, C, H, W) -> (B, C, H, W), for exported graphs: q, k and v by three
+        1 x 1 convolutions (no split), the sums by ``depthwise_mix_nchw`` whatever ``method`` says."""
+        self._check_map(x)
+        dim, heads = self.dim, self.num_heads
+        q, k, v = (linear_nchw(x, self.qkv, rows) for rows in (
+            slice(0, dim), slice(dim, dim + heads), slice(dim + heads, 2 * dim + heads)))
+        x = depthwise_mix_nchw(q, k, v, self.effective_bias())  # (B, C, H, W)
+        return self.proj_drop(linear_nchw(x, self.proj))
 
     def extra_repr(self) -> str:
         return f'dim={self.dim}, num_heads={self.num_heads}, kernel_size={self.kernel_size}, method={self.method}'

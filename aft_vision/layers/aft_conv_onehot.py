@@ -194,6 +194,14 @@ class AFTConv2dOneHot(AFTConv2d):
             x = aft_conv2d_onehot(q, k, v, w, w.detach().flatten(1).argmax(dim=1))  # (B, H, W, C)
         return self.proj_drop(self.proj(x))
 
+    def forward_nchw(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward`` on a channel-first map (B, C, H, W): in eval, pooling plus indexing on token rows (the layout
+        changes here, the O(T C) form stays); in training, Eq. 6 with the sampled bias as ``AFTConv2d`` exports it."""
+        if self.training:
+            return super().forward_nchw(x)
+        self._check_map(x)
+        return self(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
     def extra_repr(self) -> str:
         return f'{super().extra_repr()}, tau={self.tau}, hard={self.hard}'
 

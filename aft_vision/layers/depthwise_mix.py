@@ -20,12 +20,12 @@ import torch
 import torch.nn.functional as F
 
 from ._gate import gate, gate_backward, gate_inplace, per_channel
+from ._stable import TINY, exporting
 from ._write import write_into
 from .dispatch import choose_depthwise_backward
-from ._stable import exporting
 from .policy import no_autocast
 
-__all__ = ['DepthwiseMix', 'depthwise_mix', 'depthwise_sums', 'depthwise_conv_backward']
+__all__ = ['DepthwiseMix', 'depthwise_mix', 'depthwise_mix_nchw', 'depthwise_sums', 'depthwise_conv_backward']
 
 
 def _tokens_into(k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -126,6 +126,33 @@ def depthwise_sums(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, height: in
         + exp_kv.sum(dim=1, keepdim=True) * per_channel(floor, group)
     denominator = _window_sums(exp_k, kernel.unsqueeze(1), height, width) + scale
     return numerator, denominator, scale.detach()
+
+
+def _heads_to_channels(x: torch.Tensor, group: int) -> torch.Tensor:
+    """A per-head map (B, h, H, W) repeated to its value channels (B, h * group, H, W), channel c from head
+    c // group."""
+    if group == 1:
+        return x
+    return x.unsqueeze(2).expand(-1, -1, group, -1, -1).flatten(1, 2)
+
+
+def depthwise_mix_nchw(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor,
+                       tiny: float = TINY) -> torch.Tensor:
+    """``sigmoid(q) * N / D`` on channel-first maps q, v (B, C, H, W), k (B, h, H, W) in plain autograd, the sums by
+    two depthwise convolutions and global sums as in ``depthwise_sums``: the form of the channel-first graph
+    (``models/aft_conv.py: export_layout``), whatever the layer's method. D is floored at ``tiny``, as ``gate``
+    floors it; the graph cannot repair cancelled entries (the 'cuda' policy's bound, as every exported form)."""
+    group = int(v.shape[1]) // int(k.shape[1])  # a constant of the graph: the kernel's shape must be known
+    exp_k = torch.exp(k - k.amax(dim=(2, 3), keepdim=True).detach())  # (B, h, H, W), max 1 per image and head
+    exp_kv = _heads_to_channels(exp_k, group) * v  # (B, C, H, W)
+    kernel, floor, _ = _head_kernel(w)  # (h, s, s), (h,)
+    pad = kernel.shape[-1] // 2
+    numerator = F.conv2d(exp_kv, kernel.repeat_interleave(group, dim=0).unsqueeze(1), padding=pad,
+                         groups=exp_kv.shape[1]) + exp_kv.sum(dim=(2, 3), keepdim=True) * \
+        floor.repeat_interleave(group).view(-1, 1, 1)
+    denominator = F.conv2d(exp_k, kernel.unsqueeze(1), padding=pad, groups=exp_k.shape[1]) \
+        + exp_k.sum(dim=(2, 3), keepdim=True) * floor.view(-1, 1, 1)  # (B, h, H, W)
+    return torch.sigmoid(q) * (numerator / _heads_to_channels(denominator.clamp_min(tiny), group))
 
 
 def _sums_into(tokens: torch.Tensor, kernel: torch.Tensor, floor: torch.Tensor, contiguous: bool):

@@ -17,11 +17,12 @@ from timm.models import named_apply, register_notrace_function
 from timm.models._features import feature_take_indices  # timm's own models import it from here (not re-exported)
 from timm.models.vision_transformer import init_weights_vit_timm
 
+from ..layers import layer_norm_nchw, linear_nchw
 from ..checkpoints.transfer import is_vit_state_dict, transfer_vit_weights, unwrap_state_dict
 
 _logger = logging.getLogger(__name__)
 
-__all__ = ['AFTTransformerBase', 'Block']
+__all__ = ['AFTTransformerBase', 'Block', 'norm_nchw']
 
 PAPER_ID = 'arXiv:2105.14103'
 # position parameters, kept out of weight decay like timm's position embeddings and relative position tables
@@ -96,6 +97,38 @@ class Block(nn.Module):
         tokens = tokens + self.drop_path1(self.ls1(y.flatten(1, -2)))
         tokens = tokens + self.drop_path2(self.ls2(self.mlp(self.norm2(tokens))))
         return tokens.view(shape)
+
+    def forward_nchw(self, x: torch.Tensor) -> torch.Tensor:
+        """The block on a channel-first map (B, C, H, W) of an AFT-conv model, for exported graphs: norms over the
+        channels (``norm_nchw``), linear layers as 1 x 1 convolutions, the mixer's ``forward_nchw``. A block with an
+        MLP other than timm's ``Mlp`` runs its own ``forward`` between two permutes."""
+        if not self._runs_nchw():
+            return self(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        x = x + self.drop_path1(_scale_channels(self.ls1, self.attn.forward_nchw(norm_nchw(self.norm1, x))))
+        mlp = self.mlp
+        hidden = mlp.drop1(mlp.act(linear_nchw(norm_nchw(self.norm2, x), mlp.fc1)))  # (B, hidden, H, W)
+        return x + self.drop_path2(_scale_channels(self.ls2, mlp.drop2(linear_nchw(hidden, mlp.fc2))))
+
+    @torch.jit.ignore
+    def _runs_nchw(self) -> bool:
+        mlp = self.mlp
+        return (hasattr(self.attn, 'forward_nchw') and type(mlp) is Mlp and isinstance(mlp.fc1, nn.Linear)
+                and isinstance(mlp.norm, nn.Identity) and not self.grid_aware)
+
+
+def norm_nchw(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A norm over the channels on x (B, C, H, W): a LayerNorm by reductions over dim 1 (``layer_norm_nchw``), any
+    other between two permutes."""
+    if isinstance(norm, nn.LayerNorm):
+        return layer_norm_nchw(x, norm)
+    return norm(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+def _scale_channels(layer_scale: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``layer_scale`` (timm's ``LayerScale`` or Identity) on the channels of x (B, C, H, W)."""
+    if isinstance(layer_scale, LayerScale):
+        return x * layer_scale.gamma.view(-1, 1, 1)
+    return layer_scale(x)
 
 
 class AFTTransformerBase(nn.Module):

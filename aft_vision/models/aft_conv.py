@@ -14,9 +14,10 @@ Names follow timm's ViT (``patch_embed.proj``, ``blocks.N.norm1``, ``blocks.N.at
 Model names: ``aft_conv_<size>_<kernel>[_h<heads>]`` (heads = d when no ``_h`` suffix); ``aft_conv_tiny``,
 ``aft_conv_small`` and ``aft_conv_base`` are the recommended configurations.
 """
+import contextlib
 import math
 from functools import partial
-from typing import Any, Callable, Dict, List, Optional, Tuple, Type, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Type, Union
 
 import torch
 from torch import nn
@@ -26,16 +27,20 @@ from timm.layers import PatchEmbed, LayerNorm, get_act_layer, get_norm_layer, re
 from timm.models import build_model_with_cfg, checkpoint, checkpoint_seq, generate_default_cfgs, register_model
 from timm.models._input import update_model_args, update_model_input_size  # what timm's ViT records on a resize
 
-from aft_vision.layers import AFTConv2d, AFTConv2dOneHot, resize_window_bias, scaled_kernel_size
-from ._base import PAPER_ID, AFTTransformerBase, Block, adapt_vit_checkpoint, deit_init_cfg, take_block_indices, \
-    untrained_cfg
+from aft_vision.layers import AFTConv2d, AFTConv2dOneHot, exporting, resize_window_bias, scaled_kernel_size
+from ._base import PAPER_ID, AFTTransformerBase, Block, adapt_vit_checkpoint, deit_init_cfg, norm_nchw, \
+    take_block_indices, untrained_cfg
 
-__all__ = ['AFTConvTransformer', 'forward_at_size']  # register_model adds each entry point
+# register_model adds each entry point
+__all__ = ['AFTConvTransformer', 'EXPORT_LAYOUTS', 'export_layout', 'forward_at_size']
 
 GLOBAL_POOLS = ('', 'avg', 'max', 'avgmax')
 # how the model follows an input size other than base_img_size: windows as they are, windows resampled by the size
 # ratio, or the patch resized by it so that the token grid stays (FlexiViT)
 RESIZE_MODES = ('keep', 'window', 'patch')
+# the layout of the token map in a graph recorded by a tracer or exporter (``export_layout``): token rows, as eager
+# runs, or channel-first from the patch embedding to the pooling, as OpenVINO runs convolutions (docs/deployment.md)
+EXPORT_LAYOUTS = ('NHWC', 'NCHW')
 # token mixers by name (names travel in config.json): the dense bias of Eq. 6 / 8, or Sec. 8's one-hot bias (Eq. 10)
 MIXER_LAYERS: Dict[str, Type[AFTConv2d]] = {'aft_conv': AFTConv2d, 'aft_conv_onehot': AFTConv2dOneHot}
 
@@ -111,6 +116,7 @@ class AFTConvTransformer(AFTTransformerBase):
         self._check_global_pool(global_pool)
         self._check_resize_mode(resize_mode)
         self.resize_mode = resize_mode
+        self.export_layout = 'NHWC'  # what a recorded graph takes (``export_layout``); eager always runs rows
         self.kernel_size = kernel_size
         self.base_img_size = to_2tuple(base_img_size or img_size)
         self.base_patch_size = to_2tuple(patch_size)
@@ -260,11 +266,13 @@ class AFTConvTransformer(AFTTransformerBase):
         take_indices, max_index = take_block_indices(len(self.blocks), indices)
 
         self._check_input(x)
-        x = self._embed(x)  # (B, H, W, C)
         if torch.jit.is_scripting() or not stop_early:  # can't slice blocks in torchscript
             blocks = self.blocks
         else:
             blocks = self.blocks[:max_index + 1]
+        if self._records_nchw():
+            return self._intermediates_nchw(x, len(blocks), take_indices, norm, output_fmt, intermediates_only)
+        x = self._embed(x)  # (B, H, W, C)
         for i, blk in enumerate(blocks):
             if self.grad_checkpointing and not torch.jit.is_scripting():
                 x = checkpoint(blk, x)
@@ -279,9 +287,34 @@ class AFTConvTransformer(AFTTransformerBase):
         x = self.norm(x)
         return x, intermediates
 
+    def _records_nchw(self) -> bool:
+        """True while a tracer or exporter records this model with ``export_layout == 'NCHW'``."""
+        if torch.jit.is_scripting():
+            return False
+        else:
+            return self.export_layout == 'NCHW' and exporting()
+
+    @torch.jit.unused
+    def _intermediates_nchw(self, x: torch.Tensor, num_blocks: int, take_indices: List[int], norm: bool,
+                            output_fmt: str, intermediates_only: bool):
+        """``forward_intermediates`` through the first ``num_blocks`` blocks in the channel-first layout
+        (``export_layout``): the same values; ``forward_features`` is its final output."""
+        x = self.patch_embed(x).permute(0, 3, 1, 2)  # (B, C, H, W): this permute cancels PatchEmbed's own
+        intermediates = []
+        for i, blk in enumerate(self.blocks[:num_blocks]):
+            x = blk.forward_nchw(x)
+            if i in take_indices:
+                y = norm_nchw(self.norm, x) if norm else x
+                intermediates.append(y if output_fmt == 'NCHW' else y.permute(0, 2, 3, 1))
+        if intermediates_only:
+            return intermediates
+        return norm_nchw(self.norm, x).permute(0, 2, 3, 1), intermediates
+
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, C, H, W) -> normalised token map (B, H/p, W/p, C)."""
         self._check_input(x)
+        if self._records_nchw():
+            return self._intermediates_nchw(x, len(self.blocks), [], False, 'NHWC', False)[0]
         x = self._embed(x)  # (B, H, W, C)
         if self.grad_checkpointing and not torch.jit.is_scripting():
             x = checkpoint_seq(self.blocks, x)
@@ -299,6 +332,34 @@ class AFTConvTransformer(AFTTransformerBase):
         if pool_type == 'avgmax':
             return 0.5 * (x.mean(dim=(1, 2)) + x.amax(dim=(1, 2)))
         return x
+
+
+@contextlib.contextmanager
+def export_layout(model: nn.Module, layout: str = 'NCHW') -> Iterator[nn.Module]:
+    """Within the block, every AFT-conv model in ``model`` (itself, or inside a wrapper such as a segmentation
+    model or a feature extractor) is recorded by tracers and exporters in ``layout``; eager calls are unchanged.
+
+    'NCHW' keeps the token map channel-first from the patch embedding to the pooling: linear layers as 1 x 1
+    convolutions, LayerNorm over the channel axis, q, k and v by three products, so that OpenVINO runs every block in
+    its blocked layout with no transposes (``aft_vision.deploy.convert_openvino`` converts this way). 'NHWC', the
+    default, records token rows, the eager form: what onnxruntime (whose INT8 path quantizes matrix products) and
+    TorchScript on a CPU run faster. Both give the same numbers to float32 rounding.
+
+    Example:
+        >>> with export_layout(model, 'NCHW'):
+        ...     ov_model = openvino.convert_model(model, example_input=images)
+    """
+    if layout not in EXPORT_LAYOUTS:
+        raise ValueError(f"unknown export layout {layout!r}: choose one of {', '.join(EXPORT_LAYOUTS)}")
+    models = [m for m in model.modules() if isinstance(m, AFTConvTransformer)]
+    before = [m.export_layout for m in models]
+    try:
+        for m in models:
+            m.export_layout = layout
+        yield model
+    finally:
+        for m, previous in zip(models, before):
+            m.export_layout = previous
 
 
 def forward_at_size(net: nn.Module, images: torch.Tensor) -> torch.Tensor:
