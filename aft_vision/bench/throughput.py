@@ -134,7 +134,6 @@ class _Case:
 
     def flops(self) -> int:
         """FLOPs of one inference batch, counted on one image."""
-        self.eager.eval()
         counter = FlopCounterMode(display=False)
         with torch.no_grad(), counter:
             self.eager(self.images[:1])
@@ -543,7 +542,8 @@ class _DenseCase(_Case):
     """smp's DPT (default decoder, ``decoder_readout='ignore'`` for both backbones) on a timm backbone, timed on
     (B, 3, S, S) images and (B, S, S) class maps; the figures of ``_Case``, without peak memory."""
 
-    def __init__(self, name: str, img_size: int, batch_size: int, device: torch.device, precision: str):
+    def __init__(self, name: str, img_size: int, batch_size: int, device: torch.device, precision: str,
+                 runtime: str = 'eager'):
         import segmentation_models_pytorch as smp
 
         self.name, self.label, self.device, self.precision = name, name, device, precision
@@ -554,14 +554,15 @@ class _DenseCase(_Case):
         self.labels = torch.randint(0, DENSE_CLASSES, (batch_size, img_size, img_size), device=device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-6)
         self.params = sum(p.numel() for p in self.model.parameters())
-        self.runner = None  # eager PyTorch only
+        self.runner = _deployed(self.eager, self.images, runtime, precision) if runtime in DEPLOY_PRECISIONS else None
 
 
 def dense_main(settings: BenchSettings) -> int:
     """``aft-vision bench --dense``: inference and training-step throughput and saved activations of DPT on AFT-conv
     small and on DeiT-S, round-robin at each resolution (batch 1); ``bench_dense.json`` and ``bench_dense.md``."""
-    if settings.runtime != 'eager' or settings.compile:
-        raise ValueError('--dense times eager PyTorch only: leave out --runtime and --compile')
+    if settings.runtime == 'compile' or settings.compile:
+        raise ValueError('--dense times eager PyTorch, onnxruntime or openvino: leave out --compile')
+    train = settings.runtime == 'eager' and not settings.no_train
     aft, deit = ('aft_conv_test', 'test_vit') if settings.quick else DENSE_PAIR
     given = settings.resolutions != DEFAULT_RESOLUTIONS  # not the classification default
     resolutions = [64] if settings.quick else settings.resolutions if given else DENSE_RESOLUTIONS
@@ -572,11 +573,11 @@ def dense_main(settings: BenchSettings) -> int:
     rows = []
     for res in tqdm(resolutions, desc='bench --dense', unit='res'):
         torch.manual_seed(0)
-        group = {who: _DenseCase(who, res, 1, device, settings.precision) for who in (deit, aft)}
-        times = _time_round_robin(group, True, warmup, repeats)
-        records = {who: _record(case, times, train=True, peak_memory=False) for who, case in group.items()}
+        group = {who: _DenseCase(who, res, 1, device, settings.precision, settings.runtime) for who in (deit, aft)}
+        times = _time_round_robin(group, train, warmup, repeats)
+        records = {who: _record(case, times, train=train, peak_memory=False) for who, case in group.items()}
         row = {'resolution': res, 'batch_size': 1, 'train_batch_size': 1, 'device': str(device),
-               'precision': settings.precision, 'threads': torch.get_num_threads(), 'runtime': 'eager',
+               'precision': settings.precision, 'threads': torch.get_num_threads(), 'runtime': settings.runtime,
                'network': 'smp.DPT', 'aft': records[aft], 'deit': records[deit]}
         row['ratio'] = _ratios(row['aft'], row['deit'])
         rows.append(row)
