@@ -411,6 +411,21 @@ def test_channel_first_trace_of_a_feature_extractor_matches_eager():
         ref.assert_model_agrees(g, r, e, label=f'feature map {i}')
 
 
+@pytest.mark.slow
+def test_openvino_runs_a_segmentation_model_on_aft_conv():
+    """smp's DPT on ``tu-aft_conv_test`` converted by ``convert_openvino`` (its encoder channel-first) gives the eager
+    class maps' logits, at a size other than the conversion's, to the float32 rounding bound."""
+    smp = pytest.importorskip('segmentation_models_pytorch')
+    torch.manual_seed(0)
+    net = smp.DPT('tu-aft_conv_test', encoder_weights=None, classes=3, decoder_readout='ignore').eval()
+    x = _images(1, 96, 64, 2)
+    with _quiet():
+        run = deploy.openvino_runner(deploy.convert_openvino(net, _images(1, 64, 64, 0)), 'fp32')
+    with torch.no_grad():
+        eager, exact = net(x), copy.deepcopy(net).double()(x.double())
+    ref.assert_model_agrees(torch.from_numpy(run(x.numpy())), exact, eager, label='DPT on aft_conv_test in OpenVINO')
+
+
 def _constant_folded(model):
     from openvino.passes import ConstantFolding, Manager
 

@@ -40,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--dense', action='store_true',
                         help=f'time whole segmentation networks instead: {DENSE_PAIR[0]} against {DENSE_PAIR[1]} '
                              f'(dynamic_img_size=True) in the same smp DPT, batch 1 (--resolutions, default '
-                             f'{DENSE_RESOLUTIONS}; needs aft-vision[dense])')
+                             f'{DENSE_RESOLUTIONS}; needs aft-vision[dense]); inference only with --runtime '
+                             f'openvino or onnxruntime')
     parser.add_argument('--base-img-size', type=int, default=None,
                         help='AFT-conv models with their windows given for this size and resampled for each '
                              'resolution (resize_mode=window; e.g. 224: 15x15 -> 25x25 at 384 px); default: the '

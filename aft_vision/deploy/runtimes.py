@@ -1,8 +1,9 @@
 """CPU deployment: a timm model as an ONNX file or an OpenVINO model, in float32 or INT8, and a runner for either.
 
 Every function takes the path a user takes: ``torch.onnx.export`` (the TorchScript-based exporter, as timm's
-``onnx_export``) or ``openvino.convert_model(model, example_input=x)`` on the model as built by timm; the AFT
-operators give those exporters their runtime-friendly form by themselves (``layers/depthwise_mix.py``).
+``onnx_export``) or ``openvino.convert_model(model, example_input=x)`` on the model as built by timm. ONNX gets token
+rows, the form onnxruntime's INT8 kernels want; OpenVINO gets AFT-conv channel-first
+(``models.export_layout(model, 'NCHW')``), the layout its convolutions run in (docs/deployment.md).
 
 INT8 quantizes the linear layers and the patch embedding, per output channel, with activations calibrated on the
 user's own images, and keeps AFT's window convolution in float: NNCF's transformer preset on the OpenVINO model, or

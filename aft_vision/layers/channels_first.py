@@ -32,7 +32,7 @@ def layer_norm_nchw(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
     centred = x - x.mean(dim=1, keepdim=True)
     x = centred / torch.sqrt(centred.pow(2).mean(dim=1, keepdim=True) + norm.eps)  # (B, C, H, W)
     if norm.weight is not None:
-        x = x * norm.weight.view(-1, 1, 1)
+        x = x * norm.weight.view(1, -1, 1, 1)
     if norm.bias is not None:
-        x = x + norm.bias.view(-1, 1, 1)
+        x = x + norm.bias.view(1, -1, 1, 1)
     return x

@@ -149,9 +149,9 @@ def depthwise_mix_nchw(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: tor
     pad = kernel.shape[-1] // 2
     numerator = F.conv2d(exp_kv, kernel.repeat_interleave(group, dim=0).unsqueeze(1), padding=pad,
                          groups=exp_kv.shape[1]) + exp_kv.sum(dim=(2, 3), keepdim=True) * \
-        floor.repeat_interleave(group).view(-1, 1, 1)
+        floor.repeat_interleave(group).view(1, -1, 1, 1)
     denominator = F.conv2d(exp_k, kernel.unsqueeze(1), padding=pad, groups=exp_k.shape[1]) \
-        + exp_k.sum(dim=(2, 3), keepdim=True) * floor.view(-1, 1, 1)  # (B, h, H, W)
+        + exp_k.sum(dim=(2, 3), keepdim=True) * floor.view(1, -1, 1, 1)  # (B, h, H, W)
     return torch.sigmoid(q) * (numerator / _heads_to_channels(denominator.clamp_min(tiny), group))
 
 

@@ -127,7 +127,7 @@ def norm_nchw(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def _scale_channels(layer_scale: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``layer_scale`` (timm's ``LayerScale`` or Identity) on the channels of x (B, C, H, W)."""
     if isinstance(layer_scale, LayerScale):
-        return x * layer_scale.gamma.view(-1, 1, 1)
+        return x * layer_scale.gamma.view(1, -1, 1, 1)
     return layer_scale(x)
 
 
