@@ -470,6 +470,24 @@ def test_converted_aft_conv_runs_channel_first_without_layout_changes():
             assert shape.rank.get_length() == 4, f'{op.get_friendly_name()}: {op.get_type_name()} on {shape}'
 
 
+def test_compiled_channel_first_graph_reorders_no_map():
+    """What OpenVINO's CPU plugin compiles from it (float32, one key per channel, as aft_conv_small and _tiny): no
+    Reorder or Transpose of a token map between two nodes, only of the input image and of the (B, C, 1, 1) global
+    sums (a per-channel constant broadcast from fewer dimensions once put the gate in planar NCHW with map reorders
+    around it)."""
+    model = timm.create_model('aft_conv_test', num_heads=64).eval()
+    with _quiet():
+        converted = deploy.convert_openvino(model, torch.randn(2, 3, 64, 64))
+    converted.reshape([2, 3, 64, 64])
+    runtime = ov.Core().compile_model(converted, 'CPU', {'INFERENCE_PRECISION_HINT': 'f32'}).get_runtime_model()
+    moved = [op for op in runtime.get_ops() if op.get_rt_info()['layerType'].astype(str) in ('Reorder', 'Transpose')]
+    assert moved
+    for op in moved:
+        shape = list(op.get_output_shape(0))
+        source = op.input(0).get_source_output().get_node().get_rt_info()['layerType'].astype(str)
+        assert source == 'Input' or shape[-2:] == [1, 1], f'{op.get_friendly_name()} moves a map {shape}'
+
+
 def test_plain_conversion_runs_element_wise_on_token_rows():
     """``openvino.convert_model`` without ``export_layout`` records token rows (as ONNX does): element-wise nodes on
     (B, T, n) rows with n innermost and no size-1 innermost axis (a (B, H, W, C) map is laid out as NCHW, H
