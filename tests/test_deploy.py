@@ -346,10 +346,11 @@ def test_exported_operator_keeps_the_cuda_policy_bound(op, exporter, tmp_path):
 #
 # OpenVINO runs every test model converted the way users convert (``openvino.convert_model(model, example_input=x)``),
 # saved as an IR, read back and held to the export tests' float32 rounding bound against the float64 model on fresh
-# inputs. The converted AFT-conv graph is checked for the layout its speed depends on (element-wise nodes on token rows
-# with the channels innermost, no concatenation or split of the window sums). The INT8 recipes are checked for their
-# scope in the quantized graphs NNCF and onnxruntime write (linear layers quantized, window convolutions in float), and
-# ``aft-vision export`` for what it writes, prints and refuses.
+# inputs. The converted AFT-conv graphs are checked for the layout their speed depends on: channel-first as
+# ``convert_openvino`` records it (no transpose, split or reorder of a map), token rows as a plain conversion does
+# (element-wise nodes with the channels innermost, no concatenation or split of the window sums). The INT8 recipes
+# are checked for their scope in the quantized graphs NNCF and onnxruntime write (linear layers quantized, window
+# convolutions in float), and ``aft-vision export`` for what it writes, prints and refuses.
 # ---------------------------------------------------------------------------------------------------------------------
 
 
@@ -572,6 +573,26 @@ def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp('export') / 'model.safetensors'
     save_weights(_build('aft_conv_test', 'trained').state_dict(), path)
     return path
+
+
+def test_export_and_predict_rebuild_an_aft_conv_model_for_img_size(checkpoint):
+    """``--img-size`` rebuilds an AFT-conv model for that size (its windows resampled, as ``create_model(...,
+    img_size=96)`` and the main job's other sizes do): the same logits as that model, not the 64 px windows."""
+    from aft_vision.cli.parser import build_parser
+    from aft_vision.cli.predict import model_from_args
+
+    args = build_parser().parse_args(['export', '--model', 'aft_conv_test', '--checkpoint', str(checkpoint),
+                                      '--img-size', '96', '--out', 'unused.onnx'])
+    model, _ = model_from_args(args)
+    assert model.blocks[0].attn.kernel_size == 7  # 5 x 5 given for 64 px, stretched 1.5x
+    from safetensors.torch import load_file
+    from aft_vision.models.aft_conv import checkpoint_filter_fn
+
+    built = timm.create_model('aft_conv_test', img_size=96, base_img_size=64).eval()  # the pretrained-loading route
+    built.load_state_dict(checkpoint_filter_fn(load_file(str(checkpoint)), built))
+    x = _images(2, 96, 96, 1)
+    with torch.no_grad():
+        assert torch.equal(model.eval()(x), built(x))
 
 
 @pytest.mark.parametrize('fmt,suffix', [('onnx', '.onnx'), ('openvino', '.xml')])

@@ -10,7 +10,7 @@ from timm.data import ImageNetInfo, create_transform, resolve_data_config
 from timm.utils import ParseKwargs
 
 from ..hub import load_model, warn_random_weights
-from ..models import check_pretrained
+from ..models import AFTConvTransformer, check_pretrained
 
 __all__ = ['predict', 'add_arguments', 'add_model_arguments', 'model_from_args', 'run']
 
@@ -64,8 +64,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 def model_from_args(args: argparse.Namespace) -> Tuple[torch.nn.Module, str]:
     """The model ``add_model_arguments`` names, with its weights and data config (``hub.load_model``, the one loader),
-    and which weights it holds (a checkpoint's said on stderr; random ones for ``warn_random_weights``)."""
+    and which weights it holds (a checkpoint's said on stderr; random ones for ``warn_random_weights``). An AFT-conv
+    model given ``--img-size`` is rebuilt for it (``set_input_size``: its windows follow the size as its
+    ``resize_mode`` says, as the main job evaluates other sizes)."""
     model, weights = load_model(args.model, args.checkpoint, args.pretrained, args.use_ema, args.model_kwargs)
+    if getattr(args, 'img_size', None) and isinstance(model, AFTConvTransformer):
+        model.set_input_size(args.img_size)
     if args.checkpoint:
         print(f'aft-vision: {args.checkpoint}: {weights}', file=sys.stderr)
     return model, weights
