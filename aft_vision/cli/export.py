@@ -17,7 +17,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--format', choices=FORMATS, default='onnx',
                         help='onnx (a .onnx file, onnxruntime) or openvino (an IR: .xml and .bin)')
     parser.add_argument('--out', required=True, help='the .onnx or .xml file to write')
-    parser.add_argument('--img-size', type=int, default=None, help='input size (default: the model\'s data config)')
+    parser.add_argument('--img-size', type=int, default=None,
+                        help='input size (default: the model\'s data config); an AFT-conv model is rebuilt for '
+                             'it, its windows following its resize_mode')
     parser.add_argument('--int8', action='store_true', help='quantize: needs --calibration')
     parser.add_argument('--calibration', default=None, metavar='DIR',
                         help='INT8: a folder of images (20%% held out to check against), or "digits" (the main '

@@ -78,7 +78,9 @@ def model_from_args(args: argparse.Namespace) -> Tuple[torch.nn.Module, str]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('images', nargs='+', help='image files')
     add_model_arguments(parser)
-    parser.add_argument('--img-size', type=int, default=None, help='crop size (default: the model\'s data config)')
+    parser.add_argument('--img-size', type=int, default=None,
+                        help='crop size (default: the model\'s data config); an AFT-conv model is rebuilt for '
+                             'it, its windows following its resize_mode')
     parser.add_argument('--topk', type=int, default=5)
 
 
