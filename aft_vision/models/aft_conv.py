@@ -295,8 +295,20 @@ class AFTConvTransformer(AFTTransformerBase):
             return self.export_layout == 'NCHW' and exporting()
 
     @torch.jit.unused
-    def _intermediates_nchw(self, x: torch.Tensor, num_blocks: int, take_indices: List[int], norm: bool,
-                            output_fmt: str, intermediates_only: bool):
+    def _features_nchw(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward_features`` in the channel-first layout (``export_layout``)."""
+        return self._intermediates_nchw(x, len(self.blocks), [], False, 'NHWC', False)[0]
+
+    @torch.jit.unused
+    def _intermediates_nchw(
+            self,
+            x: torch.Tensor,
+            num_blocks: int,
+            take_indices: List[int],
+            norm: bool,
+            output_fmt: str,
+            intermediates_only: bool,
+    ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
         """``forward_intermediates`` through the first ``num_blocks`` blocks in the channel-first layout
         (``export_layout``): the same values; ``forward_features`` is its final output."""
         x = self.patch_embed(x).permute(0, 3, 1, 2)  # (B, C, H, W): this permute cancels PatchEmbed's own
@@ -314,7 +326,7 @@ class AFTConvTransformer(AFTTransformerBase):
         """Images (B, C, H, W) -> normalised token map (B, H/p, W/p, C)."""
         self._check_input(x)
         if self._records_nchw():
-            return self._intermediates_nchw(x, len(self.blocks), [], False, 'NHWC', False)[0]
+            return self._features_nchw(x)
         x = self._embed(x)  # (B, H, W, C)
         if self.grad_checkpointing and not torch.jit.is_scripting():
             x = checkpoint_seq(self.blocks, x)
