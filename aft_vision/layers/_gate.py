@@ -9,14 +9,17 @@ from ._write import write_into
 __all__ = ['gate', 'gate_inplace', 'gate_backward', 'per_channel']
 
 
-def per_channel(x: torch.Tensor, group: int) -> torch.Tensor:
-    """A per-head tensor (..., h) repeated to its value channels (..., h * group), channel c from head c // group:
-    x itself for one channel per head. Exported graphs take this form (same values as broadcasting a (..., h, 1)
-    view): runtimes vectorise element-wise nodes along the innermost axis, and a size-1 innermost axis ran them
-    element by element (OpenVINO's CPU plugin: 10x slower)."""
+def per_channel(x: torch.Tensor, group: int, dim: int = -1) -> torch.Tensor:
+    """A per-head tensor with h heads on axis ``dim`` ((..., h) by default, (B, h, H, W) with ``dim=1``) repeated to
+    its value channels (h * group on that axis), channel c from head c // group: x itself for one channel per head.
+    Exported graphs take this form (same values as broadcasting a (..., h, 1) view): runtimes vectorise element-wise
+    nodes along the innermost axis, and a size-1 innermost axis ran them element by element (OpenVINO's CPU plugin:
+    10x slower). Sizes other than ``group`` stay -1 in the expand, so traced graphs keep their dynamic axes."""
     if group == 1:
         return x
-    return x.unsqueeze(-1).expand([-1] * x.dim() + [group]).flatten(-2)
+    dim = dim % x.dim()
+    sizes = [-1] * (dim + 1) + [group] + [-1] * (x.dim() - dim - 1)
+    return x.unsqueeze(dim + 1).expand(sizes).flatten(dim, dim + 1)
 
 
 def gate(q: torch.Tensor, numerator: torch.Tensor, denominator: torch.Tensor, tiny: float = TINY) -> torch.Tensor:

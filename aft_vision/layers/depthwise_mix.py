@@ -128,14 +128,6 @@ def depthwise_sums(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, height: in
     return numerator, denominator, scale.detach()
 
 
-def _heads_to_channels(x: torch.Tensor, group: int) -> torch.Tensor:
-    """A per-head map (B, h, H, W) repeated to its value channels (B, h * group, H, W), channel c from head
-    c // group."""
-    if group == 1:
-        return x
-    return x.unsqueeze(2).expand(-1, -1, group, -1, -1).flatten(1, 2)
-
-
 def depthwise_mix_nchw(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor,
                        tiny: float = TINY) -> torch.Tensor:
     """``sigmoid(q) * N / D`` on channel-first maps q, v (B, C, H, W), k (B, h, H, W) in plain autograd, the sums by
@@ -144,15 +136,15 @@ def depthwise_mix_nchw(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: tor
     floors it; the graph cannot repair cancelled entries (the 'cuda' policy's bound, as every exported form)."""
     group = int(v.shape[1]) // int(k.shape[1])  # a constant of the graph: the kernel's shape must be known
     exp_k = torch.exp(k - k.amax(dim=(2, 3), keepdim=True).detach())  # (B, h, H, W), max 1 per image and head
-    exp_kv = _heads_to_channels(exp_k, group) * v  # (B, C, H, W)
+    exp_kv = per_channel(exp_k, group, dim=1) * v  # (B, C, H, W)
     kernel, floor, _ = _head_kernel(w)  # (h, s, s), (h,)
     pad = kernel.shape[-1] // 2
     numerator = F.conv2d(exp_kv, kernel.repeat_interleave(group, dim=0).unsqueeze(1), padding=pad,
                          groups=exp_kv.shape[1]) + exp_kv.sum(dim=(2, 3), keepdim=True) * \
-        floor.repeat_interleave(group).view(1, -1, 1, 1)
+        per_channel(floor, group).view(1, -1, 1, 1)
     denominator = F.conv2d(exp_k, kernel.unsqueeze(1), padding=pad, groups=exp_k.shape[1]) \
         + exp_k.sum(dim=(2, 3), keepdim=True) * floor.view(1, -1, 1, 1)  # (B, h, H, W)
-    return torch.sigmoid(q) * (numerator / _heads_to_channels(denominator.clamp_min(tiny), group))
+    return torch.sigmoid(q) * (numerator / per_channel(denominator.clamp_min(tiny), group, dim=1))
 
 
 def _sums_into(tokens: torch.Tensor, kernel: torch.Tensor, floor: torch.Tensor, contiguous: bool):

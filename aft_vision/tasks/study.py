@@ -429,10 +429,11 @@ def render_markdown(summary: Dict) -> str:
         lines.append('')
     if 'resolution' in tables:
         sizes = [str(size) for size in settings['eval_img_sizes']]
+        batches = size_scaled_batches(settings['batch_size'], settings['img_size'], settings['train_img_sizes'])
         lines += ['## Resolution: one set of weights at every size', '',
                   f'Patch kept at every size (the token grid grows). Training at several sizes: one of '
                   f'{_sizes_text(settings["train_img_sizes"])} px per step, batches of '
-                  f'{_sizes_text(size_scaled_batches(settings["batch_size"], size, settings["train_img_sizes"]))} '
+                  f'{_sizes_text(batches)} '
                   'images (inversely proportional to the side). Following the size: the position '
                   'parameters resampled (resample), AFT-conv\'s windows kept (keep), resampled by the size ratio '
                   '(window) or its patch resized so that the token grid stays (patch).', '',
