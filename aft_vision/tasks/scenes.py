@@ -6,6 +6,8 @@ from typing import Dict, List, NamedTuple, Tuple
 import torch
 import torch.nn.functional as F
 
+from .training import split_digits
+
 __all__ = ['Scenes', 'NUM_CLASSES', 'digit_split', 'make_scenes']
 
 NUM_CLASSES = 11  # background and the ten digits
@@ -21,22 +23,13 @@ class Scenes(NamedTuple):
 
 
 def digit_split(val_fraction: float = 0.2, seed: int = 0) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
-    """scikit-learn's 1797 digits as (images (n, 8, 8) in [0, 1], targets (n,)), split per class into 'train' and
-    'val' (``val_fraction`` of each class, by a seeded permutation)."""
+    """scikit-learn's digits as (images (n, 8, 8) in [0, 1], targets (n,)) per split of ``split_digits``."""
     from sklearn.datasets import load_digits
 
     data = load_digits()
     images = torch.tensor(data.images, dtype=torch.float32) / 16  # (n, 8, 8), values 0..16
     targets = torch.tensor(data.target)
-    gen = torch.Generator().manual_seed(seed)
-    chosen = {'train': [], 'val': []}
-    for label in range(10):
-        indices = torch.nonzero(targets == label).flatten()
-        indices = indices[torch.randperm(len(indices), generator=gen)]
-        num_val = round(len(indices) * val_fraction)
-        chosen['val'].append(indices[:num_val])
-        chosen['train'].append(indices[num_val:])
-    return {split: (images[torch.cat(idx)], targets[torch.cat(idx)]) for split, idx in chosen.items()}
+    return {split: (images[idx], targets[idx]) for split, idx in split_digits(targets, val_fraction, seed).items()}
 
 
 def make_scenes(

@@ -22,30 +22,38 @@ from ..hub import load_model
 from ..models.aft_conv import AFTConvTransformer, checkpoint_filter_fn as aft_conv_filter, forward_at_size
 from .regularizers import position_bias_entropy
 
-__all__ = ['write_digits', 'eval_data_config', 'evaluate', 'size_scaled_batches', 'train_loader',
+__all__ = ['split_digits', 'write_digits', 'eval_data_config', 'evaluate', 'size_scaled_batches', 'train_loader',
            'load_initial_weights', 'train', 'state_digest']
 
 
+def split_digits(targets: torch.Tensor, val_fraction: float = 0.2, seed: int = 0) -> Dict[str, torch.Tensor]:
+    """The digits' stratified split: per class a seeded ``val_fraction`` of the indices in 'val', the rest 'train'."""
+    gen = torch.Generator().manual_seed(seed)
+    chosen = {'train': [], 'val': []}
+    for label in range(10):
+        indices = torch.nonzero(targets == label).flatten()
+        indices = indices[torch.randperm(len(indices), generator=gen)]
+        num_val = round(len(indices) * val_fraction)
+        chosen['val'].append(indices[:num_val])
+        chosen['train'].append(indices[num_val:])
+    return {split: torch.cat(indices) for split, indices in chosen.items()}
+
+
 def write_digits(root: Path, size: int = 32, val_fraction: float = 0.2, seed: int = 0) -> Path:
-    """Write scikit-learn's 1797 digits once as an ImageFolder (``train/``, ``val/``), stratified, as RGB PNGs."""
+    """Write scikit-learn's 1797 digits once as an ImageFolder (``train/``, ``val/``, ``split_digits``), RGB PNGs."""
     if (root / 'train').is_dir() and (root / 'val').is_dir():
         return root
     from PIL import Image
     from sklearn.datasets import load_digits
 
     data = load_digits()
-    gen = torch.Generator().manual_seed(seed)
     staging = root.with_name(f'.{root.name}.tmp')
-    for label in range(10):
-        indices = torch.nonzero(torch.tensor(data.target) == label).flatten()
-        indices = indices[torch.randperm(len(indices), generator=gen)]
-        num_val = round(len(indices) * val_fraction)
-        for split, chosen in (('val', indices[:num_val]), ('train', indices[num_val:])):
-            folder = staging / split / str(label)
+    for split, indices in split_digits(torch.tensor(data.target), val_fraction, seed).items():
+        for i in indices.tolist():
+            folder = staging / split / str(data.target[i])
             folder.mkdir(parents=True, exist_ok=True)
-            for i in chosen.tolist():
-                pixels = (data.images[i] * (255 / 16)).astype('uint8')  # 8 x 8, values 0..16
-                Image.fromarray(pixels).resize((size, size), Image.BICUBIC).convert('RGB').save(folder / f'{i}.png')
+            pixels = (data.images[i] * (255 / 16)).astype('uint8')  # 8 x 8, values 0..16
+            Image.fromarray(pixels).resize((size, size), Image.BICUBIC).convert('RGB').save(folder / f'{i}.png')
     root.parent.mkdir(parents=True, exist_ok=True)
     os.replace(staging, root)
     return root
