@@ -133,26 +133,12 @@ def load_initial_weights(model: torch.nn.Module, weights: Mapping[str, torch.Ten
     return None
 
 
-def train(
-        data_dir: Path,
-        model_name: str,
-        epochs: int,
-        img_size: int,
-        batch_size: int,
-        lr: float,
-        seed: int,
-        sparsity_weight: float = 0.0,
-        model_kwargs: Optional[Dict] = None,
-        pretrained: bool = False,
-        device: torch.device = torch.device('cpu'),
-        rank: int = 0,
-        world_size: int = 1,
-        init_weights: Optional[Mapping[str, torch.Tensor]] = None,
-        log: Callable[[str], None] = print,
-        train_img_sizes: Optional[Sequence[int]] = None,
-        train_batch_sizes: Optional[Sequence[int]] = None,
-        size_schedule: str = 'constant',
-) -> Tuple[torch.nn.Module, List[Dict], List[str]]:
+def train(data_dir: Path, model_name: str, epochs: int, img_size: int, batch_size: int, lr: float, seed: int,
+          sparsity_weight: float = 0.0, model_kwargs: Optional[Dict] = None, pretrained: bool = False,
+          device: torch.device = torch.device('cpu'), rank: int = 0, world_size: int = 1,
+          init_weights: Optional[Mapping[str, torch.Tensor]] = None, log: Callable[[str], None] = print,
+          train_img_sizes: Optional[Sequence[int]] = None, train_batch_sizes: Optional[Sequence[int]] = None,
+          size_schedule: str = 'constant') -> Tuple[torch.nn.Module, List[Dict], List[str]]:
     """Train ``model_name`` (built by ``hub.load_model``) with AdamW, a cosine schedule and label smoothing.
 
     Under torchrun (``world_size`` > 1) DDP trains a shard per rank; rank 0 alone evaluates and logs.

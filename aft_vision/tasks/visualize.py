@@ -251,15 +251,9 @@ def _bias_norm(limit: float, log_scale: bool):
     return Normalize(vmin=-limit, vmax=limit)
 
 
-def plot_position_bias(
-        maps: np.ndarray,
-        path: PathLike,
-        title: Optional[str] = None,
-        query: Optional[Tuple[int, int]] = None,
-        log_scale: bool = False,
-        force: bool = False,
-        dpi: int = 110,
-) -> Path:
+def plot_position_bias(maps: np.ndarray, path: PathLike, title: Optional[str] = None,
+                       query: Optional[Tuple[int, int]] = None, log_scale: bool = False, force: bool = False,
+                       dpi: int = 110) -> Path:
     """Draw position-bias maps into the .png ``path`` (refused if it exists unless ``force``); returns it.
 
     (layers, heads, s, s) maps: layers as rows, heads as columns, one colour scale per layer centred on 0 (symmetric
@@ -308,15 +302,8 @@ def plot_position_bias(
     return path
 
 
-def plot_key_maps(
-        keys: np.ndarray,
-        path: PathLike,
-        image: Optional[np.ndarray] = None,
-        title: Optional[str] = None,
-        map_label: str = 'head',
-        force: bool = False,
-        dpi: int = 110,
-) -> Path:
+def plot_key_maps(keys: np.ndarray, path: PathLike, image: Optional[np.ndarray] = None, title: Optional[str] = None,
+                  map_label: str = 'head', force: bool = False, dpi: int = 110) -> Path:
     """Draw (layers, maps, H, W) key maps, layers as rows and ``map_label`` columns, one colour scale per layer, under
     ``image`` (H, W, 3) if given, into the .png ``path`` (refused if it exists unless ``force``); returns it."""
     from matplotlib.colors import Normalize
