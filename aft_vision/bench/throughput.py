@@ -1,20 +1,8 @@
-"""``aft-vision bench``: AFT models against their DeiT counterparts, at every resolution, in one interleaved run.
+"""``aft-vision bench``: AFT models against their DeiT counterparts at every resolution, in one interleaved run.
 
-For each resolution, the AFT models that share a DeiT baseline (timm's ``deit_*_patch16_224`` built at that size, with
-timm's fused attention, or the one ``--pairs`` names) are timed round-robin with it after warm-up; the median of the
-repetitions is reported, so slow drifts of the machine hit all alike. ``--batch-at`` sets other batch sizes at a
-resolution (e.g. fewer images for the training step at 768 px); ``--readme`` is the run behind
-``docs/performance.md``. Figures: inference and training-step throughput (forward + backward + AdamW
-step), peak memory (process RSS growth over a first call in a fresh process on CPU, ``max_memory_allocated`` on
-CUDA), the bytes autograd saves for the backward pass (parameters excluded, each storage once), parameters, GMACs
-(torch's flop counter on one image) and achieved GFLOP/s, and each AFT / DeiT ratio; the plot draws the ratios against
-resolution. ``--runtime`` picks what runs both models: eager PyTorch (default), ``compile``
-(``torch.compile(model, fullgraph=True)``, also ``--compile``), ``onnxruntime`` (each model exported by the
-TorchScript-based ONNX exporter at opset 18, as timm's ``onnx_export`` does, then run by onnxruntime's CPU provider
-with its default graph optimisations and torch's thread count) or ``openvino`` (``openvino.convert_model`` on the
-model, compiled for the CPU with torch's thread count); the two deployment runtimes time inference only, in float32,
-bfloat16 (OpenVINO's precision hint) or INT8 (both models quantized by ``aft_vision.deploy``'s recipe, calibrated on two
-batches of random images). ``--ops`` times the AFT-conv methods per layer instead (``ops.py``).
+At each resolution the AFT models that share a baseline are timed round-robin with it after warm-up (the median
+reported), in eager PyTorch, ``torch.compile``, onnxruntime or OpenVINO; ``--dense`` times whole DPT networks,
+``--ops`` the AFT-conv methods per layer (``ops.py``). docs/performance.md lists the figures and options.
 """
 import contextlib
 import dataclasses
@@ -24,7 +12,6 @@ import multiprocessing
 import os
 import shutil
 import statistics
-import threading
 import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
@@ -53,33 +40,10 @@ README_RUN = dict(models=DEFAULT_MODELS, resolutions=[224, 384, 768],
                   batch_at=['768=8,2', '1024=2,2'])
 
 
-class _RssPeak:
-    """Samples the process RSS every millisecond in a thread; ``peak`` is the growth over the start, in bytes."""
-
-    def __init__(self):
-        self.peak = 0
-        self._stop = threading.Event()
-        self._page = os.sysconf('SC_PAGE_SIZE')
-
-    def _rss(self) -> int:
-        with open('/proc/self/statm') as handle:
-            return int(handle.read().split()[1]) * self._page
-
-    def __enter__(self):
-        self._start = self._rss()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self._rss() - self._start)
-            time.sleep(0.001)
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self._rss() - self._start)
+def _memory(field: str) -> int:
+    """``VmRSS`` (now) or ``VmHWM`` (the peak since the last reset) of this process, in bytes."""
+    with open('/proc/self/status') as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith(field + ':'))
 
 
 def _autocast(device: torch.device, precision: str):
@@ -94,25 +58,17 @@ def _sync(device: torch.device):
 
 
 class _Case:
-    """One model at one resolution: its inference and training-step closures."""
+    """One model on one batch: its inference and training-step closures and their measurements."""
 
-    def __init__(self, name: str, img_size: int, batch_size: int, device: torch.device, precision: str,
-                 runtime: str = 'eager', train_batch_size: Optional[int] = None, base_img_size: Optional[int] = None):
-        self.name, self.device, self.precision = name, device, precision
-        self.eager = timm.create_model(name, img_size=img_size, num_classes=1000).to(device)
-        self.label = name
-        if base_img_size and isinstance(self.eager, AFTConvTransformer):  # its windows resampled for img_size
-            self.eager = timm.create_model(name, img_size=img_size, base_img_size=base_img_size, resize_mode='window',
-                                           num_classes=1000).to(device)
-            window = self.eager.blocks[0].attn.kernel_size
-            self.label = f'{name} ({window}x{window} window)'
+    def __init__(self, name: str, model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor,
+                 device: torch.device, precision: str, runtime: str = 'eager',
+                 train_images: Optional[torch.Tensor] = None, label: Optional[str] = None):
+        self.name, self.label, self.device, self.precision = name, label or name, device, precision
+        self.eager = model.to(device)
         self.model = torch.compile(self.eager, fullgraph=True) if runtime == 'compile' else self.eager
-        self.images = torch.randn(batch_size, 3, img_size, img_size, device=device)
+        self.images, self.labels = images, labels
+        self.train_images = images if train_images is None else train_images
         self.runner = _deployed(self.eager, self.images, runtime, precision) if runtime in DEPLOY_PRECISIONS else None
-        train_batch_size = train_batch_size or batch_size
-        self.train_images = self.images if train_batch_size == batch_size else \
-            torch.randn(train_batch_size, 3, img_size, img_size, device=device)
-        self.labels = torch.randint(0, 1000, (self.train_images.shape[0],), device=device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-6)
         self.params = sum(p.numel() for p in self.model.parameters())
 
@@ -140,8 +96,7 @@ class _Case:
         return counter.get_total_flops() * self.images.shape[0]
 
     def saved_bytes(self) -> int:
-        """Bytes autograd saves for the backward pass over one training forward (parameters excluded): each storage
-        counted once, however many saved views share it. Measured on the eager model."""
+        """Bytes autograd saves for the backward of one training forward, each storage once, parameters left out."""
         self.eager.train()
         params = {p.untyped_storage().data_ptr() for p in self.eager.parameters()}
         storages = {}
@@ -165,11 +120,8 @@ class _Case:
         return time.perf_counter() - start
 
     def peak_memory(self, method: str) -> int:
-        """Peak memory of one call of ``method`` ('infer' or 'train_step'), in bytes.
-
-        CUDA: ``max_memory_allocated`` over the call. CPU: the allocator keeps freed memory, so RSS growth is only
-        meaningful in a process that has not run the model yet: the call runs once in a fresh spawned process.
-        """
+        """Peak memory of one call of ``method`` in bytes: CUDA's ``max_memory_allocated``; on CPU the peak RSS growth
+        in a fresh process (the allocator keeps what a process has freed)."""
         if self.device.type == 'cuda':
             gc.collect()
             torch.cuda.empty_cache()
@@ -184,9 +136,26 @@ class _Case:
             return pool.apply(_fresh_process_rss_peak, args)
 
 
+def _classifier(name: str, img_size: int, batch_size: int, device: torch.device, precision: str,
+                runtime: str = 'eager', train_batch_size: Optional[int] = None,
+                base_img_size: Optional[int] = None) -> _Case:
+    """``name`` built at ``img_size`` with 1000 classes (AFT-conv's windows resampled from ``base_img_size``), on
+    random images and labels."""
+    model, label = timm.create_model(name, img_size=img_size, num_classes=1000), name
+    if base_img_size and isinstance(model, AFTConvTransformer):  # its windows resampled for img_size
+        model = timm.create_model(name, img_size=img_size, base_img_size=base_img_size, resize_mode='window',
+                                  num_classes=1000)
+        label = f'{name} ({model.blocks[0].attn.kernel_size}x{model.blocks[0].attn.kernel_size} window)'
+    images = torch.randn(batch_size, 3, img_size, img_size, device=device)
+    train_images = None if (train_batch_size or batch_size) == batch_size else \
+        torch.randn(train_batch_size, 3, img_size, img_size, device=device)
+    labels = torch.randint(0, 1000, ((train_batch_size or batch_size),), device=device)
+    return _Case(name, model, images, labels, device, precision, runtime, train_images, label)
+
+
 def _deployed(model: torch.nn.Module, images: torch.Tensor, runtime: str, precision: str):
-    """``model`` in ``runtime`` ('onnxruntime' or 'openvino') at ``precision``, as ``aft_vision.deploy`` writes it for
-    users: a function of an image batch. INT8 is calibrated on ``images`` and one more batch of random images."""
+    """``model`` in ``runtime`` at ``precision`` as ``aft_vision.deploy`` writes it, a function of an image batch (INT8
+    calibrated on ``images`` and a batch of random images)."""
     from .. import deploy
 
     batches = [images.numpy(), torch.randn_like(images).numpy()] if precision == 'int8' else []
@@ -207,15 +176,17 @@ def _deployed(model: torch.nn.Module, images: torch.Tensor, runtime: str, precis
 
 def _fresh_process_rss_peak(name: str, img_size: int, batch_size: int, precision: str, method: str,
                             threads: int) -> int:
-    """RSS growth over the first call of ``method`` of a freshly built model (runs in a spawned process)."""
+    """Peak RSS growth over the first call of ``method`` of a freshly built model (in a spawned process)."""
     import aft_vision.models  # noqa: F401  (registers the models in the spawned process)
 
     torch.set_num_threads(threads)
-    case = _Case(name, img_size, batch_size, torch.device('cpu'), precision)
+    case = _classifier(name, img_size, batch_size, torch.device('cpu'), precision)
     gc.collect()
-    with _RssPeak() as rss:
-        getattr(case, method)()
-    return rss.peak
+    with open('/proc/self/clear_refs', 'w') as refs:
+        refs.write('5')  # Linux: the peak (VmHWM) reset to the current RSS
+    start = _memory('VmRSS')
+    getattr(case, method)()
+    return _memory('VmHWM') - start
 
 
 def _baseline_for(model_name: str) -> str:
@@ -263,71 +234,64 @@ def _groups(cases: List[Tuple[str, str, int]]) -> Dict[Tuple[int, str], List[str
     return groups
 
 
-def run_benchmark(
-        models: List[str],
-        resolutions: List[int],
-        batch_size: int = 8,
-        repeats: int = 5,
-        warmup: int = 2,
-        device: str = 'cpu',
-        precision: str = 'fp32',
-        train: bool = True,
-        baselines: Optional[Dict[str, str]] = None,
-        runtime: str = 'eager',
-        pairs: Optional[List[Tuple[str, str, List[int]]]] = None,
-        batch_at: Optional[Dict[int, Tuple[int, int]]] = None,
-        peak_memory: bool = True,
-        base_img_size: Optional[int] = None,
-) -> List[Dict]:
-    """Measure every model and its DeiT baseline at every resolution; one result row per (model, resolution).
-
-    Args:
-        models: AFT models, each measured at every one of ``resolutions`` against its baseline.
-        resolutions: Image sizes (px).
-        batch_size: Images per call (both figures), unless ``batch_at`` names the resolution.
-        repeats: Timed calls per figure and model (median), round-robin over a baseline and its AFT models.
-        warmup: Untimed calls per figure and model first.
-        device: Torch device.
-        precision: 'fp32', the autocast dtype 'bf16' / 'fp16', or 'int8' (deployment runtimes).
-        train: Also time the training step (forward + backward + AdamW) and count its saved bytes.
-        baselines: Model -> baseline (default: the DeiT of the model's width).
-        runtime: 'eager', 'compile' (``torch.compile(model, fullgraph=True)``), 'onnxruntime' or 'openvino'
-            (inference on the CPU in ``DEPLOY_PRECISIONS[runtime]``: ``train`` and ``peak_memory`` must be off).
-        pairs: Extra (model, baseline, resolutions) cases.
-        batch_at: Resolution -> (inference batch, training batch).
-        peak_memory: Measure peak memory (a fresh process per model and figure on CPU).
-        base_img_size: AFT-conv models with their windows given for this size, resampled for each resolution
-            (``resize_mode='window'``); None: the windows as registered.
-    """
-    device = torch.device(device)
+def _check_runtime(runtime: str, precision: str, device: str, train: bool, peak_memory: bool) -> None:
     if runtime not in RUNTIMES:
-        raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
+        raise ValueError(f"--runtime: choose one of {', '.join(RUNTIMES)}, got {runtime!r}")
     if runtime in DEPLOY_PRECISIONS and (train or peak_memory or precision not in DEPLOY_PRECISIONS[runtime]
-                                         or device.type != 'cpu'):
-        raise ValueError(f"the {runtime} runtime times inference on the CPU in "
+                                         or torch.device(device).type != 'cpu'):
+        raise ValueError(f"--runtime {runtime} times inference on the CPU in --precision "
                          f"{' or '.join(DEPLOY_PRECISIONS[runtime])}: no training step, no peak memory")
     if runtime not in DEPLOY_PRECISIONS and precision == 'int8':
-        raise ValueError("int8 is a precision of the deployment runtimes: --runtime onnxruntime or openvino")
+        raise ValueError('int8 is a precision of the deployment runtimes: --runtime onnxruntime or openvino')
+
+
+def run_benchmark(models: List[str], resolutions: List[int], batch_size: int = 8, repeats: int = 5, warmup: int = 2,
+                  device: str = 'cpu', precision: str = 'fp32', train: bool = True,
+                  baselines: Optional[Dict[str, str]] = None, runtime: str = 'eager',
+                  pairs: Optional[List[Tuple[str, str, List[int]]]] = None,
+                  batch_at: Optional[Dict[int, Tuple[int, int]]] = None, peak_memory: bool = True,
+                  base_img_size: Optional[int] = None) -> List[Dict]:
+    """Measure every model against its baseline at every resolution; one row per (model, resolution).
+
+    Args:
+        repeats: Timed calls per figure and model (median), round-robin over a baseline and its AFT models.
+        precision: 'fp32', the autocast dtype 'bf16' / 'fp16', or 'int8' (deployment runtimes).
+        train: Also time the training step (forward + backward + AdamW) and count its saved bytes.
+        baselines: Model -> baseline (default: the DeiT of the model's width, ``BASELINES``).
+        runtime: One of ``RUNTIMES``; the deployment runtimes time inference on the CPU only.
+        pairs: Extra (model, baseline, resolutions) cases; ``batch_at``: resolution -> (inference, training batch).
+        base_img_size: AFT-conv's windows given for this size, resampled for each resolution (None: as registered).
+    """
+    _check_runtime(runtime, precision, device, train, peak_memory)
+    device = torch.device(device)
     baselines = baselines or {name: _baseline_for(name) for name in models}
     cases = [(name, baselines[name], res) for res in resolutions for name in models]
     cases += [(name, baseline, res) for name, baseline, res_list in pairs or [] for res in res_list]
-    batch_at = batch_at or {}
+    batches = {res: (batch_at or {}).get(res, (batch_size, batch_size)) for _, _, res in cases}
+
+    def build(name: str, res: int) -> _Case:
+        return _classifier(name, res, batches[res][0], device, precision, runtime, batches[res][1], base_img_size)
+
+    def fields(res: int) -> Dict:
+        return {'resolution': res, 'batch_size': batches[res][0], 'train_batch_size': batches[res][1],
+                'device': str(device), 'precision': precision, 'threads': torch.get_num_threads(), 'runtime': runtime}
+    return _measure(_groups(cases), build, fields, train, warmup, repeats, peak_memory)
+
+
+def _measure(groups: Dict[Tuple[int, str], List[str]], build: Callable, fields: Callable, train: bool, warmup: int,
+             repeats: int, peak_memory: bool) -> List[Dict]:
+    """Build each group (``build(model, res)``), time it round-robin and record it: a row per AFT model, ``fields(res)``
+    followed by its figures, its baseline's and their ratios."""
     rows = []
-    groups = _groups(cases)
     bar = tqdm(total=sum(len(names) for names in groups.values()), desc='bench', unit='pair')
     for (res, baseline), names in groups.items():
-        infer_batch, train_batch = batch_at.get(res, (batch_size, batch_size))
         bar.set_postfix_str(f'{res} px: {", ".join(names)} vs {baseline}')
-        group = {who: _Case(who, res, infer_batch, device, precision, runtime, train_batch, base_img_size)
-                 for who in [baseline, *names]}
+        group = {who: build(who, res) for who in [baseline, *names]}
         times = _time_round_robin(group, train, warmup, repeats)
         records = {who: _record(case, times, train, peak_memory) for who, case in group.items()}
         for name in names:
-            row = {'resolution': res, 'batch_size': infer_batch, 'train_batch_size': train_batch,
-                   'device': str(device), 'precision': precision, 'threads': torch.get_num_threads(),
-                   'runtime': runtime, 'aft': records[name], 'deit': records[baseline]}
-            row['ratio'] = _ratios(row['aft'], row['deit'])
-            rows.append(row)
+            rows.append(dict(fields(res), aft=records[name], deit=records[baseline],
+                             ratio=_ratios(records[name], records[baseline])))
             bar.update()
         del group
         gc.collect()
@@ -336,8 +300,8 @@ def run_benchmark(
 
 
 def _time_round_robin(group: Dict[str, _Case], train: bool, warmup: int, repeats: int) -> Dict:
-    """{(model, 'infer' | 'train'): seconds per call}: each figure warmed up, then timed round-robin over the group
-    (baseline, AFT 1, AFT 2, baseline, ...), so slow drifts of the machine hit all alike."""
+    """{(model, 'infer' | 'train'): seconds per call}, each figure warmed up, then timed round-robin over the group
+    (baseline, AFT 1, AFT 2, baseline, ...)."""
     tasks = {'infer': 'infer', 'train': 'train_step'} if train else {'infer': 'infer'}
     times = {(who, task): [] for who in group for task in tasks}
     for task, method in tasks.items():
@@ -373,7 +337,7 @@ def _record(case: _Case, times: Dict, train: bool, peak_memory: bool) -> Dict:
 
 
 def _figure(record: Dict, key: str, fmt: str, suffix: str = '') -> str:
-    """A formatted figure, or '-' where it was not measured (e.g. training figures under --no-train)."""
+    """A formatted figure, or '-' where it was not measured (e.g. under --no-train)."""
     value = record.get(key)
     return '-' if value is None else f'{value:{fmt}}{suffix}'
 
@@ -500,10 +464,8 @@ def main(settings: BenchSettings) -> int:
     if settings.compile and settings.runtime not in ('eager', 'compile'):
         raise ValueError(f'--compile contradicts --runtime {settings.runtime}')
     runtime = 'compile' if settings.compile else settings.runtime
+    _check_runtime(runtime, settings.precision, settings.device, False, False)
     if runtime in DEPLOY_PRECISIONS:
-        if settings.precision not in DEPLOY_PRECISIONS[runtime] or settings.device != 'cpu':
-            raise ValueError(f'--runtime {runtime} times the CPU in --precision '
-                             f"{' or '.join(DEPLOY_PRECISIONS[runtime])}: use --device cpu and one of those")
         settings.no_train, settings.no_peak_memory = True, True
     torch.manual_seed(0)
     if settings.dense:
@@ -515,51 +477,48 @@ def main(settings: BenchSettings) -> int:
                          settings.precision, train=not settings.no_train, baselines=baselines, runtime=runtime,
                          pairs=pairs, batch_at=batch_at, peak_memory=not settings.no_peak_memory,
                          base_img_size=settings.base_img_size)
-    out = Path(settings.out_dir)
     table = markdown_table(rows) + '\n\nAFT against its baseline (the README table):\n\n' + summary_table(rows)
-    with atomic_dir(out, force=True) as staging:  # the earlier files of those names replaced, nothing else
-        (staging / 'bench.json').write_text(json.dumps({'command': dataclasses.asdict(settings), 'rows': rows},
-                                                       indent=2))
-        (staging / 'bench.md').write_text(table + '\n')
-        try:
-            plot(rows, staging / 'bench.png')
-        except ImportError:
-            print('matplotlib is not installed (pip install aft-vision[demo]): no plot written')
-    print(table)
-    print(f'wrote {out}/bench.json, bench.md, bench.png')
+    _write(settings, 'bench', rows, table, plot_rows=True)
     return 0
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# --dense: the whole DPT segmentation network on AFT-conv against the same network on DeiT
+def _write(settings: BenchSettings, stem: str, rows: List[Dict], table: str, plot_rows: bool = False) -> None:
+    """``<stem>.json`` (the settings and rows), ``<stem>.md`` (the table) and the plot, replacing earlier ones."""
+    out = Path(settings.out_dir)
+    with atomic_dir(out, force=True) as staging:  # the earlier files of those names replaced, nothing else
+        (staging / f'{stem}.json').write_text(json.dumps({'command': dataclasses.asdict(settings), 'rows': rows},
+                                                         indent=2))
+        (staging / f'{stem}.md').write_text(table + '\n')
+        try:
+            if plot_rows:
+                plot(rows, staging / f'{stem}.png')
+        except ImportError:
+            print('matplotlib is not installed (pip install aft-vision[demo]): no plot written')
+    print(table)
+    print(f'wrote {out}/{stem}.json, {stem}.md' + (f', {stem}.png' if plot_rows else ''))
 
+
+# --dense: the whole DPT segmentation network on AFT-conv against the same network on DeiT
 DENSE_PAIR = ('aft_conv_small', 'deit_small_patch16_224')
 DENSE_RESOLUTIONS = [512, 1024]
 DENSE_CLASSES = 19  # Cityscapes' classes: the decoder's output width
 
 
-class _DenseCase(_Case):
-    """smp's DPT (default decoder, ``decoder_readout='ignore'`` for both backbones) on a timm backbone, timed on
-    (B, 3, S, S) images and (B, S, S) class maps; the figures of ``_Case``, without peak memory."""
+def _dense(name: str, img_size: int, device: torch.device, precision: str, runtime: str = 'eager') -> _Case:
+    """smp's DPT (default decoder, ``decoder_readout='ignore'``) on ``tu-<name>``, on one random image and class map."""
+    import segmentation_models_pytorch as smp
 
-    def __init__(self, name: str, img_size: int, batch_size: int, device: torch.device, precision: str,
-                 runtime: str = 'eager'):
-        import segmentation_models_pytorch as smp
-
-        self.name, self.label, self.device, self.precision = name, name, device, precision
-        kwargs = {} if name.startswith('aft_') else {'dynamic_img_size': True}
-        self.eager = self.model = smp.DPT(f'tu-{name}', encoder_weights=None, classes=DENSE_CLASSES,
-                                          decoder_readout='ignore', **kwargs).to(device)
-        self.images = self.train_images = torch.randn(batch_size, 3, img_size, img_size, device=device)
-        self.labels = torch.randint(0, DENSE_CLASSES, (batch_size, img_size, img_size), device=device)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-6)
-        self.params = sum(p.numel() for p in self.model.parameters())
-        self.runner = _deployed(self.eager, self.images, runtime, precision) if runtime in DEPLOY_PRECISIONS else None
+    torch.manual_seed(0)
+    kwargs = {} if name.startswith('aft_') else {'dynamic_img_size': True}
+    model = smp.DPT(f'tu-{name}', encoder_weights=None, classes=DENSE_CLASSES, decoder_readout='ignore', **kwargs)
+    images = torch.randn(1, 3, img_size, img_size, device=device)
+    labels = torch.randint(0, DENSE_CLASSES, (1, img_size, img_size), device=device)
+    return _Case(name, model, images, labels, device, precision, runtime)
 
 
 def dense_main(settings: BenchSettings) -> int:
-    """``aft-vision bench --dense``: inference and training-step throughput and saved activations of DPT on AFT-conv
-    small and on DeiT-S, round-robin at each resolution (batch 1); ``bench_dense.json`` and ``bench_dense.md``."""
+    """``aft-vision bench --dense``: DPT on AFT-conv small against DPT on DeiT-S, inference and training step,
+    round-robin at each resolution (batch 1, no peak memory); ``bench_dense.json`` and ``bench_dense.md``."""
     if settings.runtime == 'compile' or settings.compile:
         raise ValueError('--dense times eager PyTorch, onnxruntime or openvino: leave out --compile')
     train = settings.runtime == 'eager' and not settings.no_train
@@ -570,25 +529,13 @@ def dense_main(settings: BenchSettings) -> int:
         raise ValueError(f'--resolutions {resolutions}: DPT needs multiples of 32')
     repeats, warmup = (1, 1) if settings.quick else (settings.repeats, settings.warmup)
     device = torch.device(settings.device)
-    rows = []
-    for res in tqdm(resolutions, desc='bench --dense', unit='res'):
-        torch.manual_seed(0)
-        group = {who: _DenseCase(who, res, 1, device, settings.precision, settings.runtime) for who in (deit, aft)}
-        times = _time_round_robin(group, train, warmup, repeats)
-        records = {who: _record(case, times, train=train, peak_memory=False) for who, case in group.items()}
-        row = {'resolution': res, 'batch_size': 1, 'train_batch_size': 1, 'device': str(device),
-               'precision': settings.precision, 'threads': torch.get_num_threads(), 'runtime': settings.runtime,
-               'network': 'smp.DPT', 'aft': records[aft], 'deit': records[deit]}
-        row['ratio'] = _ratios(row['aft'], row['deit'])
-        rows.append(row)
-        del group
-        gc.collect()
-    out = Path(settings.out_dir)
-    table = markdown_table(rows)
-    with atomic_dir(out, force=True) as staging:
-        (staging / 'bench_dense.json').write_text(json.dumps({'command': dataclasses.asdict(settings), 'rows': rows},
-                                                             indent=2))
-        (staging / 'bench_dense.md').write_text(table + '\n')
-    print(table)
-    print(f'wrote {out}/bench_dense.json, bench_dense.md')
+
+    def fields(res: int) -> Dict:
+        return {'resolution': res, 'batch_size': 1, 'train_batch_size': 1, 'device': str(device),
+                'precision': settings.precision, 'threads': torch.get_num_threads(), 'runtime': settings.runtime,
+                'network': 'smp.DPT'}
+    rows = _measure({(res, deit): [aft] for res in resolutions},
+                    lambda who, res: _dense(who, res, device, settings.precision, settings.runtime), fields, train,
+                    warmup, repeats, peak_memory=False)
+    _write(settings, 'bench_dense', rows, markdown_table(rows))
     return 0

@@ -1,6 +1,5 @@
-"""The check a training folder passes before a job trains on it: ``train/`` and ``val/`` ImageFolders with the same
-classes, since torchvision numbers classes by their sorted folder names and a class missing from one split shifts
-every label after it (a val class scored as another)."""
+"""The check a training folder passes first: ``train/`` and ``val/`` ImageFolders with the same classes (torchvision
+numbers classes by sorted folder name, so a class missing from one split shifts every label after it)."""
 from pathlib import Path
 from typing import List, Union
 
@@ -12,12 +11,8 @@ def _classes(folder: Path) -> List[str]:
 
 
 def check_image_folders(data_dir: Union[str, Path]) -> List[str]:
-    """The classes of ``data_dir``'s ``train/`` and ``val/`` ImageFolders, which must agree.
-
-    Raises:
-        FileNotFoundError: A split is missing.
-        ValueError: The splits' classes differ, or there are none (the classes only one split has, named).
-    """
+    """The classes of ``data_dir``'s ``train/`` and ``val/``; FileNotFoundError for a missing split, ValueError
+    (naming them) for classes that differ or none."""
     data_dir = Path(data_dir)
     for split in ('train', 'val'):
         if not (data_dir / split).is_dir():

@@ -1,14 +1,12 @@
-"""Scenes for the dense job, composed from scikit-learn's handwritten digits (no download).
-
-Each scene is a dark canvas with a few digits pasted at random sizes and positions, without overlap; the labels are a
-per-pixel class map (0 background, 1 + the digit for its ink) and a box per digit (its ink's extent). Scenes for
-training and for held-out evaluation draw from disjoint digit images (the same stratified 80 / 20 split of every digit
-class as the main job), so held-out scores measure digits the model never saw.
-"""
+"""Scenes for the dense job from scikit-learn's digits (no download): a few digits pasted on a dark canvas without
+overlap, labelled per pixel (0 background, 1 + the digit on its ink) and boxed; training and held-out scenes draw
+from disjoint digit images (the main job's stratified 80 / 20 split)."""
 from typing import Dict, List, NamedTuple, Tuple
 
 import torch
 import torch.nn.functional as F
+
+from .training import split_digits
 
 __all__ = ['Scenes', 'NUM_CLASSES', 'digit_split', 'make_scenes']
 
@@ -17,54 +15,27 @@ INK = 0.25  # a pasted digit's pixels above this share of full intensity are its
 
 
 class Scenes(NamedTuple):
-    """A batch of scenes: images (N, 3, S, S) in [0, 1], masks (N, S, S) of class indices, and per scene the boxes
-    (k, 4) as (x0, y0, x1, y1) pixel edges and their labels (k,) in 1..10."""
-    images: torch.Tensor
-    masks: torch.Tensor
-    boxes: List[torch.Tensor]
-    labels: List[torch.Tensor]
+    """A batch of scenes."""
+    images: torch.Tensor  # (N, 3, S, S) in [0, 1]
+    masks: torch.Tensor  # (N, S, S) class indices
+    boxes: List[torch.Tensor]  # per scene (k, 4): (x0, y0, x1, y1) pixel edges
+    labels: List[torch.Tensor]  # per scene (k,) in 1..10
 
 
 def digit_split(val_fraction: float = 0.2, seed: int = 0) -> Dict[str, Tuple[torch.Tensor, torch.Tensor]]:
-    """scikit-learn's 1797 digits as (images (n, 8, 8) in [0, 1], targets (n,)), split per class into 'train' and
-    'val' (``val_fraction`` of each class, by a seeded permutation)."""
+    """scikit-learn's digits as (images (n, 8, 8) in [0, 1], targets (n,)) per split of ``split_digits``."""
     from sklearn.datasets import load_digits
 
     data = load_digits()
     images = torch.tensor(data.images, dtype=torch.float32) / 16  # (n, 8, 8), values 0..16
     targets = torch.tensor(data.target)
-    gen = torch.Generator().manual_seed(seed)
-    chosen = {'train': [], 'val': []}
-    for label in range(10):
-        indices = torch.nonzero(targets == label).flatten()
-        indices = indices[torch.randperm(len(indices), generator=gen)]
-        num_val = round(len(indices) * val_fraction)
-        chosen['val'].append(indices[:num_val])
-        chosen['train'].append(indices[num_val:])
-    return {split: (images[torch.cat(idx)], targets[torch.cat(idx)]) for split, idx in chosen.items()}
+    return {split: (images[idx], targets[idx]) for split, idx in split_digits(targets, val_fraction, seed).items()}
 
 
-def make_scenes(
-        digits: Tuple[torch.Tensor, torch.Tensor],
-        num_scenes: int,
-        size: int,
-        digit_sizes: Tuple[int, int] = (16, 28),
-        digits_per_area: float = 3 / 64 ** 2,
-        seed: int = 0,
-) -> Scenes:
-    """Compose ``num_scenes`` scenes of ``size`` x ``size`` pixels.
-
-    Args:
-        digits: Digit images (n, 8, 8) in [0, 1] and their classes (n,), e.g. ``digit_split()['train']``.
-        num_scenes: Number of scenes.
-        size: Canvas side in pixels.
-        digit_sizes: Smallest and largest side of a pasted digit, in pixels (the same at every canvas size).
-        digits_per_area: Digits tried per pixel of canvas (3 on 64 x 64); a digit that finds no free place in 20
-            tries is left out.
-        seed: Seed of every random choice.
-
-    Returns:
-        The scenes, with a little Gaussian noise and a random background level on each image.
+def make_scenes(digits: Tuple[torch.Tensor, torch.Tensor], num_scenes: int, size: int,
+                digit_sizes: Tuple[int, int] = (16, 28), digits_per_area: float = 3 / 64 ** 2, seed: int = 0) -> Scenes:
+    """``num_scenes`` noisy scenes of ``size`` px from ``digits`` (images (n, 8, 8) in [0, 1], classes (n,)):
+    digits of ``digit_sizes`` px, ``digits_per_area`` tried per pixel (one without a free place in 20 tries left out).
     """
     images, targets = digits
     gen = torch.Generator().manual_seed(seed)

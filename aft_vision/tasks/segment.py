@@ -1,12 +1,6 @@
-"""The dense job (``aft-vision train --task segment``): semantic segmentation of digit scenes with AFT-conv in
-segmentation_models_pytorch's DPT, trained from scratch on the CPU in minutes.
-
-Scenes come from ``aft_vision.tasks.scenes`` (scikit-learn's digits pasted on a canvas; no download). The job trains at
-``--img-size`` and reports the mean IoU over the 11 classes (background and ten digits) on held-out scenes (digit
-images it never trained on) at that size and at ``--eval-img-size``, a larger canvas with digits of the same pixel
-sizes, which the fully convolutional backbone takes as it is. It writes ``results.json``, ``model.safetensors`` and
-``training_curve.png`` (loss, held-out mIoU per epoch, a held-out scene at the larger size with its prediction).
-"""
+"""The dense job (``aft-vision train --task segment``): AFT-conv in segmentation_models_pytorch's DPT, trained from
+scratch on digit scenes (``scenes``), scored by mean IoU over 11 classes at ``img_size`` and at a larger
+``eval_img_size`` (docs/dense.md, "The dense job")."""
 import json
 import math
 import os
@@ -36,8 +30,7 @@ MEAN, STD = 0.5, 0.5  # scenes are in [0, 1]; the model sees (x - 0.5) / 0.5
 
 @dataclass
 class SegmentSettings:
-    """What ``run`` trains, on how many scenes, for how long, and where it writes (``aft-vision train --task
-    segment``'s options)."""
+    """What ``run`` trains and where it writes (``aft-vision train --task segment``'s options)."""
     model: str = 'aft_conv_test'  # an AFT-conv model (a token map without class token)
     model_kwargs: Dict = field(default_factory=dict)
     epochs: int = 10

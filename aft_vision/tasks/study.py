@@ -1,24 +1,9 @@
-"""The study: the paper's comparisons (Tables 7-10 of Zhai et al. 2021) checked on scikit-learn's digits.
+"""``aft-vision study``: the paper's comparisons (Tables 7-10 of Zhai et al. 2021) on scikit-learn's digits.
 
-``aft-vision study`` trains every configuration below with the main job's recipe (``tasks.classify``: data,
-augmentation, AdamW, cosine schedule, label smoothing) over several seeds, on the main job's 8 x 8 token map
-(patch 4 at 32 px), and reports held-out top-1 at the training size and at a larger one, parameters and MACs:
-
-* ``families`` (Table 7's structure): AFT-full, AFT-simple, AFT-conv (the main job's model) and a timm
-  ``VisionTransformer`` of the same width, depth, patch and MLP ratio;
-* ``transfer`` (Table 8's structure): the trained ViT baseline -> ``transfer_vit_weights`` -> AFT-conv and AFT-full,
-  fine-tuned for a third of the epochs, against the same models from random weights for that third and for all of
-  them; the held-out top-1 of every epoch is plotted for both starts;
-* ``window`` (Tables 9 and 10's structure): AFT-conv with kernels 3, 5 and 7 at per-channel heads, and with 1, 4 and
-  per-channel heads at kernel 5: windows smaller than the 8 x 8 map;
-* ``resolution``: each family trained at one size and at several (one drawn per step; ViT, AFT-full and AFT-simple
-  with ``dynamic_img_size=True``, AFT-conv with its windows following the size), evaluated at every evaluation size
-  with the patch kept (the token grid grows): the position embedding resampled, AFT-conv's windows kept, resampled
-  or its patch resized (``resize_mode``).
-
-Every run writes ``runs/<id>.json`` (and its weights) through a temporary file; a run whose record exists is not run
-again, so an interrupted study resumes. At the end ``study.md`` (the tables), ``study.json`` (the same figures) and
-``plots/*.png`` are written.
+Every configuration trains with the main job's recipe (``training.train``) over several seeds, in four parts:
+``families`` (Table 7), ``transfer`` from the ViT baseline (Table 8), ``window`` (Tables 9 and 10) and
+``resolution``; docs/results.md describes each and holds the figures. A run writes ``runs/<id>.json`` and its weights
+(an interrupted study resumes); the end writes ``study.md``, ``study.json`` and ``plots/*.png``.
 """
 import copy
 import difflib
@@ -36,11 +21,12 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
 
-from ..checkpoints.files import load_weights, save_figure, save_weights
+from ..checkpoints.files import load_weights, save_weights
 from ..checkpoints.transfer import transfer_vit_weights
 from ..models import create_aft_model
-from .classify import DIGITS_MODEL, ClassifySettings, at_size, check_model_and_sizes, evaluate, train, \
-    size_scaled_batches, write_digits
+from .classify import DIGITS_MODEL, ClassifySettings, at_size, check_model_and_sizes
+from .study_report import plot_study, render_markdown
+from .training import evaluate, size_scaled_batches, train, write_digits
 
 __all__ = ['Config', 'Run', 'StudySettings', 'PARTS', 'plan_runs', 'check_settings', 'run_study']
 
@@ -96,7 +82,7 @@ class StudySettings:
 
     @property
     def fine_tune_epochs(self) -> int:
-        """A third of ``epochs`` (at least 1): the transfer's fine-tuning and its from-random control."""
+        """A third of ``epochs`` (at least 1): the transfer's fine-tuning and its control."""
         return max(1, round(self.epochs / 3))
 
     def recipe(self) -> Dict:
@@ -126,7 +112,7 @@ def configs(settings: StudySettings) -> Dict[str, Config]:
 
 
 def plan_runs(settings: StudySettings) -> List[Run]:
-    """The runs the chosen parts need, each once, every ViT baseline before the transfers that start from it."""
+    """The runs the chosen parts need, each once, every ViT baseline before the transfers from it."""
     known = configs(settings)
     full, short = settings.epochs, settings.fine_tune_epochs
     runs: List[Run] = []
@@ -153,16 +139,8 @@ def _window_keys() -> List[str]:
 
 
 def check_settings(settings: StudySettings) -> Dict[str, Dict]:
-    """Check the settings and every configuration on meta-device copies, before anything is written.
-
-    Returns:
-        Each configuration's model arguments as the trainer builds it (``img_size`` added where the model is tied
-        to one size).
-
-    Raises:
-        ValueError: One line naming the bad option: seeds or epochs below 1, an unknown part, an unknown model, an
-            image size the patch does not divide.
-    """
+    """Check the settings and every configuration on meta-device copies, before anything is written; returns each
+    configuration's model arguments as the trainer builds it. ValueError: one line naming the bad option."""
     for name, value in (('--seeds', settings.seeds), ('--epochs', settings.epochs)):
         if value < 1:
             raise ValueError(f'{name}: must be >= 1, got {value}')
@@ -193,8 +171,7 @@ def check_settings(settings: StudySettings) -> Dict[str, Dict]:
     return kwargs
 
 
-def _write_text(path: Path, text: str) -> None:
-    """Write through a temporary sibling, so a file (a run's record) is either whole or absent."""
+def _write_text(path: Path, text: str) -> None:  # through a temporary sibling: a record is whole or absent
     temp = path.with_name(f'.{path.name}.tmp')
     temp.write_text(text)
     os.replace(temp, path)
@@ -205,8 +182,8 @@ def _write_json(path: Path, data: Dict) -> None:
 
 
 def count_macs(model_name: str, model_kwargs: Dict, img_size: int, num_classes: int) -> int:
-    """Multiply-adds of one image (torch's flop counter: matrix products and convolutions), AFT-conv in its
-    convolution form, as docs/models.md counts them, and timm's attention in its unfused form (q @ k^T, attn @ v)."""
+    """Multiply-adds of one image by torch's flop counter, AFT-conv as a convolution and timm's attention unfused
+    (as docs/models.md counts them)."""
     extra = {'mixer_kwargs': {'method': 'conv'}} if model_name.startswith('aft_conv') else {}
     model = create_aft_model(model_name, num_classes=num_classes, **model_kwargs, **extra).eval()
     for module in model.modules():  # timm's attention as explicit products: the counter misses the CPU's fused kernel
@@ -252,8 +229,7 @@ def _train_run(run: Run, model_kwargs: Dict, settings: StudySettings, data_dir: 
 
 
 def top1_at_sizes(model: torch.nn.Module, val: Path, sizes: Sequence[int]) -> Dict[str, Dict[str, float]]:
-    """Top-1 at each size, by how the model follows it: AFT-conv under each ``resize_mode``, the other families with
-    their position parameters resampled ('resample')."""
+    """Top-1 at each size: AFT-conv under each ``resize_mode``, the others with position parameters resampled."""
     if not hasattr(model, 'resize_mode'):
         return {'resample': {str(size): evaluate(at_size(model, size), val, size) for size in sizes}}
     found = {}
@@ -270,8 +246,7 @@ def top1_at_sizes(model: torch.nn.Module, val: Path, sizes: Sequence[int]) -> Di
 
 
 def _finished(path: Path, settings: StudySettings, run: Run) -> Optional[Dict]:
-    """A finished run's record, None if it has none; a record of another recipe or configuration (another
-    --baseline) is an error (another --out-dir): it is never relabelled."""
+    """A finished run's record (None if none); ValueError for one of another recipe or configuration."""
     if not path.is_file():
         return None
     record = json.loads(path.read_text())
@@ -285,12 +260,8 @@ def _finished(path: Path, settings: StudySettings, run: Run) -> Optional[Dict]:
 
 
 def run_study(settings: StudySettings, out_dir: Path) -> Dict:
-    """Run (or resume) the study under ``out_dir``; write the tables, ``study.json`` and the plots.
-
-    Returns:
-        ``study.json``'s content: the aggregated rows of each part, the ids of the runs trained now and of those
-        found finished.
-    """
+    """Run (or resume) the study under ``out_dir``; returns ``study.json``'s content (each part's rows, the runs
+    trained now and those found finished)."""
     start = time.perf_counter()
     model_kwargs = check_settings(settings)
     out_dir = Path(out_dir)
@@ -327,14 +298,12 @@ def run_study(settings: StudySettings, out_dir: Path) -> Dict:
 
 
 def _stats(values: Sequence[float]) -> Dict:
-    """Mean and sample standard deviation (0 for one value), and the values."""
     values = list(values)
     return {'mean': statistics.fmean(values), 'std': statistics.stdev(values) if len(values) > 1 else 0.0,
             'values': values}
 
 
 def _row(settings: StudySettings, records: Dict[str, Dict], config: Config, start: str, epochs: int) -> Dict:
-    """A configuration's figures over the seeds: top-1 at both sizes, after the first epoch, per epoch."""
     chosen = [records[Run(config, start, epochs, seed).id] for seed in range(settings.seeds)]
     return {
         'key': config.key, 'label': config.label, 'family': config.family, 'model': config.model,
@@ -368,8 +337,7 @@ def _tables(settings: StudySettings, records: Dict[str, Dict]) -> Dict[str, List
 
 
 def _resolution_rows(settings: StudySettings, records: Dict[str, Dict], known: Dict[str, Config]) -> List[Dict]:
-    """A row per family, training (one size, several) and way of following the size: top-1 at every evaluation size
-    over the seeds, and the largest drop from the training size among them."""
+    """A row per family, training (one size, several) and way of following the size: top-1 per size, worst drop."""
     rows = []
     for key in FAMILY_KEYS:
         for config in (known[key], known[f'{key}_ms']):
@@ -381,142 +349,9 @@ def _resolution_rows(settings: StudySettings, records: Dict[str, Dict], known: D
                 trained = str(settings.img_size)
                 rows.append({
                     'family': config.family, 'key': config.key,
-                    'training': _sizes_text(settings.train_img_sizes) if config.multi_size else trained,
+                    'training': '/'.join(map(str, settings.train_img_sizes)) if config.multi_size else trained,
                     'mode': mode, 'top1_at': top1,
                     'worst_drop': max((top1[trained]['mean'] - v['mean'] for v in top1.values()), default=0.0)
                     if trained in top1 else None,
                 })
     return rows
-
-
-def _sizes_text(sizes: Sequence[int]) -> str:
-    return '/'.join(map(str, sizes))
-
-
-def _pm(stats: Dict) -> str:
-    return f'{stats["mean"]:.2f} ± {stats["std"]:.2f}'
-
-
-def render_markdown(summary: Dict) -> str:
-    """The study's tables as markdown: mean ± sample standard deviation over the seeds."""
-    settings = summary['settings']
-    size, large = settings['img_size'], settings['eval_img_size']
-    lines = [
-        '# The study', '',
-        f'{settings["epochs"]} epochs (fine-tuning {settings["fine_tune_epochs"]}), seeds 0-{settings["seeds"] - 1}, '
-        f'{size} px training, batch {settings["batch_size"]}, lr {settings["lr"]}. Top-1 (%) on the held-out digits: '
-        f'mean ± sample standard deviation over the seeds. MMACs: multiply-adds of one {size} px image.', '',
-    ]
-    head = f'top-1 at {size} px | top-1 at {large} px'
-    tables = summary['tables']
-    if 'families' in tables:
-        lines += ['## Families at equal size', '', f'| model | params (k) | MMACs | {head} |', '|---|---|---|---|---|']
-        lines += [f'| {r["label"]} | {r["params"] / 1e3:.1f} | {r["macs"] / 1e6:.2f} | {_pm(r["top1"])} | '
-                  f'{_pm(r["top1_large"])} |' for r in tables['families']]
-        lines.append('')
-    if 'transfer' in tables:
-        lines += ['## Transfer from the ViT baseline', '',
-                  f'| model | start | epochs | top-1 after epoch 1 | {head} |', '|---|---|---|---|---|---|']
-        starts = {'vit': 'ViT baseline (transfer_vit_weights)', 'random': 'random'}
-        lines += [f'| {r["label"]} | {starts[r["start"]]} | {r["epochs"]} | {_pm(r["top1_epoch1"])} | '
-                  f'{_pm(r["top1"])} | {_pm(r["top1_large"])} |' for r in tables['transfer']]
-        lines.append('')
-    if 'window' in tables:
-        lines += ['## AFT-conv: window and heads', '', f'| kernel | heads | params (k) | MMACs | {head} |',
-                  '|---|---|---|---|---|---|']
-        lines += [f'| {r["kernel"]} | {r["heads"]} | {r["params"] / 1e3:.1f} | {r["macs"] / 1e6:.2f} | '
-                  f'{_pm(r["top1"])} | {_pm(r["top1_large"])} |' for r in tables['window']]
-        lines.append('')
-    if 'resolution' in tables:
-        sizes = [str(size) for size in settings['eval_img_sizes']]
-        batches = size_scaled_batches(settings['batch_size'], settings['img_size'], settings['train_img_sizes'])
-        lines += ['## Resolution: one set of weights at every size', '',
-                  f'Patch kept at every size (the token grid grows). Training at several sizes: one of '
-                  f'{_sizes_text(settings["train_img_sizes"])} px per step, batches of '
-                  f'{_sizes_text(batches)} '
-                  'images (inversely proportional to the side). Following the size: the position '
-                  'parameters resampled (resample), AFT-conv\'s windows kept (keep), resampled by the size ratio '
-                  '(window) or its patch resized so that the token grid stays (patch).', '',
-                  f'| family | trained at (px) | following the size | {" | ".join(f"{s} px" for s in sizes)} |',
-                  '|---|---|---|' + '---|' * len(sizes)]
-        lines += [f'| {r["family"]} | {r["training"]} | {r["mode"]} | '
-                  + ' | '.join(_pm(r['top1_at'][s]) if s in r['top1_at'] else '-' for s in sizes) + ' |'
-                  for r in tables['resolution']]
-        lines.append('')
-    return '\n'.join(lines)
-
-
-def plot_study(summary: Dict, records: Dict[str, Dict], folder: Path) -> List[str]:
-    """One PNG per part: bars with the seeds' spread (families, window and heads), per-epoch held-out top-1 for
-    both starts (transfer). Returns the file names."""
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
-
-    folder.mkdir(parents=True, exist_ok=True)
-    tables, settings = summary['tables'], summary['settings']
-    written = []
-    titles = {'families': 'Families at equal size', 'window': 'AFT-conv: kernel and heads'}
-    for part in ('families', 'window'):
-        if part not in tables:
-            continue
-        rows = tables[part]
-        fig, ax = plt.subplots(figsize=(max(5, 1.3 * len(rows)), 3.6))
-        width = 0.38
-        for i, (name, size) in enumerate((('top1', settings['img_size']), ('top1_large', settings['eval_img_size']))):
-            xs = [j + (i - 0.5) * width for j in range(len(rows))]
-            ax.bar(xs, [r[name]['mean'] for r in rows], width, yerr=[r[name]['std'] for r in rows], capsize=3,
-                   label=f'{size} px')
-        labels = [r['label'].split(' (')[0] if part == 'families' else f'k{r["kernel"]} h{r["heads"]}' for r in rows]
-        ax.set_xticks(range(len(rows)), labels, fontsize=8)
-        low = min(r[n]['mean'] - r[n]['std'] for r in rows for n in ('top1', 'top1_large'))
-        ax.set(ylabel='held-out top-1 (%)', ylim=(max(0, low - 5), 100),
-               title=f'{titles[part]}: mean ± std over {settings["seeds"]} seeds')
-        ax.legend(fontsize=8)
-        ax.grid(axis='y', alpha=0.3)
-        save_figure(fig, folder / f'{part}.png')
-        written.append(f'{part}.png')
-    if 'transfer' in tables:
-        models = [(r['key'], r['label'].split(' (')[0]) for r in tables['transfer'] if r['start'] == 'vit']
-        fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 3.6), squeeze=False)
-        for ax, (key, title) in zip(axes[0], models):
-            for r in (r for r in tables['transfer'] if r['key'] == key):
-                epochs = range(1, r['epochs'] + 1)
-                style = '-' if r['epochs'] == settings['fine_tune_epochs'] else ':'
-                name = f'{"from ViT" if r["start"] == "vit" else "random"}, {r["epochs"]} epochs'
-                line, = ax.plot(epochs, r['curve'], style, marker='o', markersize=3, label=name)
-                ax.fill_between(epochs, r['curve_min'], r['curve_max'], color=line.get_color(), alpha=0.15)
-            ax.set(xlabel='epoch', ylabel='held-out top-1 (%)', ylim=(0, 100),
-                   title=f'{title}: mean and range over {settings["seeds"]} seeds')
-            ax.xaxis.get_major_locator().set_params(integer=True)
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
-        save_figure(fig, folder / 'transfer.png')
-        written.append('transfer.png')
-    if 'resolution' in tables:
-        written.append(_plot_resolution(tables['resolution'], settings, folder / 'resolution.png'))
-    return written
-
-
-def _plot_resolution(rows: List[Dict], settings: Dict, path: Path) -> str:
-    """One panel per family: mean top-1 against the evaluation size with the seeds' spread, a line per training and
-    way of following the size."""
-    import matplotlib.pyplot as plt
-
-    families = list(dict.fromkeys(r['family'] for r in rows))
-    fig, axes = plt.subplots(1, len(families), figsize=(4.2 * len(families), 3.6), squeeze=False, sharey=True)
-    for ax, family in zip(axes[0], families):
-        for r in (r for r in rows if r['family'] == family):
-            sizes = sorted(r['top1_at'], key=int)
-            means = [r['top1_at'][s]['mean'] for s in sizes]
-            spread = [r['top1_at'][s]['std'] for s in sizes]
-            style = '-' if '/' in r['training'] else ':'
-            ax.errorbar([int(s) for s in sizes], means, yerr=spread, fmt=style, marker='o', markersize=3, capsize=2,
-                        label=f'{r["training"]} px, {r["mode"]}')
-        ax.axvline(settings['img_size'], color='grey', alpha=0.4, linestyle='--')
-        ax.set(xlabel='evaluation size (px)', title=family)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    axes[0][0].set(ylabel=f'held-out top-1 (%), mean ± std over {settings["seeds"]} seeds')
-    save_figure(fig, path)
-    return path.name

@@ -1,13 +1,8 @@
 """Seeing inside AFT models: learned position biases (Figures 1, 3, 6-8) and key maps (Figures 9-12).
 
-Array functions return NumPy arrays for people who plot themselves; ``plot_*`` functions draw them with matplotlib
-(the ``demo`` extra, imported only when plotting) and write a PNG atomically.
-
-* ``position_bias_maps(model)``: AFT-conv, ``exp(w) - 1`` per layer and head (h, s, s), the kernel Eq. 6 convolves.
-* ``position_bias_for_query(model, (y, x))``: AFT-full, ``exp(w[t, :])`` over the patch grid for one query t.
-* ``key_maps(model, image)``: per layer, the keys of one image over the patch grid.
-
-From the command line: ``aft-vision show-bias`` and ``aft-vision show-keys`` (``show_bias`` / ``show_keys`` here).
+Array functions (``position_bias_maps``, ``position_bias_for_query``, ``key_maps``) return NumPy arrays; ``plot_*``
+draw them with matplotlib (the ``demo`` extra) into a PNG written atomically; ``show_bias`` / ``show_keys`` are
+``aft-vision show-bias`` / ``show-keys``.
 """
 import contextlib
 import time
@@ -31,7 +26,7 @@ MIXERS = (AFTConv2d, AFTFull, AFTSimple)
 
 @contextlib.contextmanager
 def _eval_mode(model: nn.Module) -> Iterator[None]:
-    """Eval mode and no autograd inside, the model's train/eval mode restored after."""
+    """Eval mode and no autograd inside, the model's mode restored after."""
     was_training = model.training
     model.eval()
     try:
@@ -42,7 +37,6 @@ def _eval_mode(model: nn.Module) -> Iterator[None]:
 
 
 def _mixers(model: nn.Module, kind: Tuple[type, ...] = MIXERS) -> List[nn.Module]:
-    """The model's AFT token mixers of the given classes, in forward order (one per block)."""
     return [m for m in model.modules() if isinstance(m, kind)]
 
 
@@ -52,23 +46,9 @@ def _describe(model: nn.Module) -> str:
 
 
 def position_bias_maps(model: nn.Module, num_heads: Optional[int] = None) -> np.ndarray:
-    """``exp(w) - 1`` of every AFT-conv layer's effective bias (Eq. 8), the kernel of Eq. 6 (Figures 1, 6-8).
-
-    Positive entries up-weight the key at that offset, negative ones down-weight it, 0 leaves it at the global
-    weight every key gets. The centre of each map is the query's own position; entry ``[a, b]`` is the key at
-    offset ``(a - s//2, b - s//2)`` rows and columns from the query. A freshly initialised model (gamma = beta = 0)
-    gives all zeros. One-hot models (``AFTConv2dOneHot``) show their inference (argmax) bias.
-
-    Args:
-        model: A model with ``AFTConv2d`` token mixers.
-        num_heads: Keep the first this many heads of each layer (all if None).
-
-    Returns:
-        float32 array (layers, heads, s, s).
-
-    Raises:
-        ValueError: The model has no AFT-conv layer.
-    """
+    """``exp(w) - 1`` of every AFT-conv layer's effective bias (Eq. 8), the kernel Eq. 6 convolves: float32
+    (layers, heads, s, s), the first ``num_heads`` heads; entry ``[a, b]`` is the key ``(a - s//2, b - s//2)`` from
+    the query, 0 the global weight (a fresh model), one-hot layers their argmax bias."""
     layers = _mixers(model, (AFTConv2d,))
     if not layers:
         raise ValueError(f'{_describe(model)} has no AFT-conv layer: position_bias_for_query shows AFT-full biases, '
@@ -81,21 +61,8 @@ def position_bias_maps(model: nn.Module, num_heads: Optional[int] = None) -> np.
 
 
 def position_bias_for_query(model: nn.Module, query: Optional[Tuple[int, int]] = None) -> np.ndarray:
-    """``exp(w[t, :])`` of every AFT-full layer for one query t, over the patch grid (Figure 3, one row of it).
-
-    The bias is the factorised ``w = u @ v.T`` (Eq. 7) of the grid the model was built for; the column of the
-    class token (and any other prefix token) is left out.
-
-    Args:
-        model: A model with AFT-full token mixers that know their grid (``grid_size``, ``num_prefix_tokens``).
-        query: (row, column) of the query patch; None for the class token's row.
-
-    Returns:
-        float32 array (layers, grid height, grid width).
-
-    Raises:
-        ValueError: No AFT-full layer, or the query is off the grid / the model has no class token.
-    """
+    """``exp(w[t, :])`` (Eq. 7's ``w = u @ v.T``) of every AFT-full layer for the query patch (row, column), or the
+    class token's row for None, over the built patch grid without prefix columns: float32 (layers, H', W')."""
     layers = _mixers(model, (AFTFull,))
     if not layers:
         raise ValueError(f'{_describe(model)} has no AFT-full layer: position_bias_maps shows AFT-conv biases, '
@@ -122,23 +89,9 @@ def position_bias_for_query(model: nn.Module, query: Optional[Tuple[int, int]] =
 
 
 def key_maps(model: nn.Module, image: torch.Tensor, num_maps: Optional[int] = None) -> np.ndarray:
-    """The keys each AFT layer computes for one image, over the patch grid (Figures 9-12).
-
-    Keys are read from the output of each mixer's ``qkv`` projection by a forward hook during one eval forward
-    pass, so they are exactly what the model uses (before ``exp``):
-
-    * AFT-conv: the h key channels, one per head;
-    * AFT-full / AFT-simple: the first ``num_maps`` of the C key channels (these models have no heads; each
-      channel weighs its own value channel). Prefix (class) tokens are left out.
-
-    Args:
-        model: An AFT model (any ``aft_*``).
-        image: One preprocessed image (C, H, W) or (1, C, H, W), as the model takes it.
-        num_maps: Keep the first this many heads / channels per layer (all if None).
-
-    Returns:
-        float32 array (layers, maps, grid height, grid width).
-    """
+    """The keys (before ``exp``) each AFT layer's ``qkv`` gives one image (C, H, W) or (1, C, H, W) in an eval
+    forward: float32 (layers, maps, H', W'), the first ``num_maps`` heads (AFT-conv) or key channels (AFT-full /
+    simple, prefix tokens left out)."""
     if image.dim() == 3:
         image = image.unsqueeze(0)
     if image.dim() != 4 or image.shape[0] != 1:
@@ -178,7 +131,6 @@ def key_maps(model: nn.Module, image: torch.Tensor, num_maps: Optional[int] = No
 
 
 def _grid_of(model: nn.Module, image_size: Sequence[int], num_tokens: int) -> Tuple[int, int]:
-    """The patch grid behind ``num_tokens`` tokens (prefix tokens first) of an image of ``image_size``."""
     patch_embed = getattr(model, 'patch_embed', None)
     if patch_embed is not None and hasattr(patch_embed, 'dynamic_feat_size'):
         grid = patch_embed.dynamic_feat_size((int(image_size[0]), int(image_size[1])))
@@ -191,51 +143,15 @@ def _grid_of(model: nn.Module, image_size: Sequence[int], num_tokens: int) -> Tu
     return int(grid[0]), int(grid[1])
 
 
-def load_model(
-        name: str,
-        checkpoint: Optional[PathLike] = None,
-        pretrained: bool = False,
-        use_ema: bool = True,
-        **model_kwargs,
-) -> nn.Module:
-    """An AFT model in eval mode, as every command loads one (``hub.load_model``): ``name`` built fresh (random
-    weights, said on stderr), with its pretrained weights, or sized to a checkpoint and its run record.
-
-    Args:
-        name: Registered model (``aft_conv_small``), or a timm source ``local-dir:FOLDER`` / ``hf-hub:org/name``
-            (whose weights are always loaded).
-        checkpoint: Weights file (safetensors, or a weights-only PyTorch file) loaded strictly into ``name``.
-        pretrained: Load the model's pretrained weights (exclusive with ``checkpoint``).
-        use_ema: Take a training checkpoint's EMA weights where it has them (timm's rule), else its trained ones.
-        **model_kwargs: Passed to ``timm.create_model`` (e.g. ``patch_size=4, kernel_size=15``).
-    """
-    from ..hub import load_model as load
-
-    if checkpoint is not None and pretrained:
-        raise ValueError('pass a checkpoint or pretrained, not both')
-    if checkpoint is not None and not Path(checkpoint).is_file():
-        raise FileNotFoundError(f'checkpoint file not found: {checkpoint}')
-    return load(name, None if checkpoint is None else str(checkpoint), pretrained, use_ema, model_kwargs)[0]
-
-
-def _warn_if_random(name: str, checkpoint: Optional[PathLike], pretrained: bool) -> None:
-    from ..hub import RANDOM_WEIGHTS, warn_random_weights
-
-    if checkpoint is None and not pretrained and ':' not in name:
-        warn_random_weights(name, RANDOM_WEIGHTS)
+def load_model(name: str, checkpoint: Optional[PathLike] = None, pretrained: bool = False, use_ema: bool = True,
+               **model_kwargs) -> nn.Module:
+    """``hub.load_model``'s model alone (kept for the scripts in docs/inspect.md)."""
+    return _load(name, checkpoint, pretrained, use_ema, model_kwargs)[0]
 
 
 def load_image(path: PathLike, model: nn.Module, img_size: Optional[int] = None) -> Tuple[torch.Tensor, np.ndarray]:
-    """Open an image with PIL and transform it with timm's eval transform for ``model``.
-
-    Args:
-        path: Image file.
-        model: The model whose data config (size, crop, mean, std) applies.
-        img_size: Override the input size (square), e.g. the size the model was trained at.
-
-    Returns:
-        The model input (1, C, H, W) and the same crop as shown to the model, (H, W, 3) RGB in [0, 1].
-    """
+    """An image through timm's eval transform for ``model`` (at ``img_size`` if given): the input (1, C, H, W) and
+    the crop the model sees, (H, W, 3) RGB in [0, 1]."""
     from PIL import Image
     from timm.data import create_transform, resolve_data_config
 
@@ -254,7 +170,7 @@ def load_image(path: PathLike, model: nn.Module, img_size: Optional[int] = None)
 
 
 def _figure(width: float, height: float):
-    """A matplotlib Figure (no pyplot state, no backend change); ImportError naming the extra if missing."""
+    """A matplotlib Figure (no pyplot state); ImportError naming the extra if matplotlib is missing."""
     try:
         from matplotlib.figure import Figure
     except ImportError as e:
@@ -264,8 +180,7 @@ def _figure(width: float, height: float):
 
 
 def _check_plotting(out: PathLike, force: bool) -> None:
-    """Pre-flight before a model is loaded: matplotlib present (a RuntimeError the CLI prints as one line), output
-    writable."""
+    """Before a model is loaded: matplotlib present (a RuntimeError, one line), the output writable."""
     try:
         _figure(1, 1)
     except ImportError as e:
@@ -283,7 +198,7 @@ def _check_out(path: PathLike, force: bool) -> Path:
 
 
 def _save(fig, path: Path, force: bool, dpi: int) -> None:
-    """Write ``fig`` as PNG through a temporary sibling renamed into place (no partial file on failure)."""
+    """Write ``fig`` as PNG through a temporary sibling renamed into place (no partial file)."""
     import os
 
     _check_out(path, force)
@@ -297,7 +212,7 @@ def _save(fig, path: Path, force: bool, dpi: int) -> None:
 
 
 def _grid_panels(fig, num_rows: int, num_cols: int, top: int = 0, top_ratio: float = 0.0):
-    """Axes for a (rows x cols) panel grid plus one colour-bar axis per row (and a top band if ``top``)."""
+    """Axes for a (rows x cols) panel grid, a colour-bar axis per row, and a top band if ``top``."""
     ratios = ([top_ratio] if top else []) + [1.0] * num_rows
     spec = fig.add_gridspec(len(ratios), num_cols + 1, height_ratios=ratios, width_ratios=[1.0] * num_cols + [0.08])
     fig.get_layout_engine().set(w_pad=0.01, h_pad=0.01, wspace=0.02, hspace=0.02)
@@ -319,8 +234,7 @@ def _label_grid(panels, row_label: str, col_label: str) -> None:
 
 
 def _draw_rows(fig, panels, bars, maps: np.ndarray, cmap: str, norm_of_row: Callable, **imshow_kwargs) -> None:
-    """Draw ``maps[row, col]`` into ``panels[row][col]``, one colour scale per row (``norm_of_row(maps[row])``) with
-    its colour bar at the row's end."""
+    """``maps[row, col]`` into ``panels[row][col]``, one colour scale (``norm_of_row``) and bar per row."""
     for row, axes in enumerate(panels):
         norm = norm_of_row(maps[row])
         for col, ax in enumerate(axes):
@@ -329,7 +243,7 @@ def _draw_rows(fig, panels, bars, maps: np.ndarray, cmap: str, norm_of_row: Call
 
 
 def _bias_norm(limit: float, log_scale: bool):
-    """Colour scale for ``exp(w) - 1`` in [-limit, limit]: linear, or linear within +-0.1 and logarithmic beyond."""
+    """Colour scale over [-limit, limit]: linear, or linear within +-0.1 and logarithmic beyond."""
     from matplotlib.colors import Normalize, SymLogNorm
 
     if log_scale and limit > 0.1:
@@ -337,34 +251,13 @@ def _bias_norm(limit: float, log_scale: bool):
     return Normalize(vmin=-limit, vmax=limit)
 
 
-def plot_position_bias(
-        maps: np.ndarray,
-        path: PathLike,
-        title: Optional[str] = None,
-        query: Optional[Tuple[int, int]] = None,
-        log_scale: bool = False,
-        force: bool = False,
-        dpi: int = 110,
-) -> Path:
-    """Draw position-bias maps and write them as a PNG.
+def plot_position_bias(maps: np.ndarray, path: PathLike, title: Optional[str] = None,
+                       query: Optional[Tuple[int, int]] = None, log_scale: bool = False, force: bool = False,
+                       dpi: int = 110) -> Path:
+    """Draw position-bias maps into the .png ``path`` (refused if it exists unless ``force``); returns it.
 
-    * (layers, heads, s, s) from ``position_bias_maps``: layers as rows, heads as columns (Figures 1, 6-8), one
-      diverging colour scale per layer centred on 0 (linear, or symmetric-log with ``log_scale``: learned biases
-      can span several orders of magnitude), its colour bar at the row's end.
-    * (layers, H, W) from ``position_bias_for_query``: one panel per layer, left to right and top to bottom
-      (Figure 3), each with its colour bar; ``query`` (row, column) is marked.
-
-    Args:
-        maps: The array.
-        path: Output .png; refused if it exists unless ``force``.
-        title: Figure title.
-        query: Query position to mark on AFT-full maps.
-        log_scale: AFT-conv maps: colour linear within +-0.1 and logarithmic beyond (default: linear).
-        force: Overwrite ``path``.
-        dpi: Resolution.
-
-    Returns:
-        The path written.
+    (layers, heads, s, s) maps: layers as rows, heads as columns, one colour scale per layer centred on 0 (symmetric
+    log with ``log_scale``). (layers, H, W) maps: a panel per layer, ``query`` (row, column) marked.
     """
     path = _check_out(path, force)
     maps = np.asarray(maps, dtype=np.float32)
@@ -409,31 +302,10 @@ def plot_position_bias(
     return path
 
 
-def plot_key_maps(
-        keys: np.ndarray,
-        path: PathLike,
-        image: Optional[np.ndarray] = None,
-        title: Optional[str] = None,
-        map_label: str = 'head',
-        force: bool = False,
-        dpi: int = 110,
-) -> Path:
-    """Draw key maps (layers as rows, heads or channels as columns) under the input image (Figures 9-12).
-
-    Each layer has one colour scale (its minimum to maximum), its colour bar at the row's end.
-
-    Args:
-        keys: (layers, maps, H, W) from ``key_maps``.
-        path: Output .png; refused if it exists unless ``force``.
-        image: The input as the model saw it, (H, W, 3) in [0, 1], shown above the maps.
-        title: Figure title.
-        map_label: Column label: 'head' (AFT-conv) or 'channel' (AFT-full / AFT-simple).
-        force: Overwrite ``path``.
-        dpi: Resolution.
-
-    Returns:
-        The path written.
-    """
+def plot_key_maps(keys: np.ndarray, path: PathLike, image: Optional[np.ndarray] = None, title: Optional[str] = None,
+                  map_label: str = 'head', force: bool = False, dpi: int = 110) -> Path:
+    """Draw (layers, maps, H, W) key maps, layers as rows and ``map_label`` columns, one colour scale per layer, under
+    ``image`` (H, W, 3) if given, into the .png ``path`` (refused if it exists unless ``force``); returns it."""
     from matplotlib.colors import Normalize
 
     path = _check_out(path, force)
@@ -460,25 +332,24 @@ def plot_key_maps(
 # ------------------------------------------------------------------------------------------------ the jobs
 
 
+def _load(model: str, checkpoint: Optional[PathLike], pretrained: bool, use_ema: bool,
+          model_kwargs: Optional[Dict]) -> Tuple[nn.Module, str]:
+    from ..hub import load_model as load
+
+    return load(model, None if checkpoint is None else str(checkpoint), pretrained, use_ema, model_kwargs)
+
+
 def show_bias(model: str, out: PathLike, checkpoint: Optional[PathLike] = None, pretrained: bool = False,
               use_ema: bool = True, model_kwargs: Optional[Dict] = None, heads: int = 16,
               query: Optional[Sequence[int]] = None, log_scale: bool = False, force: bool = False,
               dpi: int = 110) -> np.ndarray:
-    """``aft-vision show-bias``: load the model (``load_model``), draw its position biases to ``out``.
+    """``aft-vision show-bias``: load the model (``hub.load_model``), draw its position biases to ``out`` (AFT-conv:
+    the first ``heads`` heads; AFT-full: for ``query``, by default the grid centre); returns the maps."""
+    from ..hub import warn_random_weights
 
-    Args:
-        model: Registered model or ``local-dir:`` / ``hf-hub:`` source, as ``load_model`` takes it.
-        out: The .png file.
-        heads: AFT-conv: the first N heads (columns).
-        query: AFT-full: the query patch (row, column) (default: the grid centre).
-        log_scale: AFT-conv: colours linear within +-0.1, logarithmic beyond.
-
-    Returns:
-        The maps drawn.
-    """
     start = time.perf_counter()
     _check_plotting(out, force)
-    name, model = model, load_model(model, checkpoint, pretrained, use_ema, **(model_kwargs or {}))
+    name, (model, weights) = model, _load(model, checkpoint, pretrained, use_ema, model_kwargs)
     if _mixers(model, (AFTConv2d,)):
         maps = position_bias_maps(model, num_heads=heads)
         plot_position_bias(maps, out, log_scale=log_scale, force=force, dpi=dpi,
@@ -494,34 +365,27 @@ def show_bias(model: str, out: PathLike, checkpoint: Optional[PathLike] = None, 
                            title=f'{name}: exp(w) for query {query} over the patch grid, per layer')
         what = f'AFT-full exp(w) for query {query}'
     print(f'wrote {out}: {what}, array {list(maps.shape)} (layers, ...); {time.perf_counter() - start:.1f} s')
-    _warn_if_random(name, checkpoint, pretrained)
+    warn_random_weights(name, weights)
     return maps
 
 
 def show_keys(image: PathLike, model: str, out: PathLike, checkpoint: Optional[PathLike] = None,
               pretrained: bool = False, use_ema: bool = True, model_kwargs: Optional[Dict] = None, heads: int = 16,
               img_size: Optional[int] = None, force: bool = False, dpi: int = 110) -> np.ndarray:
-    """``aft-vision show-keys``: load the model and the image, draw the key maps to ``out``.
+    """``aft-vision show-keys``: load the model and the image (at ``img_size`` if given), draw the first ``heads``
+    heads' (or key channels') maps to ``out``; returns the key maps."""
+    from ..hub import warn_random_weights
 
-    Args:
-        image: Image file (opened with PIL, timm's eval transform for the model, at ``img_size`` if given).
-        model: Registered model or ``local-dir:`` / ``hf-hub:`` source, as ``load_model`` takes it.
-        out: The .png file.
-        heads: The first N heads (AFT-conv) or key channels (AFT-full / simple), as columns.
-
-    Returns:
-        The key maps drawn.
-    """
     start = time.perf_counter()
     _check_plotting(out, force)
     if not Path(image).is_file():
         raise FileNotFoundError(f'image not found: {image}')
-    name, model = model, load_model(model, checkpoint, pretrained, use_ema, **(model_kwargs or {}))
+    name, (model, weights) = model, _load(model, checkpoint, pretrained, use_ema, model_kwargs)
     tensor, shown = load_image(image, model, img_size)
     keys = key_maps(model, tensor, num_maps=heads)
     label = 'head' if _mixers(model, (AFTConv2d,)) else 'channel'
     plot_key_maps(keys, out, image=shown, map_label=label, force=force, dpi=dpi,
                   title=f'{name}: keys of {Path(image).name}, layers (rows) x {label}s (columns)')
     print(f'wrote {out}: keys {list(keys.shape)} (layers, {label}s, H, W); {time.perf_counter() - start:.1f} s')
-    _warn_if_random(name, checkpoint, pretrained)
+    warn_random_weights(name, weights)
     return keys

@@ -1,0 +1,140 @@
+"""The study's report: its tables as markdown (``study.md``) and one plot per part (``plots/*.png``), from the rows
+``study.run_study`` aggregates over the seeds."""
+from pathlib import Path
+from typing import Dict, List, Sequence
+
+from ..checkpoints import save_figure
+from .training import size_scaled_batches
+
+__all__ = ['render_markdown', 'plot_study']
+
+
+def _sizes_text(sizes: Sequence[int]) -> str:
+    return '/'.join(map(str, sizes))
+
+
+def _pm(stats: Dict) -> str:
+    return f'{stats["mean"]:.2f} ± {stats["std"]:.2f}'
+
+
+def render_markdown(summary: Dict) -> str:
+    """The study's tables as markdown: mean ± sample standard deviation over the seeds."""
+    settings = summary['settings']
+    size, large = settings['img_size'], settings['eval_img_size']
+    lines = [
+        '# The study', '',
+        f'{settings["epochs"]} epochs (fine-tuning {settings["fine_tune_epochs"]}), seeds 0-{settings["seeds"] - 1}, '
+        f'{size} px training, batch {settings["batch_size"]}, lr {settings["lr"]}. Top-1 (%) on the held-out digits: '
+        f'mean ± sample standard deviation over the seeds. MMACs: multiply-adds of one {size} px image.', '',
+    ]
+    head = f'top-1 at {size} px | top-1 at {large} px'
+    tables = summary['tables']
+    if 'families' in tables:
+        lines += ['## Families at equal size', '', f'| model | params (k) | MMACs | {head} |', '|---|---|---|---|---|']
+        lines += [f'| {r["label"]} | {r["params"] / 1e3:.1f} | {r["macs"] / 1e6:.2f} | {_pm(r["top1"])} | '
+                  f'{_pm(r["top1_large"])} |' for r in tables['families']]
+        lines.append('')
+    if 'transfer' in tables:
+        lines += ['## Transfer from the ViT baseline', '',
+                  f'| model | start | epochs | top-1 after epoch 1 | {head} |', '|---|---|---|---|---|---|']
+        starts = {'vit': 'ViT baseline (transfer_vit_weights)', 'random': 'random'}
+        lines += [f'| {r["label"]} | {starts[r["start"]]} | {r["epochs"]} | {_pm(r["top1_epoch1"])} | '
+                  f'{_pm(r["top1"])} | {_pm(r["top1_large"])} |' for r in tables['transfer']]
+        lines.append('')
+    if 'window' in tables:
+        lines += ['## AFT-conv: window and heads', '', f'| kernel | heads | params (k) | MMACs | {head} |',
+                  '|---|---|---|---|---|---|']
+        lines += [f'| {r["kernel"]} | {r["heads"]} | {r["params"] / 1e3:.1f} | {r["macs"] / 1e6:.2f} | '
+                  f'{_pm(r["top1"])} | {_pm(r["top1_large"])} |' for r in tables['window']]
+        lines.append('')
+    if 'resolution' in tables:
+        sizes = [str(size) for size in settings['eval_img_sizes']]
+        batches = size_scaled_batches(settings['batch_size'], settings['img_size'], settings['train_img_sizes'])
+        lines += ['## Resolution: one set of weights at every size', '',
+                  f'Patch kept at every size (the token grid grows). Training at several sizes: one of '
+                  f'{_sizes_text(settings["train_img_sizes"])} px per step, batches of '
+                  f'{_sizes_text(batches)} '
+                  'images (inversely proportional to the side). Following the size: the position '
+                  'parameters resampled (resample), AFT-conv\'s windows kept (keep), resampled by the size ratio '
+                  '(window) or its patch resized so that the token grid stays (patch).', '',
+                  f'| family | trained at (px) | following the size | {" | ".join(f"{s} px" for s in sizes)} |',
+                  '|---|---|---|' + '---|' * len(sizes)]
+        lines += [f'| {r["family"]} | {r["training"]} | {r["mode"]} | '
+                  + ' | '.join(_pm(r['top1_at'][s]) if s in r['top1_at'] else '-' for s in sizes) + ' |'
+                  for r in tables['resolution']]
+        lines.append('')
+    return '\n'.join(lines)
+
+
+def plot_study(summary: Dict, records: Dict[str, Dict], folder: Path) -> List[str]:
+    """One PNG per part (bars with the seeds' spread; transfer: top-1 per epoch); returns the file names."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tables, settings = summary['tables'], summary['settings']
+    written = []
+    titles = {'families': 'Families at equal size', 'window': 'AFT-conv: kernel and heads'}
+    for part in ('families', 'window'):
+        if part not in tables:
+            continue
+        rows = tables[part]
+        fig, ax = plt.subplots(figsize=(max(5, 1.3 * len(rows)), 3.6))
+        width = 0.38
+        for i, (name, size) in enumerate((('top1', settings['img_size']), ('top1_large', settings['eval_img_size']))):
+            xs = [j + (i - 0.5) * width for j in range(len(rows))]
+            ax.bar(xs, [r[name]['mean'] for r in rows], width, yerr=[r[name]['std'] for r in rows], capsize=3,
+                   label=f'{size} px')
+        labels = [r['label'].split(' (')[0] if part == 'families' else f'k{r["kernel"]} h{r["heads"]}' for r in rows]
+        ax.set_xticks(range(len(rows)), labels, fontsize=8)
+        low = min(r[n]['mean'] - r[n]['std'] for r in rows for n in ('top1', 'top1_large'))
+        ax.set(ylabel='held-out top-1 (%)', ylim=(max(0, low - 5), 100),
+               title=f'{titles[part]}: mean ± std over {settings["seeds"]} seeds')
+        ax.legend(fontsize=8)
+        ax.grid(axis='y', alpha=0.3)
+        save_figure(fig, folder / f'{part}.png')
+        written.append(f'{part}.png')
+    if 'transfer' in tables:
+        models = [(r['key'], r['label'].split(' (')[0]) for r in tables['transfer'] if r['start'] == 'vit']
+        fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 3.6), squeeze=False)
+        for ax, (key, title) in zip(axes[0], models):
+            for r in (r for r in tables['transfer'] if r['key'] == key):
+                epochs = range(1, r['epochs'] + 1)
+                style = '-' if r['epochs'] == settings['fine_tune_epochs'] else ':'
+                name = f'{"from ViT" if r["start"] == "vit" else "random"}, {r["epochs"]} epochs'
+                line, = ax.plot(epochs, r['curve'], style, marker='o', markersize=3, label=name)
+                ax.fill_between(epochs, r['curve_min'], r['curve_max'], color=line.get_color(), alpha=0.15)
+            ax.set(xlabel='epoch', ylabel='held-out top-1 (%)', ylim=(0, 100),
+                   title=f'{title}: mean and range over {settings["seeds"]} seeds')
+            ax.xaxis.get_major_locator().set_params(integer=True)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        save_figure(fig, folder / 'transfer.png')
+        written.append('transfer.png')
+    if 'resolution' in tables:
+        written.append(_plot_resolution(tables['resolution'], settings, folder / 'resolution.png'))
+    return written
+
+
+def _plot_resolution(rows: List[Dict], settings: Dict, path: Path) -> str:
+    """A panel per family: top-1 against the evaluation size, a line per training and way of following the size."""
+    import matplotlib.pyplot as plt
+
+    families = list(dict.fromkeys(r['family'] for r in rows))
+    fig, axes = plt.subplots(1, len(families), figsize=(4.2 * len(families), 3.6), squeeze=False, sharey=True)
+    for ax, family in zip(axes[0], families):
+        for r in (r for r in rows if r['family'] == family):
+            sizes = sorted(r['top1_at'], key=int)
+            means = [r['top1_at'][s]['mean'] for s in sizes]
+            spread = [r['top1_at'][s]['std'] for s in sizes]
+            style = '-' if '/' in r['training'] else ':'
+            ax.errorbar([int(s) for s in sizes], means, yerr=spread, fmt=style, marker='o', markersize=3, capsize=2,
+                        label=f'{r["training"]} px, {r["mode"]}')
+        ax.axvline(settings['img_size'], color='grey', alpha=0.4, linestyle='--')
+        ax.set(xlabel='evaluation size (px)', title=family)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0][0].set(ylabel=f'held-out top-1 (%), mean ± std over {settings["seeds"]} seeds')
+    save_figure(fig, path)
+    return path.name

@@ -1,0 +1,213 @@
+"""The recipe every classification job trains with: the digits as an ImageFolder, timm's loaders, optimizer,
+scheduler and loss, one size drawn per step, DDP under torchrun, and top-1 evaluation (``train``, ``evaluate``)."""
+import hashlib
+import math
+import os
+import random
+from pathlib import Path
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+from timm.data import create_loader, create_transform, resolve_data_config
+from timm.loss import LabelSmoothingCrossEntropy
+from timm.optim import create_optimizer_v2
+from timm.scheduler import create_scheduler_v2
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+from torchvision.datasets import ImageFolder
+from tqdm import tqdm
+
+from ..checkpoints.transfer import TransferReport, is_vit_state_dict, transfer_vit_weights, unwrap_state_dict
+from ..hub import load_model
+from ..models.aft_conv import AFTConvTransformer, checkpoint_filter_fn as aft_conv_filter, forward_at_size
+from .regularizers import position_bias_entropy
+
+__all__ = ['split_digits', 'write_digits', 'eval_data_config', 'evaluate', 'size_scaled_batches', 'train_loader',
+           'load_initial_weights', 'train', 'state_digest']
+
+
+def split_digits(targets: torch.Tensor, val_fraction: float = 0.2, seed: int = 0) -> Dict[str, torch.Tensor]:
+    """The digits' stratified split: per class a seeded ``val_fraction`` of the indices in 'val', the rest 'train'."""
+    gen = torch.Generator().manual_seed(seed)
+    chosen = {'train': [], 'val': []}
+    for label in range(10):
+        indices = torch.nonzero(targets == label).flatten()
+        indices = indices[torch.randperm(len(indices), generator=gen)]
+        num_val = round(len(indices) * val_fraction)
+        chosen['val'].append(indices[:num_val])
+        chosen['train'].append(indices[num_val:])
+    return {split: torch.cat(indices) for split, indices in chosen.items()}
+
+
+def write_digits(root: Path, size: int = 32, val_fraction: float = 0.2, seed: int = 0) -> Path:
+    """Write scikit-learn's 1797 digits once as an ImageFolder (``train/``, ``val/``, ``split_digits``), RGB PNGs."""
+    if (root / 'train').is_dir() and (root / 'val').is_dir():
+        return root
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    staging = root.with_name(f'.{root.name}.tmp')
+    for split, indices in split_digits(torch.tensor(data.target), val_fraction, seed).items():
+        for i in indices.tolist():
+            folder = staging / split / str(data.target[i])
+            folder.mkdir(parents=True, exist_ok=True)
+            pixels = (data.images[i] * (255 / 16)).astype('uint8')  # 8 x 8, values 0..16
+            Image.fromarray(pixels).resize((size, size), Image.BICUBIC).convert('RGB').save(folder / f'{i}.png')
+    root.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(staging, root)
+    return root
+
+
+def eval_data_config(model: torch.nn.Module, img_size: int) -> Dict:
+    """The jobs' preprocessing at ``img_size``: no crop (crop_pct 1.0), the model's interpolation and normalisation."""
+    return resolve_data_config({'input_size': (3, img_size, img_size), 'crop_pct': 1.0}, model=model)
+
+
+def _image_folder(folder: Path, transform=None) -> ImageFolder:
+    dataset = ImageFolder(str(folder), transform=transform)
+    if not len(dataset):
+        raise ValueError(f'no images found in {folder}')
+    return dataset
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, folder: Path, img_size: Optional[int] = None, batch_size: int = 256,
+             data_config: Optional[Dict] = None) -> float:
+    """Top-1 accuracy (%) on an ImageFolder, on ``model``'s device, with ``eval_data_config(model, img_size)`` or
+    timm's eval transform for ``data_config`` (e.g. ``resolve_data_config({}, model=model)``, as a client)."""
+    if (img_size is None) == (data_config is None):
+        raise ValueError('evaluate takes either img_size or data_config')
+    model.eval()
+    device = next(model.parameters()).device
+    transform = create_transform(**(data_config or eval_data_config(model, img_size)))
+    loader = DataLoader(_image_folder(folder, transform), batch_size=batch_size, shuffle=False, num_workers=0)
+    correct = total = 0
+    for images, labels in loader:
+        correct += (model(images.to(device)).argmax(-1).cpu() == labels).sum().item()
+        total += len(labels)
+    return 100.0 * correct / total
+
+
+def size_scaled_batches(batch_size: int, img_size: int, sizes: Sequence[int]) -> List[int]:
+    """A batch size per training size: ``batch_size`` at ``img_size``, inversely proportional to the side elsewhere
+    (at least 1), so that a step costs about the same at every size (docs/results.md, "Resolution")."""
+    return [max(1, round(batch_size * img_size / size)) for size in sizes]
+
+
+def train_loader(folder: Path, model: torch.nn.Module, img_sizes: Sequence[int], batch_sizes: Sequence[int],
+                 schedule: str, epochs: int, seed: int, distributed: bool = False) -> DataLoader:
+    """timm's scheduled loader: one size of ``img_sizes`` per step (with its batch size), drawn from ``seed`` so that
+    every rank draws the same; no flips (digits), crops of 40-100% of the area (docs/training.md). Call
+    ``loader.batch_sampler.set_epoch`` each epoch."""
+    config = eval_data_config(model, img_sizes[0])
+    loader = create_loader(
+        _image_folder(folder), input_size=config['input_size'], batch_size=batch_sizes[0], is_training=True,
+        use_prefetcher=False, num_workers=0, distributed=distributed, hflip=0.0, scale=(0.4, 1.0), ratio=(0.9, 1.1),
+        color_jitter=None, interpolation=config['interpolation'], mean=config['mean'], std=config['std'],
+        crop_pct=config['crop_pct'], input_size_choices=list(img_sizes), batch_size_choices=list(batch_sizes),
+        batch_choice_seed=seed, batch_choice_schedule=schedule,
+        batch_schedule_epochs=epochs if schedule == 'progressive' else None)
+    # The image order from the seed alone, not from torch's global generator, which timm's loader would share with
+    # the crops (the ViT baseline trained markedly worse so: docs/results.md, "Resolution").
+    images = loader.batch_sampler.sampler
+    if isinstance(images, RandomSampler):
+        images.generator = torch.Generator().manual_seed(seed)
+    elif isinstance(images, DistributedSampler):
+        images.seed = seed
+    return loader
+
+
+def load_initial_weights(model: torch.nn.Module, weights: Mapping[str, torch.Tensor]) -> Optional[TransferReport]:
+    """Start ``model`` from ``weights`` (a training checkpoint unwrapped as timm does): its own, strictly (AFT-conv's
+    windows and patch resampled to its own), or a ViT / DeiT's mapped by ``transfer_vit_weights`` (whose report is
+    returned; None for the model's own)."""
+    weights = unwrap_state_dict(weights)
+    if is_vit_state_dict(weights) and not is_vit_state_dict(model.state_dict()):
+        state_dict, report = transfer_vit_weights(weights, model)
+        model.load_state_dict(state_dict)
+        return report
+    if isinstance(model, AFTConvTransformer):
+        weights = aft_conv_filter(weights, model)
+    model.load_state_dict(weights)
+    return None
+
+
+def train(data_dir: Path, model_name: str, epochs: int, img_size: int, batch_size: int, lr: float, seed: int,
+          sparsity_weight: float = 0.0, model_kwargs: Optional[Dict] = None, pretrained: bool = False,
+          device: torch.device = torch.device('cpu'), rank: int = 0, world_size: int = 1,
+          init_weights: Optional[Mapping[str, torch.Tensor]] = None, log: Callable[[str], None] = print,
+          train_img_sizes: Optional[Sequence[int]] = None, train_batch_sizes: Optional[Sequence[int]] = None,
+          size_schedule: str = 'constant') -> Tuple[torch.nn.Module, List[Dict], List[str]]:
+    """Train ``model_name`` (built by ``hub.load_model``) with AdamW, a cosine schedule and label smoothing.
+
+    Under torchrun (``world_size`` > 1) DDP trains a shard per rank; rank 0 alone evaluates and logs.
+
+    Args:
+        init_weights: Weights to start from (``load_initial_weights``); tensors they leave fresh keep ``seed``'s.
+        train_img_sizes: One drawn per step (``train_loader``); None: ``img_size``, where evaluation runs.
+        train_batch_sizes: One per training size; None: ``size_scaled_batches``.
+        size_schedule: timm's choice schedule, 'constant' or 'progressive' (small to large).
+
+    Returns:
+        The unwrapped model; per epoch the loss, steps per size, the sha256 of the sizes drawn and (rank 0) the
+        held-out top-1; the class names.
+    """
+    torch.manual_seed(seed)  # the same initial weights on every rank
+    classes = ImageFolder(str(data_dir / 'train')).classes
+    kwargs = dict(model_kwargs or {}, num_classes=len(classes))
+    model = load_model(model_name, pretrained=pretrained, model_kwargs=kwargs, aft_only=False)[0].to(device)
+    if init_weights is not None:
+        report = load_initial_weights(model, init_weights)
+        if report is not None and rank == 0:
+            log(report.summary())
+    random.seed(seed + rank)  # timm's crops draw from Python's random, the rest from torch: different per rank
+    torch.manual_seed(seed + rank)
+    sizes = list(train_img_sizes or [img_size])
+    batch_sizes = list(train_batch_sizes or size_scaled_batches(batch_size, img_size, sizes))
+    loader = train_loader(data_dir / 'train', model, sizes, batch_sizes, size_schedule, epochs, seed,
+                          distributed=world_size > 1)
+    net = model  # what the training step calls; DDP averages the gradients across ranks
+    if world_size > 1:
+        net = DistributedDataParallel(model, device_ids=[device] if device.type == 'cuda' else None)
+    optimizer = create_optimizer_v2(model, 'adamw', lr=lr, weight_decay=0.05)
+    scheduler, _ = create_scheduler_v2(optimizer, sched='cosine', num_epochs=epochs, warmup_epochs=1,
+                                       warmup_lr=lr / 10, min_lr=lr / 100, step_on_epochs=False,
+                                       updates_per_epoch=len(loader))
+    criterion = LabelSmoothingCrossEntropy(smoothing=0.1)
+    history = []
+    for epoch in range(epochs):
+        net.train()
+        loader.batch_sampler.set_epoch(epoch)  # the epoch's size order and, under DDP, its shard
+        losses, step_sizes = [], []
+        bar = tqdm(loader, desc=f'epoch {epoch + 1}/{epochs}', unit='batch', leave=False, disable=rank != 0)
+        for step, (images, labels) in enumerate(bar):
+            step_sizes.append(images.shape[-1])
+            loss = criterion(forward_at_size(net, images.to(device)), labels.to(device))
+            if sparsity_weight:  # Eq. 9 on the shared weights: every rank adds the same term
+                loss = loss + sparsity_weight * position_bias_entropy(model)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            scheduler.step_update(epoch * len(loader) + step + 1)
+            losses.append(loss.item())
+            bar.set_postfix(loss=f'{loss.item():.3f}')
+        if not all(math.isfinite(x) for x in losses):
+            raise RuntimeError(f'training diverged in epoch {epoch + 1}: non-finite loss')
+        record = {'epoch': epoch + 1, 'loss': sum(losses) / len(losses),
+                  'steps_per_size': {str(size): step_sizes.count(size) for size in sorted(set(step_sizes))},
+                  'size_schedule_sha256': hashlib.sha256(repr(step_sizes).encode()).hexdigest()}
+        if rank == 0:
+            record['val_top1'] = evaluate(model, data_dir / 'val', img_size)
+            log(f'epoch {epoch + 1:2d}  loss {record["loss"]:.4f}  val top-1 {record["val_top1"]:.2f}%')
+        history.append(record)
+    return model, history, classes
+
+
+def state_digest(state_dict: Mapping[str, torch.Tensor]) -> str:
+    """sha256 over the sorted names and raw bytes of a state dict: equal digests mean bit-identical weights."""
+    digest = hashlib.sha256()
+    for name in sorted(state_dict):
+        digest.update(name.encode())
+        digest.update(state_dict[name].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
