@@ -1,9 +1,6 @@
-"""What the AFT model families share: the pre-norm block, timm's ViT init, input checks, the DeiT-initialised cfgs,
-and ``AFTTransformerBase``, the trunk (blocks, norm, head) with the timm model interface built on it.
-
-``aft_vit`` (AFT-full / AFT-simple, token sequences) and ``aft_conv`` (AFT-conv, token maps) subclass the base and
-add their patch embedding, position handling, ``forward_features`` and ``forward_intermediates``.
-"""
+"""What the AFT model families share: the pre-norm ``Block``, ``AFTTransformerBase`` (the trunk of blocks, norm and
+head with the timm model interface on it), the input check and the DeiT-initialised cfgs. ``aft_vit`` (token
+sequences) and ``aft_conv`` (token maps) add their patch embedding, positions, features and intermediates."""
 import logging
 from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Type, Union
@@ -12,9 +9,10 @@ import torch
 from torch import nn
 from torch.jit import Final
 
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import DropPath, LayerNorm, LayerScale, Mlp, calculate_drop_path_rates, get_device_dtype
 from timm.models import named_apply, register_notrace_function
-from timm.models._features import feature_take_indices  # timm's own models import it from here (not re-exported)
+from timm.models._features import feature_take_indices  # as timm's own models import it (not re-exported)
 from timm.models.vision_transformer import init_weights_vit_timm
 
 from ..layers import layer_norm_nchw, linear_nchw
@@ -31,42 +29,21 @@ NO_DECAY_SUFFIXES = ('.attn.pos_u', '.attn.pos_v', '.attn.pos_weight')
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block with an AFT token mixer as ``attn``: ``x + attn(norm1(x))``, ``x + mlp(norm2(x))``.
+    """Pre-norm block with an AFT token mixer as ``attn``: ``x + attn(norm1(x))``, then ``x + mlp(norm2(x))``.
 
-    Works on any token layout the mixer takes: (B, T, C) for AFT-full/simple, (B, H, W, C) for AFT-conv. The norms,
-    the MLP and the residual sums run on (B, T, C) rows, a view of the map: exported graphs then hand CPU runtimes
-    3-D tensors, where OpenVINO would lay a 4-D map out as NCHW with H innermost. A mixer with ``grid_aware = True``
-    also receives the patch grid ``feat_size``.
-
-    Args:
-        dim: Token width C.
-        mixer_layer: Token mixer class (or partial) called as ``mixer_layer(dim, qkv_bias=..., proj_drop=...,
-            device=..., dtype=...)``.
-        mlp_ratio: MLP hidden width over C.
-        qkv_bias: Bias in the mixer's q, k, v projection.
-        proj_drop: Dropout after the mixer's and the MLP's output projections.
-        init_values: LayerScale init value, no LayerScale if None.
-        drop_path: Stochastic depth rate.
-        act_layer: MLP activation.
-        norm_layer: Normalisation layer.
-        mlp_layer: MLP class.
+    Takes the mixer's layout, (B, T, C) or (B, H, W, C); norms, MLP and residual sums run on (B, T, C) rows, a view
+    (exported graphs then hand CPU runtimes 3-D tensors). A ``grid_aware`` mixer also receives the grid ``feat_size``.
+    ``mixer_layer(dim, qkv_bias=..., proj_drop=..., device=..., dtype=...)`` builds the mixer; the other arguments are
+    those of timm's ViT block.
     """
     grid_aware: Final[bool]
 
     def __init__(
             self,
-            dim: int,
-            mixer_layer: Callable[..., nn.Module],
-            mlp_ratio: float = 4.,
-            qkv_bias: bool = True,
-            proj_drop: float = 0.,
-            init_values: Optional[float] = None,
-            drop_path: float = 0.,
-            act_layer: Type[nn.Module] = nn.GELU,
-            norm_layer: Type[nn.Module] = LayerNorm,
-            mlp_layer: Type[nn.Module] = Mlp,
-            device=None,
-            dtype=None,
+            dim: int, mixer_layer: Callable[..., nn.Module], mlp_ratio: float = 4., qkv_bias: bool = True,
+            proj_drop: float = 0., init_values: Optional[float] = None, drop_path: float = 0.,
+            act_layer: Type[nn.Module] = nn.GELU, norm_layer: Type[nn.Module] = LayerNorm,
+            mlp_layer: Type[nn.Module] = Mlp, device=None, dtype=None,
     ):
         super().__init__()
         dd = {'device': device, 'dtype': dtype}
@@ -77,13 +54,8 @@ class Block(nn.Module):
         self.drop_path1 = DropPath(drop_path) if drop_path > 0. else nn.Identity()
 
         self.norm2 = norm_layer(dim, **dd)
-        self.mlp = mlp_layer(
-            in_features=dim,
-            hidden_features=int(dim * mlp_ratio),
-            act_layer=act_layer,
-            drop=proj_drop,
-            **dd,
-        )
+        self.mlp = mlp_layer(in_features=dim, hidden_features=int(dim * mlp_ratio), act_layer=act_layer, drop=proj_drop,
+                             **dd)
         self.ls2 = LayerScale(dim, init_values=init_values, **dd) if init_values else nn.Identity()
         self.drop_path2 = DropPath(drop_path) if drop_path > 0. else nn.Identity()
 
@@ -99,9 +71,8 @@ class Block(nn.Module):
         return tokens.view(shape)
 
     def forward_nchw(self, x: torch.Tensor) -> torch.Tensor:
-        """The block on a channel-first map (B, C, H, W) of an AFT-conv model, for exported graphs: norms over the
-        channels (``norm_nchw``), linear layers as 1 x 1 convolutions, the mixer's ``forward_nchw``. A block with an
-        MLP other than timm's ``Mlp`` runs its own ``forward`` between two permutes."""
+        """The block on a channel-first map (B, C, H, W), for exported graphs (``aft_conv.export_layout``): norms over
+        the channels, linear layers as 1 x 1 convolutions; another MLP than timm's runs ``forward`` between permutes."""
         if not self._runs_nchw():
             return self(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
         x = x + self.drop_path1(_scale_channels(self.ls1, self.attn.forward_nchw(norm_nchw(self.norm1, x))))
@@ -117,8 +88,7 @@ class Block(nn.Module):
 
 
 def norm_nchw(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """A norm over the channels on x (B, C, H, W): a LayerNorm by reductions over dim 1 (``layer_norm_nchw``), any
-    other between two permutes."""
+    """A norm over the channels of x (B, C, H, W): LayerNorm by ``layer_norm_nchw``, any other between permutes."""
     if isinstance(norm, nn.LayerNorm):
         return layer_norm_nchw(x, norm)
     return norm(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
@@ -132,58 +102,31 @@ def _scale_channels(layer_scale: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 class AFTTransformerBase(nn.Module):
-    """An isotropic AFT transformer's trunk (``blocks``, ``norm``, ``head_drop``, ``head``) and the timm interface that
-    only depends on it: init, weight-decay and layer-decay groups, gradient checkpointing, classifier reset, pruning,
-    ``forward_head`` and ``forward``.
+    """An isotropic AFT transformer's trunk (``blocks``, ``norm``, ``head_drop``, ``head``) and the timm interface on
+    it: init, optimizer groups, gradient checkpointing, classifier reset, pruning, ``forward_head``, ``forward``.
 
-    Subclasses build ``patch_embed`` (and their position parameters), call ``_build_trunk``, and provide ``pool``,
-    ``forward_features``, ``forward_intermediates``, ``set_input_size`` and ``_check_global_pool`` (and
-    ``_fixed_img_size`` when their parameters tie them to one input size). Input checks and ``forward`` live here, so
-    that fx tracing, which wraps the notrace functions of the traced ``forward``'s module, treats ``check_image`` as
-    a leaf.
-
-    Args:
-        num_classes: Classifier classes, 0 for no classifier.
-        in_chans: Number of image channels.
-        global_pool: Pooling before the head (checked by the subclass).
-        embed_dim: Token width.
-        weight_init: '' for timm's ViT init, 'skip' to leave parameters uninitialised.
+    Subclasses build ``patch_embed`` and their positions, call ``_build_trunk``, and provide ``pool``,
+    ``_set_global_pool``, the features, intermediates and ``set_input_size`` (and ``_fixed_img_size``). ``forward``
+    lives here so that fx, which wraps the notrace functions of the traced module, keeps ``check_image`` a leaf.
     """
 
-    def __init__(self, num_classes: int, in_chans: int, global_pool: str, embed_dim: int, weight_init: str):
+    def __init__(self, num_classes: int, in_chans: int, embed_dim: int, weight_init: str):
         super().__init__()
         if weight_init not in ('', 'skip'):
             raise ValueError(f"unknown weight_init {weight_init!r}: choose '' or 'skip'")
         self.num_classes = num_classes
         self.in_chans = in_chans
-        self.global_pool = global_pool
         self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
         self.grad_checkpointing = False
 
-    def _build_trunk(
-            self,
-            depth: int,
-            mixer_layer: Callable[..., nn.Module],
-            reduction: int,
-            block_fn: Type[nn.Module],
-            norm_layer: Type[nn.Module],
-            drop_rate: float = 0.,
-            drop_path_rate: float = 0.,
-            dd: Optional[Dict[str, Any]] = None,
-            **block_kwargs,
-    ) -> None:
+    def _build_trunk(self, depth: int, mixer_layer: Callable[..., nn.Module], reduction: int, block_fn: Type[nn.Module],
+                     norm_layer: Type[nn.Module], drop_rate: float, drop_path_rate: float, dd: Dict[str, Any],
+                     **block_kwargs) -> None:
         """``depth`` blocks (stochastic depth linear over them), their ``feature_info``, final norm and head."""
-        dd = dd or {}
         dpr = calculate_drop_path_rates(drop_path_rate, depth)
         self.blocks = nn.Sequential(*[
-            block_fn(
-                dim=self.embed_dim,
-                mixer_layer=mixer_layer,
-                drop_path=dpr[i],
-                norm_layer=norm_layer,
-                **block_kwargs,
-                **dd,
-            )
+            block_fn(dim=self.embed_dim, mixer_layer=mixer_layer, drop_path=dpr[i], norm_layer=norm_layer,
+                     **block_kwargs, **dd)
             for i in range(depth)])
         self.feature_info = [
             dict(module=f'blocks.{i}', num_chs=self.embed_dim, reduction=reduction) for i in range(depth)]
@@ -191,11 +134,11 @@ class AFTTransformerBase(nn.Module):
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(self.embed_dim, self.num_classes, **dd) if self.num_classes > 0 else nn.Identity()
 
-    def _check_global_pool(self, global_pool: str) -> None:
+    def _set_global_pool(self, global_pool: str) -> None:
         raise NotImplementedError
 
     def init_weights(self, mode: str = '') -> None:
-        """timm's ViT init (``mode`` accepted for API parity, only '' is supported)."""
+        """timm's ViT init (only ``mode=''``)."""
         if mode:
             raise ValueError(f"unknown init mode {mode!r}: only '' is supported")
         # needs_reset=False as timm's VisionTransformer builds: the modules initialised themselves, and a reset would
@@ -204,17 +147,14 @@ class AFTTransformerBase(nn.Module):
 
     @torch.jit.ignore
     def no_weight_decay(self) -> Set[str]:
-        """Position parameters are not decayed: position embedding, class token, AFT-full's u and v, AFT-conv's raw
-        bias (like Swin's relative position tables)."""
+        """Position parameters (position embedding, class token, AFT-full's u, v, AFT-conv's raw bias) are not
+        decayed, like Swin's relative position tables."""
         return {n for n, _ in self.named_parameters() if n in NO_DECAY_NAMES or n.endswith(NO_DECAY_SUFFIXES)}
 
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
-        """Parameter groups for layer-wise lr decay: stem, one group per block, final norm with the last block."""
-        return dict(
-            stem=r'^cls_token|pos_embed|patch_embed',
-            blocks=[(r'^blocks\.(\d+)', None), (r'^norm', (99999,))],
-        )
+        """Layer-decay groups: stem, one per block, the final norm with the last block."""
+        return dict(stem=r'^cls_token|pos_embed|patch_embed', blocks=[(r'^blocks\.(\d+)', None), (r'^norm', (99999,))])
 
     @torch.jit.ignore
     def set_grad_checkpointing(self, enable: bool = True) -> None:
@@ -229,19 +169,14 @@ class AFTTransformerBase(nn.Module):
         dd = get_device_dtype(self)
         self.num_classes = num_classes
         if global_pool is not None:
-            self._check_global_pool(global_pool)
-            self.global_pool = global_pool
+            self._set_global_pool(global_pool)
         self.head = nn.Linear(self.embed_dim, num_classes, **dd) if num_classes > 0 else nn.Identity()
         self.head.train(self.training)
 
-    def prune_intermediate_layers(
-            self,
-            indices: Union[int, List[int]] = 1,
-            prune_norm: bool = False,
-            prune_head: bool = True,
-    ) -> List[int]:
+    def prune_intermediate_layers(self, indices: Union[int, List[int]] = 1, prune_norm: bool = False,
+                                  prune_head: bool = True) -> List[int]:
         """Drop the blocks after the last requested intermediate (and the norm / head if asked)."""
-        take_indices, max_index = take_block_indices(len(self.blocks), indices)
+        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
         self.blocks = self.blocks[:max_index + 1]
         if prune_norm:
             self.norm = nn.Identity()
@@ -250,7 +185,7 @@ class AFTTransformerBase(nn.Module):
         return take_indices
 
     def _fixed_img_size(self) -> Optional[Tuple[int, int]]:
-        """The only input size the model accepts, or None when any multiple of the patch size runs."""
+        """The one input size the model takes, or None when any multiple of the patch size runs."""
         return None
 
     def _check_input(self, x: torch.Tensor) -> None:
@@ -268,96 +203,59 @@ class AFTTransformerBase(nn.Module):
         return x
 
 
-def take_block_indices(num_blocks: int, indices: Optional[Union[int, List[int]]] = None) -> Tuple[List[int], int]:
-    """timm's ``feature_take_indices`` over the blocks (None: all, n: the last n, a list: those, negative from the
-    end); outside TorchScript a bad index raises ValueError where timm asserts, so it reads as bad input.
-
-    Returns:
-        The absolute indices, in the given order, and the largest one.
-    """
-    if not torch.jit.is_scripting():
-        return _take_block_indices_eager(num_blocks, indices)
-    return feature_take_indices(num_blocks, indices)
-
-
-@torch.jit.unused  # TorchScript has no try blocks
-def _take_block_indices_eager(num_blocks: int, indices: Optional[Union[int, List[int]]]) -> Tuple[List[int], int]:
-    try:
-        return feature_take_indices(num_blocks, indices)
-    except AssertionError as error:
-        raise ValueError(f'{error}: the model has {num_blocks} blocks') from None
-
-
 @register_notrace_function  # an fx leaf: the checks run on real shapes, not on proxies
-def check_image(
-        x: torch.Tensor,
-        in_chans: int,
-        patch_size: Tuple[int, int],
-        img_size: Optional[Tuple[int, int]] = None,
-        dynamic_img_pad: bool = False,
-        weight_dtype: Optional[torch.dtype] = None,
-) -> None:
-    """Check an image batch (B, C, H, W) against what a patch-embedding model accepts; raise ValueError otherwise.
-
-    Args:
-        x: Image batch.
-        in_chans: Channels the model was built for.
-        patch_size: Patch size (ph, pw).
-        img_size: The only accepted size, for a model whose positional parameters are tied to its grid; None when
-            any size is accepted that is a multiple of the patch size (or any size if ``dynamic_img_pad``).
-        dynamic_img_pad: The model zero-pads images to a multiple of the patch size.
-        weight_dtype: The model's parameter dtype; outside autocast, images must have it.
-    """
-    if not x.is_floating_point():
-        raise TypeError(f'expected a floating-point image batch, got dtype {x.dtype}: convert and normalise it first')
-    if weight_dtype is not None and x.dtype != weight_dtype:
+def check_image(x: torch.Tensor, in_chans: int, patch_size: Tuple[int, int], img_size: Optional[Tuple[int, int]] = None,
+                dynamic_img_pad: bool = False, weight_dtype: Optional[torch.dtype] = None) -> None:
+    """Raise TypeError / ValueError naming the shape or dtype where timm's ``PatchEmbed`` would fail an assert (size)
+    or its convolution (dtype, rank, channels). ``img_size``: the one size taken (None: any multiple of the patch, or
+    any size with ``dynamic_img_pad``); ``weight_dtype``: the images' dtype outside autocast."""
+    wrong_dtype = not x.is_floating_point()
+    if not wrong_dtype and weight_dtype is not None and x.dtype != weight_dtype:
         if torch.jit.is_scripting():
-            autocast = False
+            wrong_dtype = True
         else:
-            autocast = torch.is_autocast_enabled(x.device.type)
-        if not autocast:
-            raise TypeError(f'image dtype {x.dtype} does not match the model parameters ({weight_dtype}): cast the '
-                            f'images (x.to({weight_dtype})), the model (model.to({x.dtype})), or run under autocast')
+            wrong_dtype = not torch.is_autocast_enabled(x.device.type)
+    if wrong_dtype:
+        raise TypeError(f'image dtype {x.dtype}: the model takes floating-point images of its parameters\' dtype '
+                        f'({weight_dtype}) or any floating point under autocast; cast the images or the model')
     if x.dim() != 4:
         raise ValueError(f'expected an image batch of shape (B, {in_chans}, H, W), got shape {list(x.shape)}')
     if x.shape[1] != in_chans:
+        raise ValueError(f'expected {in_chans} input channels (in_chans={in_chans}), got {x.shape[1]} (input shape '
+                         f'{list(x.shape)}); create the model with in_chans={x.shape[1]} for such images')
+    h, w, ph, pw = x.shape[2], x.shape[3], patch_size[0], patch_size[1]
+    example = f'{max(1, (h + ph - 1) // ph) * ph}x{max(1, (w + pw - 1) // pw) * pw}'
+    if img_size is not None and (h != img_size[0] or w != img_size[1]):
         raise ValueError(
-            f'expected {in_chans} input channels (in_chans={in_chans}), got {x.shape[1]} (input shape '
-            f'{list(x.shape)}); create the model with in_chans={x.shape[1]} to accept such images')
-    height, width = x.shape[2], x.shape[3]
-    ph, pw = patch_size[0], patch_size[1]
-    multiple = height % ph == 0 and width % pw == 0 and height > 0 and width > 0
-    up_h, up_w = max(1, (height + ph - 1) // ph) * ph, max(1, (width + pw - 1) // pw) * pw
-    if img_size is not None:
-        if height != img_size[0] or width != img_size[1]:
-            if multiple:
-                hint = (f'build it with img_size=({height}, {width}), call model.set_input_size(img_size=({height}, '
-                        f'{width})), or build it with dynamic_img_size=True to accept any multiple of {ph}x{pw}')
-            else:
-                hint = (f'other sizes must be multiples of the patch size {ph}x{pw} (e.g. {up_h}x{up_w}) and need '
-                        f'img_size=..., model.set_input_size(...) or dynamic_img_size=True (add dynamic_img_pad=True '
-                        f'to zero-pad any size)')
-            raise ValueError(
-                f'input size {height}x{width} does not match the {img_size[0]}x{img_size[1]} this model is built for '
-                f'(its position embedding and position biases are tied to that patch grid); {hint}')
-    elif not dynamic_img_pad and not multiple:
-        what = f'is smaller than one {ph}x{pw} patch' if height < ph or width < pw else \
-            f'is not a multiple of the patch size {ph}x{pw}'
-        raise ValueError(
-            f'input size {height}x{width} {what}: height and width must be positive multiples of the patch size '
-            f'(e.g. {up_h}x{up_w}), or build the model with dynamic_img_pad=True to zero-pad other sizes')
+            f'input size {h}x{w} does not match the {img_size[0]}x{img_size[1]} this model is built for (its position '
+            f'parameters are tied to that patch grid): build it with img_size=({h}, {w}) or call model.'
+            f'set_input_size(img_size=...) for other sizes, multiples of the patch size {ph}x{pw} (e.g. {example}), '
+            f'or build it with dynamic_img_size=True')
+    if img_size is None and not dynamic_img_pad and (h < ph or w < pw or h % ph != 0 or w % pw != 0):
+        small = h < ph or w < pw
+        what = f'is smaller than one {ph}x{pw} patch' if small else f'is not a multiple of the patch size {ph}x{pw}'
+        raise ValueError(f'input size {h}x{w} {what}: sides must be multiples of the patch size (e.g. {example}), or '
+                         f'build the model with dynamic_img_pad=True to zero-pad other sizes')
 
 
 def adapt_vit_checkpoint(state_dict: Dict[str, torch.Tensor], model: nn.Module) -> Dict[str, torch.Tensor]:
-    """Take a training checkpoint's weights as timm does (``unwrap_state_dict``); map a DeiT / ViT one onto the AFT
-    ``model`` (report logged at INFO). The DeiT classifier is dropped (``transfer_vit_weights``): the converted
-    weights are a backbone. An AFT-simple checkpoint has a ViT's very keys: one with exactly the model's keys loads as
-    it is (timm's loader drops a classifier of another class count)."""
+    """A training checkpoint's weights as timm takes them; a DeiT / ViT one mapped onto ``model`` without its classifier
+    (``transfer_vit_weights``, logged). One with exactly the model's keys (an AFT-simple's are a ViT's) loads as is."""
     state_dict = unwrap_state_dict(state_dict)
     if is_vit_state_dict(state_dict) and set(state_dict) != set(model.state_dict()):
         state_dict, report = transfer_vit_weights(state_dict, model)
         _logger.info('DeiT -> %s transfer: %s', type(model).__name__, report.summary())
     return state_dict
+
+
+def aft_cfg(**kwargs) -> Dict[str, Any]:
+    """A pretrained cfg with the DeiT recipe's preprocessing (224 px, crop 0.9, ImageNet's mean and std)."""
+    return {
+        'url': '', 'num_classes': 1000, 'input_size': (3, 224, 224), 'crop_pct': .9, 'interpolation': 'bicubic',
+        'mean': IMAGENET_DEFAULT_MEAN, 'std': IMAGENET_DEFAULT_STD, 'first_conv': 'patch_embed.proj',
+        'classifier': 'head', 'license': 'apache-2.0', 'paper_ids': PAPER_ID,
+        'paper_name': 'An Attention Free Transformer', **kwargs,
+    }
 
 
 DEIT_INIT_NOTE = (
@@ -369,13 +267,11 @@ UNTRAINED_NOTE = 'No weights: the DeiT recipe\'s preprocessing only. The .deit_i
 
 
 def deit_init_cfg(cfg_fn: Callable[..., Dict[str, Any]], deit_tag: str, **kwargs) -> Dict[str, Any]:
-    """A ``.deit_in1k`` tag: ``deit_tag``'s weights from timm's Hub repository, converted by the filter into a
-    backbone (``num_classes=0``)."""
+    """A ``.deit_in1k`` tag: ``deit_tag``'s weights from timm's Hub, converted on load into a backbone."""
     return cfg_fn(hf_hub_id=f'timm/{deit_tag}', num_classes=0, notes=(DEIT_INIT_NOTE,), **kwargs)
 
 
 def untrained_cfg(cfg_fn: Callable[..., Dict[str, Any]], **kwargs) -> Dict[str, Any]:
-    """An ``.untrained`` tag: no weights, the preprocessing of the DeiT recipe. Registered as ``'arch.untrained*'``,
-    it is the architecture's default, so ``pretrained=True`` on the bare name fails as timm does for models without
-    weights instead of loading a half-fresh network."""
+    """An ``.untrained`` tag: no weights, DeiT's preprocessing. Registered as the default (``'arch.untrained*'``), so
+    that ``pretrained=True`` on a bare name fails as timm does without weights instead of loading half a network."""
     return cfg_fn(notes=(UNTRAINED_NOTE,), **kwargs)

@@ -1,21 +1,11 @@
-""" AFT vision transformers: AFT-full and AFT-simple in a DeiT backbone
+"""AFT-full and AFT-simple in DeiT's backbone (Sec. 5.3, Table 7 of `An Attention Free Transformer`,
+https://arxiv.org/abs/2105.14103): a ViT (patch 16, 12 pre-norm blocks, class token, position embedding) whose
+attention is AFT-full (Eq. 2, factorised bias ``w = u @ v.T`` of Eq. 7) or AFT-simple (Eq. 5). Names follow timm's
+``VisionTransformer``, so DeiT weights map by name.
 
-A DeiT/ViT (patch 16, 12 pre-norm blocks, MLP ratio 4, class token, learned position embedding) whose attention is
-replaced by an Attention Free Transformer token mixer:
-
-* AFT-full (Eq. 2) with the factorised pair-wise position bias ``w = u @ v.T`` of Eq. 7 (d' = 128);
-* AFT-simple (Eq. 5), no position bias.
-
-Paper: `An Attention Free Transformer` - https://arxiv.org/abs/2105.14103 (Zhai et al. 2021), Sec. 5.3, Table 7.
-
-Submodule names follow timm's ``VisionTransformer`` (``patch_embed.proj``, ``cls_token``, ``pos_embed``,
-``blocks.N.norm1``, ``blocks.N.attn.qkv``, ``blocks.N.attn.proj``, ``blocks.N.norm2``, ``blocks.N.mlp.fc1/fc2``,
-``norm``, ``head``), so DeiT weights map onto these models by name.
-
-AFT-full's position bias is tied to the token grid. A model built for one image size runs at another one after
-``set_input_size()``, when built with ``img_size=...`` (a checkpoint for another size is resampled by
-``checkpoint_filter_fn``), or per call with ``dynamic_img_size=True``. In every case the rows of u and v (like those
-of the position embedding) are resampled over the 2-D patch grid, the class-token row kept as it is.
+AFT-full's bias is tied to the patch grid: at another size (``set_input_size``, ``img_size=...`` with a checkpoint
+filter, or per call with ``dynamic_img_size=True``) the rows of u and v are resampled over the 2-D grid like those of
+the position embedding, the class-token row kept.
 """
 from functools import partial
 from typing import Any, Dict, List, Optional, Tuple, Type, Union
@@ -24,16 +14,15 @@ import torch
 from torch import nn
 from torch.jit import Final
 
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import LayerNorm, PatchEmbed, get_act_layer, get_norm_layer, global_pool_nlc, resample_abs_pos_embed, \
     to_2tuple, trunc_normal_
 from timm.models import build_model_with_cfg, checkpoint, generate_default_cfgs, register_model
+from timm.models._features import feature_take_indices
 from timm.models._input import get_pretrained_grid_size, update_model_input_size  # as timm's ViT (not re-exported)
 from timm.models.vision_transformer import checkpoint_filter_fn as vit_checkpoint_filter_fn
 
 from aft_vision.layers import AFTFull, AFTSimple, aft_full
-from ._base import PAPER_ID, AFTTransformerBase, Block, adapt_vit_checkpoint, deit_init_cfg, take_block_indices, \
-    untrained_cfg
+from ._base import AFTTransformerBase, Block, adapt_vit_checkpoint, aft_cfg, deit_init_cfg, untrained_cfg
 
 __all__ = ['AFTVisionTransformer', 'GridAFTFull']  # register_model adds each entry point
 
@@ -41,68 +30,21 @@ MIXERS = ('full', 'simple')
 GLOBAL_POOLS = ('', 'avg', 'max', 'avgmax', 'token')  # timm's global_pool_nlc
 
 
-def resample_pos_rows(
-        rows: torch.Tensor,
-        new_size: Tuple[int, int],
-        old_size: Tuple[int, int],
-        num_prefix_tokens: int,
-        interpolation: str = 'bicubic',
-        antialias: bool = True,
-) -> torch.Tensor:
-    """Resample per-token rows (T, D), laid out [prefix tokens, row-major patch grid], to another grid.
-
-    The grid rows are interpolated as a 2-D (D, H, W) map, the prefix (class-token) rows are kept as they are.
-    Used for AFT-full's factorised position bias u, v (Eq. 7): resampling the rows of u and of v resamples
-    ``w = u @ v.T`` over both its query and its key grid.
-
-    Args:
-        rows: Rows (num_prefix_tokens + H * W, D).
-        new_size: Target grid (H', W').
-        old_size: Grid (H, W) of ``rows``.
-        num_prefix_tokens: Number of leading rows that are not grid positions.
-        interpolation: Interpolation mode of ``F.interpolate``.
-        antialias: Anti-alias when downsampling.
-
-    Returns:
-        Rows (num_prefix_tokens + H' * W', D).
-    """
-    return resample_abs_pos_embed(
-        rows.unsqueeze(0),  # (1, T, D), the layout of a ViT position embedding
-        new_size=list(new_size),
-        old_size=list(old_size),
-        num_prefix_tokens=num_prefix_tokens,
-        interpolation=interpolation,
-        antialias=antialias,
-    ).squeeze(0)
+def resample_pos_rows(rows: torch.Tensor, new_size: Tuple[int, int], old_size: Tuple[int, int], num_prefix_tokens: int,
+                      interpolation: str = 'bicubic', antialias: bool = True) -> torch.Tensor:
+    """Rows (prefix + H * W, D) of a row-major grid (H, W) = ``old_size`` resampled to ``new_size`` as a 2-D map
+    (timm's ``resample_abs_pos_embed``), the prefix rows kept: for u and v of Eq. 7, this resamples ``w = u @ v.T``
+    over its query and its key grid."""
+    return resample_abs_pos_embed(  # rows as (1, T, D), the layout of a ViT position embedding
+        rows.unsqueeze(0), list(new_size), list(old_size), num_prefix_tokens, interpolation, antialias).squeeze(0)
 
 
 class GridAFTFull(AFTFull):
-    """AFT-full over [prefix tokens, H x W patch grid]: the position bias follows the grid when the image size changes.
+    """``AFTFull`` over [prefix tokens, H x W grid] whose bias follows the grid: ``pos_u`` / ``pos_v`` rows resampled
+    once (``set_grid_size``) or per call (``feat_size``). ``grid_size``: the grid the bias is built for."""
 
-    The parameters (``qkv``, ``proj``, ``pos_u``, ``pos_v``) are those of ``AFTFull``; this class adds the knowledge
-    of the 2-D grid behind the flat token sequence, so that ``pos_u``/``pos_v`` rows can be resampled (Eq. 7 bias
-    resampled over query and key grid), once by ``set_grid_size`` or per call by passing ``feat_size``.
-
-    Args:
-        dim: Token width C.
-        grid_size: Patch grid (H, W) the position bias is built for.
-        num_prefix_tokens: Tokens ahead of the grid (class token).
-        pos_dim: Width d' of the factorised bias.
-        qkv_bias: Bias in the q, k, v projection.
-        proj_drop: Dropout after the output projection.
-    """
-
-    def __init__(
-            self,
-            dim: int,
-            grid_size: Tuple[int, int],
-            num_prefix_tokens: int = 1,
-            pos_dim: int = 128,
-            qkv_bias: bool = True,
-            proj_drop: float = 0.,
-            device=None,
-            dtype=None,
-    ):
+    def __init__(self, dim: int, grid_size: Tuple[int, int], num_prefix_tokens: int = 1, pos_dim: int = 128,
+                 qkv_bias: bool = True, proj_drop: float = 0., device=None, dtype=None):
         grid_size = to_2tuple(grid_size)
         seq_len = num_prefix_tokens + grid_size[0] * grid_size[1]
         super().__init__(
@@ -148,88 +90,49 @@ class GridAFTFull(AFTFull):
 
 
 class AFTVisionTransformer(AFTTransformerBase):
-    """DeiT/ViT with an AFT-full or AFT-simple token mixer, class token and learned position embedding.
-
-    Token output like timm's ``VisionTransformer``: ``forward_features`` returns (B, 1 + H * W, C).
+    """DeiT / ViT with an AFT-full or AFT-simple token mixer; ``forward_features`` gives tokens (B, 1 + H * W, C).
 
     Args:
-        img_size: Input image size; AFT-full's position bias is built for its patch grid.
-        patch_size: Patch size.
-        in_chans: Number of image channels.
-        num_classes: Classifier classes, 0 for no classifier.
-        global_pool: 'token' (class token), 'avg', 'max' or 'avgmax' (of the patch tokens), or '' (no pooling).
-        embed_dim: Token width.
-        depth: Number of blocks.
-        mixer: Token mixer, 'full' (AFT-full, Eq. 2 + Eq. 7) or 'simple' (AFT-simple, Eq. 5).
-        pos_dim: Width d' of AFT-full's factorised position bias (Eq. 7).
-        mlp_ratio: MLP hidden width over ``embed_dim``.
-        qkv_bias: Bias in the q, k, v projections.
-        class_token: Prepend a class token.
-        init_values: LayerScale init value, no LayerScale if None.
-        dynamic_img_size: Accept any image size per call (multiple of the patch size), resampling the position
-            embedding and AFT-full's position biases to the grid on the fly.
-        dynamic_img_pad: Zero-pad images to a multiple of the patch size.
-        drop_rate: Dropout before the classifier.
-        pos_drop_rate: Dropout after adding the position embedding.
-        proj_drop_rate: Dropout after the mixer and MLP projections.
-        drop_path_rate: Stochastic depth rate (linear over the blocks).
-        weight_init: '' for timm's ViT init, 'skip' to leave parameters uninitialised.
-        norm_layer: Normalisation layer (default LayerNorm).
-        act_layer: MLP activation (default GELU).
-        block_fn: Block class.
+        img_size: Input size; AFT-full's bias is built for its patch grid.
+        global_pool: 'token' (class token), 'avg', 'max', 'avgmax' (of the patch tokens) or '' (no pooling).
+        mixer: 'full' (AFT-full, Eqs. 2 and 7) or 'simple' (AFT-simple, Eq. 5).
+        pos_dim: Width d' of AFT-full's factorised bias (Eq. 7).
+        dynamic_img_size: Take any multiple of the patch size per call, the position embedding and AFT-full's bias
+            resampled to the grid on the fly.
+
+    The other arguments are those of timm's ``VisionTransformer``.
     """
     dynamic_img_size: Final[bool]
 
     def __init__(
             self,
-            img_size: Union[int, Tuple[int, int]] = 224,
-            patch_size: Union[int, Tuple[int, int]] = 16,
-            in_chans: int = 3,
-            num_classes: int = 1000,
-            global_pool: str = 'token',
-            embed_dim: int = 768,
-            depth: int = 12,
-            mixer: str = 'full',
-            pos_dim: int = 128,
-            mlp_ratio: float = 4.,
-            qkv_bias: bool = True,
-            class_token: bool = True,
+            img_size: Union[int, Tuple[int, int]] = 224, patch_size: Union[int, Tuple[int, int]] = 16,
+            in_chans: int = 3, num_classes: int = 1000, global_pool: str = 'token',
+            embed_dim: int = 768, depth: int = 12, mixer: str = 'full', pos_dim: int = 128,
+            mlp_ratio: float = 4., qkv_bias: bool = True, class_token: bool = True,
             init_values: Optional[float] = None,
-            dynamic_img_size: bool = False,
-            dynamic_img_pad: bool = False,
-            drop_rate: float = 0.,
-            pos_drop_rate: float = 0.,
-            proj_drop_rate: float = 0.,
-            drop_path_rate: float = 0.,
+            dynamic_img_size: bool = False, dynamic_img_pad: bool = False,
+            drop_rate: float = 0., pos_drop_rate: float = 0., proj_drop_rate: float = 0., drop_path_rate: float = 0.,
             weight_init: str = '',
             norm_layer: Optional[Union[str, Type[nn.Module]]] = None,
-            act_layer: Optional[Union[str, Type[nn.Module]]] = None,
-            block_fn: Type[nn.Module] = Block,
-            device=None,
-            dtype=None,
+            act_layer: Optional[Union[str, Type[nn.Module]]] = None, block_fn: Type[nn.Module] = Block,
+            device=None, dtype=None,
     ):
-        super().__init__(num_classes, in_chans, global_pool, embed_dim, weight_init)
+        super().__init__(num_classes, in_chans, embed_dim, weight_init)
         dd = {'device': device, 'dtype': dtype}
         if mixer not in MIXERS:
             raise ValueError(f'unknown mixer {mixer!r}: choose one of {MIXERS}')
         self.num_prefix_tokens = 1 if class_token else 0
         self.has_class_token = class_token
-        self._check_global_pool(global_pool)
+        self._set_global_pool(global_pool)
         self.mixer = mixer
         self.dynamic_img_size = dynamic_img_size
         norm_layer = get_norm_layer(norm_layer) or LayerNorm
         act_layer = get_act_layer(act_layer) or nn.GELU
 
         embed_args = dict(strict_img_size=False, output_fmt='NHWC') if dynamic_img_size else {}
-        self.patch_embed = PatchEmbed(
-            img_size=img_size,
-            patch_size=patch_size,
-            in_chans=in_chans,
-            embed_dim=embed_dim,
-            dynamic_img_pad=dynamic_img_pad,
-            **embed_args,
-            **dd,
-        )
+        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, dynamic_img_pad=dynamic_img_pad,
+                                      **embed_args, **dd)
         grid_size = self.patch_embed.grid_size
         reduction = self.patch_embed.feat_ratio()
 
@@ -251,43 +154,31 @@ class AFTVisionTransformer(AFTTransformerBase):
             self.init_weights()
 
     def init_weights(self, mode: str = '') -> None:
-        """timm's ViT init (``mode`` accepted for API parity, only '' is supported)."""
         super().init_weights(mode)
         trunc_normal_(self.pos_embed, std=.02)
         if self.cls_token is not None:
             nn.init.normal_(self.cls_token, std=1e-6)
 
-    def _check_global_pool(self, global_pool: str) -> None:
+    def _set_global_pool(self, global_pool: str) -> None:
         if global_pool not in GLOBAL_POOLS:
             raise ValueError(f'unknown global_pool {global_pool!r}: choose one of {GLOBAL_POOLS} ("" for no pooling)')
         if global_pool == 'token' and not self.has_class_token:
             raise ValueError("global_pool='token' needs the class token (class_token=True); use 'avg' without it")
+        self.global_pool = global_pool
 
     @torch.jit.ignore
-    def set_input_size(
-            self,
-            img_size: Optional[Union[int, Tuple[int, int]]] = None,
-            patch_size: Optional[Union[int, Tuple[int, int]]] = None,
-    ) -> None:
-        """Rebuild for another input size (or patch size): resample the position embedding and AFT-full's u, v.
-        Both sizes are recorded as timm's ViT records them, so ``save_for_hf`` writes the arguments that rebuild
-        this model.
-
-        Args:
-            img_size: New input size, None keeps the current one.
-            patch_size: New patch size (the patch-embedding kernel is resampled), None keeps the current one.
-        """
+    def set_input_size(self, img_size: Optional[Union[int, Tuple[int, int]]] = None,
+                       patch_size: Optional[Union[int, Tuple[int, int]]] = None) -> None:
+        """Rebuild for another input (or patch) size: the position embedding and AFT-full's u, v resampled, the
+        patch kernel too; recorded as timm's ViT records it, so that ``save_for_hf`` writes arguments that rebuild
+        this model. None keeps a size."""
         prev_grid_size = self.patch_embed.grid_size
         self.patch_embed.set_input_size(img_size=img_size, patch_size=patch_size)
         grid_size = self.patch_embed.grid_size
         if grid_size != prev_grid_size:
             with torch.no_grad():
                 pos_embed = resample_abs_pos_embed(
-                    self.pos_embed,
-                    new_size=list(grid_size),
-                    old_size=list(prev_grid_size),
-                    num_prefix_tokens=self.num_prefix_tokens,
-                )
+                    self.pos_embed, list(grid_size), list(prev_grid_size), num_prefix_tokens=self.num_prefix_tokens)
             self.pos_embed = nn.Parameter(pos_embed, requires_grad=self.pos_embed.requires_grad)
             for blk in self.blocks:
                 if isinstance(blk.attn, GridAFTFull):
@@ -297,21 +188,13 @@ class AFTVisionTransformer(AFTTransformerBase):
         update_model_input_size(self, self.patch_embed.img_size, patch_size=patch_size)
 
     def _pos_embed(self, x: torch.Tensor) -> Tuple[torch.Tensor, Optional[List[int]]]:
-        """Add the position embedding and prepend the class token.
-
-        Returns:
-            Tokens (B, prefix + H * W, C) and, with ``dynamic_img_size``, the grid [H, W] (None otherwise: the grid
-            the model is built for).
-        """
+        """Tokens (B, prefix + H * W, C) with the class token and position embedding, and with ``dynamic_img_size``
+        the grid [H, W] (else None: the built grid)."""
         feat_size: Optional[List[int]] = None
         if self.dynamic_img_size:
             B, H, W, C = x.shape  # patch_embed returns NHWC when dynamic
             pos_embed = resample_abs_pos_embed(
-                self.pos_embed,
-                new_size=[H, W],
-                old_size=list(self.patch_embed.grid_size),
-                num_prefix_tokens=self.num_prefix_tokens,
-            )
+                self.pos_embed, [H, W], list(self.patch_embed.grid_size), num_prefix_tokens=self.num_prefix_tokens)
             x = x.view(B, -1, C)  # (B, H * W, C)
             feat_size = [H, W]
         else:
@@ -325,35 +208,17 @@ class AFTVisionTransformer(AFTTransformerBase):
         """Without ``dynamic_img_size``, the size the position embedding and AFT-full's biases are built for."""
         return None if self.dynamic_img_size else self.patch_embed.img_size
 
-    def forward_intermediates(
-            self,
-            x: torch.Tensor,
-            indices: Optional[Union[int, List[int]]] = None,
-            return_prefix_tokens: bool = False,
-            norm: bool = False,
-            stop_early: bool = False,
-            output_fmt: str = 'NCHW',
-            intermediates_only: bool = False,
-    ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
-        """Forward features that returns intermediates.
-
-        Args:
-            x: Input images (B, C, H, W).
-            indices: Take the last n blocks if int, all if None, the listed blocks if a sequence.
-            return_prefix_tokens: Return (spatial, prefix) pairs of intermediates.
-            norm: Apply the final norm to every intermediate.
-            stop_early: Stop after the last block needed.
-            output_fmt: 'NCHW' (maps of patch tokens) or 'NLC' (token sequences).
-            intermediates_only: Only return the intermediates.
-
-        Returns:
-            The intermediates, or (final features, intermediates).
-        """
+    def forward_intermediates(self, x: torch.Tensor, indices: Optional[Union[int, List[int]]] = None,
+                              return_prefix_tokens: bool = False, norm: bool = False, stop_early: bool = False,
+                              output_fmt: str = 'NCHW', intermediates_only: bool = False
+                              ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
+        """timm's ViT ``forward_intermediates``: ``indices`` (None: all blocks, n: the last n, a list), ``norm`` each,
+        ``output_fmt`` 'NCHW' (patch-token maps) or 'NLC', ``return_prefix_tokens`` as (map, prefix) pairs."""
         if output_fmt not in ('NCHW', 'NLC'):
             raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got '{output_fmt}'")
         reshape = output_fmt == 'NCHW'
         intermediates = []
-        take_indices, max_index = take_block_indices(len(self.blocks), indices)
+        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
 
         self._check_input(x)
         B, _, height, width = x.shape
@@ -402,27 +267,16 @@ class AFTVisionTransformer(AFTTransformerBase):
         return self.norm(x)
 
     def pool(self, x: torch.Tensor, pool_type: Optional[str] = None) -> torch.Tensor:
-        """Pool tokens (B, T, C) -> (B, C) by timm's ``global_pool_nlc``: the class token ('token'), or the mean
-        ('avg'), maximum ('max') or both averaged ('avgmax') of the patch tokens; '' keeps x."""
+        """Tokens (B, T, C) -> (B, C) by timm's ``global_pool_nlc`` ('' keeps x)."""
         pool_type = self.global_pool if pool_type is None else pool_type
         return global_pool_nlc(x, pool_type=pool_type, num_prefix_tokens=self.num_prefix_tokens)
 
 
-def checkpoint_filter_fn(
-        state_dict: Dict[str, torch.Tensor],
-        model: AFTVisionTransformer,
-        interpolation: str = 'bicubic',
-        antialias: bool = True,
-) -> Dict[str, torch.Tensor]:
-    """Adapt an AFT-full/simple checkpoint to ``model``.
-
-    * takes the weights of a training checkpoint as timm does (EMA first, ``module.`` / ``_orig_mod.`` stripped);
-      DeiT / ViT checkpoints are then mapped onto the model by ``transfer_vit_weights``;
-    * timm's ViT filter resamples ``pos_embed`` to the model's patch grid and the patch-embedding kernel to its
-      patch size;
-    * AFT-full's ``blocks.N.attn.pos_u``/``pos_v`` are resampled from the checkpoint's grid (found as timm finds the
-      ``pos_embed`` grid) to the model's, over the 2-D grid with the class-token row kept.
-    """
+def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: AFTVisionTransformer,
+                         interpolation: str = 'bicubic', antialias: bool = True) -> Dict[str, torch.Tensor]:
+    """Adapt a checkpoint to ``model``: a training checkpoint's weights, DeiT / ViT mapped (``adapt_vit_checkpoint``),
+    then timm's ViT filter (``pos_embed`` to the model's grid, the patch kernel to its patch), and AFT-full's u, v
+    resampled from the checkpoint's grid (found as timm finds the ``pos_embed`` grid) to the model's."""
     state_dict = adapt_vit_checkpoint(state_dict, model)
     source_kernel = state_dict.get('patch_embed.proj.weight')  # before timm's filter resamples it
     num_prefix_tokens = model.num_prefix_tokens
@@ -460,93 +314,68 @@ def _square_grid(num_grid_tokens: int, name: str) -> Tuple[int, int]:
     return side, side
 
 
-def _cfg(url: str = '', **kwargs) -> Dict[str, Any]:
-    return {
-        'url': url,
-        'num_classes': 1000, 'input_size': (3, 224, 224), 'pool_size': None,
-        'crop_pct': .9, 'interpolation': 'bicubic', 'fixed_input_size': True,
-        'mean': IMAGENET_DEFAULT_MEAN, 'std': IMAGENET_DEFAULT_STD,
-        'first_conv': 'patch_embed.proj', 'classifier': 'head',
-        'license': 'apache-2.0', 'paper_ids': PAPER_ID, 'paper_name': 'An Attention Free Transformer',
-        **kwargs,
-    }
-
-
+_cfg = partial(aft_cfg, pool_size=None, fixed_input_size=True)  # the grid is tied to the input size
+_DEIT = {  # each model's '.deit_in1k' tag converts these DeiT weights
+    'aft_full_tiny': 'deit_tiny_patch16_224.fb_in1k', 'aft_full_small': 'deit_small_patch16_224.fb_in1k',
+    'aft_full_base': 'deit_base_patch16_224.fb_in1k', 'aft_simple_tiny': 'deit_tiny_patch16_224.fb_in1k',
+    'aft_simple_small': 'deit_small_patch16_224.fb_in1k',
+}
+# '.untrained*' (no weights) is each default, listed after the tags with weights as generate_default_cfgs requires, so
+# pretrained=True needs a tag
 default_cfgs = generate_default_cfgs({
-    # '.deit_in1k': DeiT weights converted on load into a backbone (num_classes=0), to fine-tune from.
-    # '.untrained': no weights; the '*' makes it the default (listed after the tags with weights, as timm's
-    # generate_default_cfgs requires), so pretrained=True needs the tag named.
-    'aft_full_tiny.deit_in1k': deit_init_cfg(_cfg, 'deit_tiny_patch16_224.fb_in1k'),
-    'aft_full_small.deit_in1k': deit_init_cfg(_cfg, 'deit_small_patch16_224.fb_in1k'),
-    'aft_full_base.deit_in1k': deit_init_cfg(_cfg, 'deit_base_patch16_224.fb_in1k'),
-    'aft_simple_tiny.deit_in1k': deit_init_cfg(_cfg, 'deit_tiny_patch16_224.fb_in1k'),
-    'aft_simple_small.deit_in1k': deit_init_cfg(_cfg, 'deit_small_patch16_224.fb_in1k'),
-    'aft_full_tiny.untrained*': untrained_cfg(_cfg),
-    'aft_full_small.untrained*': untrained_cfg(_cfg),
-    'aft_full_base.untrained*': untrained_cfg(_cfg),
-    'aft_simple_tiny.untrained*': untrained_cfg(_cfg),
-    'aft_simple_small.untrained*': untrained_cfg(_cfg),
+    **{f'{name}.deit_in1k': deit_init_cfg(_cfg, deit) for name, deit in _DEIT.items()},
+    **{f'{name}.untrained*': untrained_cfg(_cfg) for name in _DEIT},
     'aft_full_test.untrained*': untrained_cfg(_cfg, input_size=(3, 64, 64), crop_pct=.95),
     'aft_simple_test.untrained*': untrained_cfg(_cfg, input_size=(3, 64, 64), crop_pct=.95),
 })
 
 
-def _create_aft_vit(variant: str, pretrained: bool = False, **kwargs) -> AFTVisionTransformer:
-    out_indices = kwargs.pop('out_indices', 3)
-    return build_model_with_cfg(
-        AFTVisionTransformer,
-        variant,
-        pretrained,
-        pretrained_filter_fn=checkpoint_filter_fn,
-        feature_cfg=dict(out_indices=out_indices, feature_cls='getter'),
-        **kwargs,
-    )
+def _model(variant: str, pretrained: bool, kwargs: Dict[str, Any], **model_args) -> AFTVisionTransformer:
+    kwargs = dict(model_args, **kwargs)
+    feature_cfg = dict(out_indices=kwargs.pop('out_indices', 3), feature_cls='getter')
+    return build_model_with_cfg(AFTVisionTransformer, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn,
+                                feature_cfg=feature_cfg, **kwargs)
 
 
 @register_model
 def aft_full_tiny(pretrained: bool = False, **kwargs) -> AFTVisionTransformer:
-    """AFT-full tiny (DeiT-tiny backbone, d=192), Table 7: 6.3M params."""
-    model_args = dict(patch_size=16, embed_dim=192, depth=12, mixer='full', pos_dim=128)
-    return _create_aft_vit('aft_full_tiny', pretrained=pretrained, **dict(model_args, **kwargs))
+    """AFT-full tiny (DeiT-tiny backbone, d=192); Table 7: 6.3M."""
+    return _model('aft_full_tiny', pretrained, kwargs, embed_dim=192, depth=12, mixer='full', pos_dim=128)
 
 
 @register_model
 def aft_full_small(pretrained: bool = False, **kwargs) -> AFTVisionTransformer:
-    """AFT-full small (DeiT-small backbone, d=384), Table 7: 22.6M params."""
-    model_args = dict(patch_size=16, embed_dim=384, depth=12, mixer='full', pos_dim=128)
-    return _create_aft_vit('aft_full_small', pretrained=pretrained, **dict(model_args, **kwargs))
+    """AFT-full small (DeiT-small backbone, d=384); Table 7: 22.6M."""
+    return _model('aft_full_small', pretrained, kwargs, embed_dim=384, depth=12, mixer='full', pos_dim=128)
 
 
 @register_model
 def aft_full_base(pretrained: bool = False, **kwargs) -> AFTVisionTransformer:
     """AFT-full base (DeiT-base backbone, d=768); not in the paper's tables."""
-    model_args = dict(patch_size=16, embed_dim=768, depth=12, mixer='full', pos_dim=128)
-    return _create_aft_vit('aft_full_base', pretrained=pretrained, **dict(model_args, **kwargs))
+    return _model('aft_full_base', pretrained, kwargs, embed_dim=768, depth=12, mixer='full', pos_dim=128)
 
 
 @register_model
 def aft_simple_tiny(pretrained: bool = False, **kwargs) -> AFTVisionTransformer:
     """AFT-simple tiny (DeiT-tiny backbone, d=192), DeiT-tiny's parameter count."""
-    model_args = dict(patch_size=16, embed_dim=192, depth=12, mixer='simple')
-    return _create_aft_vit('aft_simple_tiny', pretrained=pretrained, **dict(model_args, **kwargs))
+    return _model('aft_simple_tiny', pretrained, kwargs, embed_dim=192, depth=12, mixer='simple')
 
 
 @register_model
 def aft_simple_small(pretrained: bool = False, **kwargs) -> AFTVisionTransformer:
     """AFT-simple small (DeiT-small backbone, d=384), DeiT-small's parameter count."""
-    model_args = dict(patch_size=16, embed_dim=384, depth=12, mixer='simple')
-    return _create_aft_vit('aft_simple_small', pretrained=pretrained, **dict(model_args, **kwargs))
+    return _model('aft_simple_small', pretrained, kwargs, embed_dim=384, depth=12, mixer='simple')
 
 
 @register_model
 def aft_full_test(pretrained: bool = False, **kwargs) -> AFTVisionTransformer:
-    """Tiny AFT-full for fast tests (64x64 input, patch 8, d=64, 4 blocks)."""
-    model_args = dict(img_size=64, patch_size=8, embed_dim=64, depth=4, mixer='full', pos_dim=16, mlp_ratio=2.)
-    return _create_aft_vit('aft_full_test', pretrained=pretrained, **dict(model_args, **kwargs))
+    """Tiny AFT-full for tests: 64x64 input, patch 8, d=64, 4 blocks."""
+    return _model('aft_full_test', pretrained, kwargs, img_size=64, patch_size=8, embed_dim=64, depth=4, mixer='full',
+                  pos_dim=16, mlp_ratio=2.)
 
 
 @register_model
 def aft_simple_test(pretrained: bool = False, **kwargs) -> AFTVisionTransformer:
-    """Tiny AFT-simple for fast tests (64x64 input, patch 8, d=64, 4 blocks)."""
-    model_args = dict(img_size=64, patch_size=8, embed_dim=64, depth=4, mixer='simple', mlp_ratio=2.)
-    return _create_aft_vit('aft_simple_test', pretrained=pretrained, **dict(model_args, **kwargs))
+    """Tiny AFT-simple for tests: 64x64 input, patch 8, d=64, 4 blocks."""
+    return _model('aft_simple_test', pretrained, kwargs, img_size=64, patch_size=8, embed_dim=64, depth=4,
+                  mixer='simple', mlp_ratio=2.)

@@ -1,17 +1,9 @@
-""" A simple feature pyramid on a plain AFT-conv backbone, for detection and segmentation libraries
-
-AFT-conv keeps one (B, H/p, W/p, C) token map through every block, like a plain ViT: every feature has the same
-stride, which FPN-style necks and torchvision's detectors cannot take. ViTDet's answer is a pyramid built from the
-last map alone: transposed convolutions up to strides p/4 and p/2, the map itself at p, max pooling down to 2p, then
-a 1x1 and a 3x3 convolution, each with a norm, to a common width per level.
-
-``SimpleFeaturePyramid`` wraps an AFT-conv model made by timm (``timm.create_model('aft_conv_small', num_classes=0)``)
-or a timm feature extractor (``features_only=True``, any model whose last feature is a map) and returns the levels as
-an ordered dict of NCHW maps keyed '0', '1', ... (torchvision's backbone contract: ``out_channels`` is their width,
-and the keys are those ``MultiScaleRoIAlign`` reads by default), with timm's ``feature_info`` beside it.
-
-Paper: `Exploring Plain Vision Transformer Backbones for Object Detection` - https://arxiv.org/abs/2203.16527
-(Li et al. 2022), Sec. 3 and Fig. 2 (c); detectron2's ``SimpleFeaturePyramid`` is the reference implementation.
+"""ViTDet's simple feature pyramid (`Exploring Plain Vision Transformer Backbones for Object Detection`,
+https://arxiv.org/abs/2203.16527, Sec. 3 and Fig. 2 (c); detectron2's ``SimpleFeaturePyramid``) on AFT-conv, whose
+blocks keep one (B, H/p, W/p, C) map of one stride, which FPN-style necks and torchvision's detectors cannot take: the
+levels come from the last map alone (transposed convolutions up to p/4 and p/2, the map at p, max pooling to 2p, then
+a 1x1 and a 3x3 convolution with norms), returned as torchvision's backbones return them (an ordered dict of NCHW maps
+keyed '0', '1', ..., ``out_channels``) with timm's ``feature_info``.
 """
 from collections import OrderedDict
 from typing import Dict, List, Sequence, Type
@@ -29,34 +21,23 @@ SCALE_FACTORS = (4.0, 2.0, 1.0, 0.5)  # the levels ViTDet builds, relative to th
 
 
 class SimpleFeaturePyramid(nn.Module):
-    """ViTDet's simple feature pyramid on the last token map of a plain backbone.
-
-    The pyramid's own layers start as ViTDet's do (detectron2's reference code leaves them at PyTorch's defaults):
-    convolutions and transposed convolutions Kaiming-uniform (``a=sqrt(5)``), biases only where no norm follows, norms
-    at weight 1 and bias 0. The backbone's parameters are left as they are.
+    """ViTDet's simple feature pyramid on the last token map of a plain backbone; its own layers start as
+    detectron2's (PyTorch's defaults, biases only where no norm follows), the backbone is left as it is.
 
     Args:
-        backbone: An AFT-conv model (its ``forward_features`` gives the normalised (B, H, W, C) map) or a timm
-            feature extractor (``features_only=True``; its last feature map is used). Create a model with
-            ``num_classes=0``: the classifier is not used.
+        backbone: An AFT-conv model (``num_classes=0``; its ``forward_features`` map is used) or a timm feature
+            extractor (``features_only=True``; its last feature map).
         out_channels: Width of every level (ViTDet: 256).
-        scale_factors: The levels, from high to low resolution, each one of ``SCALE_FACTORS`` relative to the
-            backbone's map (default all four: strides p/4, p/2, p, 2p; 4, 8, 16, 32 for patch 16).
-        top_pool: Add a level 'pool' at twice the lowest level's stride by subsampling it (torchvision's
-            ``LastLevelMaxPool``, detectron2's ``top_block``), so that detectors built for five levels take it.
+        scale_factors: The levels from high to low resolution, distinct values of ``SCALE_FACTORS`` relative to the
+            backbone's map (default all four: strides p/4, p/2, p, 2p).
+        top_pool: Add a level 'pool' at twice the lowest level's stride (torchvision's ``LastLevelMaxPool``).
         norm_layer: Norm on NCHW maps (ViTDet: LayerNorm over channels).
-        act_layer: Activation between the two transposed convolutions of the highest level.
+        act_layer: Activation between the highest level's two transposed convolutions.
     """
 
-    def __init__(
-            self,
-            backbone: nn.Module,
-            out_channels: int = 256,
-            scale_factors: Sequence[float] = SCALE_FACTORS,
-            top_pool: bool = False,
-            norm_layer: Type[nn.Module] = LayerNorm2d,
-            act_layer: Type[nn.Module] = nn.GELU,
-    ):
+    def __init__(self, backbone: nn.Module, out_channels: int = 256, scale_factors: Sequence[float] = SCALE_FACTORS,
+                 top_pool: bool = False, norm_layer: Type[nn.Module] = LayerNorm2d,
+                 act_layer: Type[nn.Module] = nn.GELU):
         super().__init__()
         self.is_feature_extractor = isinstance(getattr(backbone, 'feature_info', None), FeatureInfo)
         if self.is_feature_extractor:
