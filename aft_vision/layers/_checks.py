@@ -2,7 +2,7 @@
 import torch
 from timm.layers import register_notrace_function
 
-__all__ = ['check_tensor', 'check_qkv', 'check_tokens', 'check_bias', 'check_conv_inputs']
+__all__ = ['check_tensor', 'check_qkv', 'check_tokens', 'check_conv_inputs']
 
 
 def check_tensor(name: str, tensor: torch.Tensor, ndim: int, layout: str):
@@ -38,13 +38,6 @@ def check_tokens(x: torch.Tensor, layout: str, dim: int, seq_len: int = -1) -> N
     ndim = 4 if layout.startswith('(B, H, W') else 3
     if x.dim() != ndim or x.shape[-1] != dim or (seq_len >= 0 and x.shape[1] != seq_len):
         raise ValueError(f'expected tokens {layout}, got shape {list(x.shape)}')
-
-
-def check_bias(w: torch.Tensor, seq_len: int):
-    """A pair-wise bias (T, T) for ``seq_len`` tokens."""
-    check_tensor('w', w, 2, '(T, T)')
-    if w.shape[0] != seq_len or w.shape[1] != seq_len:
-        raise ValueError(f'w must have shape (T, T) = ({seq_len}, {seq_len}), got {list(w.shape)}')
 
 
 def check_conv_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor) -> None:

@@ -40,9 +40,7 @@ def conv_bias_rows(w: torch.Tensor, grid_w: int, num_keys: int, head: torch.Tens
     radius = s // 2
     key = torch.arange(num_keys, device=w.device)
     dy = torch.div(key, grid_w, rounding_mode='floor') - torch.div(pos, grid_w, rounding_mode='floor').unsqueeze(-1)
-    dx = key % grid_w - (pos % grid_w).unsqueeze(-1)
-    dy = dy + radius
-    dx = dx + radius
+    dy, dx = dy + radius, key % grid_w - (pos % grid_w).unsqueeze(-1) + radius
     inside = (dy >= 0) & (dy < s) & (dx >= 0) & (dx < s)
     index = dy.clamp(0, s - 1) * s + dx.clamp(0, s - 1)
     values = w.reshape(w.shape[0], s * s)[head.unsqueeze(-1), index]

@@ -35,10 +35,7 @@ class AFTConv2d(nn.Module):
         if kernel_size < 1 or kernel_size % 2 == 0:
             raise ValueError(f'kernel_size must be a positive odd number, got {kernel_size}')
         self.method = check_method(get_conv_method() if method is None else method)
-        self.dim = dim
-        self.num_heads = num_heads
-        self.kernel_size = kernel_size
-        self.eps = eps
+        self.dim, self.num_heads, self.kernel_size, self.eps = dim, num_heads, kernel_size, eps
         self.qkv = nn.Linear(dim, dim * 2 + num_heads, bias=qkv_bias, **dd)
         self.pos_weight = nn.Parameter(torch.empty(num_heads, kernel_size, kernel_size, **dd))
         self.pos_gamma = nn.Parameter(torch.zeros(num_heads, **dd))

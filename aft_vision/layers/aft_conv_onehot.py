@@ -44,8 +44,7 @@ def aft_conv2d_onehot(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torc
 def _aft_conv2d_onehot(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, index: torch.Tensor,
                        tiny: float = TINY, cancel_tol: float = CANCEL_TOL) -> torch.Tensor:
     batch, height, width, channels = q.shape
-    num_heads, s = w.shape[0], w.shape[-1]
-    head_dim = channels // num_heads
+    num_heads, s, head_dim = w.shape[0], w.shape[-1], channels // w.shape[0]
     out_dtype = output_dtype(q, k, v)
     dtype = compute_dtype([q, k, v, w])
     q, k, v, w = q.to(dtype), k.to(dtype), v.to(dtype), w.to(device=q.device, dtype=dtype)

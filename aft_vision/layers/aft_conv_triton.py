@@ -10,6 +10,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from ._checks import check_conv_inputs
+from .dispatch import output_dtype
 
 __all__ = ['aft_conv2d_triton', 'triton_available', 'triton_unavailable_reason']
 
@@ -200,9 +201,7 @@ def _mix(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, op_dtype: torch.dtyp
     exact lower bound ``exp(min(0, min w) - m) * sum exp(k - kmax)`` and N / D clamped to each image's value range:
     no change where the sums are exact, finite and bounded where the correction cancelled."""
     batch, height, width, num_heads = k.shape
-    channels = v.shape[-1]
-    d = channels // num_heads
-    ksize = w.shape[-1]
+    d, ksize = v.shape[-1] // num_heads, w.shape[-1]
     kf = k.float()
     vf = v.float().view(batch, height, width, num_heads, d)
     kmax = kf.detach().amax(dim=(1, 2), keepdim=True)  # (B, 1, 1, h)
@@ -232,10 +231,8 @@ class _AFTConv2dTriton(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, w):
-        batch, height, width, channels = q.shape
-        num_heads = k.shape[-1]
-        d = channels // num_heads
-        out_dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+        (batch, height, width, channels), num_heads = q.shape, k.shape[-1]
+        d, out_dtype = channels // num_heads, output_dtype(q, k, v)
         mixed = _mix(k, v, w, _operand_dtype(out_dtype))[5]  # (B, H, W, h, d)
         gate = torch.sigmoid(q.float()).view(batch, height, width, num_heads, d)
         out = (gate * mixed).reshape(batch, height, width, channels)  # (B, H, W, C)
@@ -245,12 +242,8 @@ class _AFTConv2dTriton(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, w = ctx.saved_tensors
-        batch, height, width, channels = q.shape
-        num_heads = k.shape[-1]
-        d = channels // num_heads
-        ksize = w.shape[-1]
-        out_dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
-        op_dtype = _operand_dtype(out_dtype)
+        (batch, height, width, channels), num_heads, ksize = q.shape, k.shape[-1], w.shape[-1]
+        d, op_dtype = channels // num_heads, _operand_dtype(output_dtype(q, k, v))
         ek, x, kern, floor, bias_scale, mixed, denom = _mix(k, v, w, op_dtype)  # recomputed forward
         shape5 = (batch, height, width, num_heads, d)
         gate = torch.sigmoid(q.float()).view(shape5)

@@ -22,9 +22,7 @@ class AFTFull(nn.Module):
                  causal: bool = False, device=None, dtype=None):
         super().__init__()
         dd = {'device': device, 'dtype': dtype}
-        self.dim = dim
-        self.seq_len = seq_len
-        self.causal = causal
+        self.dim, self.seq_len, self.causal = dim, seq_len, causal
         self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias, **dd)
         self.pos_u = nn.Parameter(torch.empty(seq_len, pos_dim, **dd))
         self.pos_v = nn.Parameter(torch.empty(seq_len, pos_dim, **dd))
@@ -77,8 +75,7 @@ class AFTSimple(nn.Module):
                  device=None, dtype=None):
         super().__init__()
         dd = {'device': device, 'dtype': dtype}
-        self.dim = dim
-        self.causal = causal
+        self.dim, self.causal = dim, causal
         self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias, **dd)
         self.proj = nn.Linear(dim, dim, **dd)
         self.proj_drop = nn.Dropout(proj_drop)

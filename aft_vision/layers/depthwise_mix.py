@@ -156,8 +156,7 @@ def depthwise_mix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Te
                   dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``DepthwiseMix``, or ``depthwise_sums`` inside TorchScript and while ``capturing()``."""
     if torch.jit.is_scripting() or capturing():
-        batch, height, width, channels = q.shape
-        num_heads = k.shape[-1]
+        (batch, height, width, channels), num_heads = q.shape, k.shape[-1]
         numerator, denominator, scale = depthwise_sums(
             k.to(dtype).flatten(1, 2), v.to(dtype).flatten(1, 2), w.to(dtype), height, width)
         out = gate(q.to(dtype).flatten(1, 2), numerator, denominator)  # (B, T, C)

@@ -26,10 +26,10 @@ DISPATCH_TABLES: Dict[str, Tuple[float, float, float, int]] = {
     'cpu': (0.42, 100.0, 1e5, 1 << 24), 'cuda': (16.0, 64.0, 0.0, 1 << 27)}
 
 
-def check_method(method: str) -> str:
-    """``method`` if it is one of ``METHODS``, else a ValueError."""
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+def check_method(method: str, allowed: Tuple[str, ...] = METHODS, origin: str = 'method') -> str:
+    """``method`` if it is ``allowed``, else a ValueError naming ``origin``."""
+    if method not in allowed:
+        raise ValueError(f"{origin} must be one of {', '.join(allowed)}, got {method!r}")
     return method
 
 
@@ -91,13 +91,7 @@ _ENV = 'AFT_DEVICE_POLICY'
 _override: Optional[str] = None
 
 
-def _check(kind: Optional[str], origin: str) -> Optional[str]:
-    if kind is not None and kind not in POLICIES:
-        raise ValueError(f"{origin} must be one of {', '.join(POLICIES)} (or None), got {kind!r}")
-    return kind
-
-
-_ENV_DEFAULT = _check(os.environ.get(_ENV) or None, _ENV)
+_ENV_DEFAULT = os.environ.get(_ENV) and check_method(os.environ[_ENV], POLICIES, _ENV)
 
 
 @contextlib.contextmanager
@@ -105,7 +99,7 @@ def device_policy(kind: Optional[str]) -> Iterator[None]:
     """Make the AFT operators behave as on device type ``kind`` ('cpu', 'cuda'; None: the inputs'), not
     thread-local: around whole forward and backward passes."""
     global _override
-    previous, _override = _override, _check(kind, 'device_policy')
+    previous, _override = _override, kind and check_method(kind, POLICIES, 'device_policy')
     try:
         yield
     finally:
@@ -114,11 +108,7 @@ def device_policy(kind: Optional[str]) -> Iterator[None]:
 
 def get_device_policy(device: torch.device) -> str:
     """The ``device_policy`` in force, else ``AFT_DEVICE_POLICY``, else 'cuda' on CUDA and 'cpu' elsewhere."""
-    if _override is not None:
-        return _override
-    if _ENV_DEFAULT is not None:
-        return _ENV_DEFAULT
-    return 'cuda' if device.type == 'cuda' else 'cpu'
+    return _override or _ENV_DEFAULT or ('cuda' if device.type == 'cuda' else 'cpu')
 
 
 def compute_dtype(tensors: List[torch.Tensor]) -> torch.dtype:

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from timm.layers import register_notrace_function
 
-from ._checks import check_bias, check_conv_inputs, check_qkv, check_tensor
+from ._checks import check_conv_inputs, check_qkv, check_tensor
 from ._stable import CANCEL_TOL, TINY, flag_below, recompute_flagged
 from .dense_mix import dense_mix, log_weights
 from .depthwise_mix import depthwise_mix
@@ -23,7 +23,9 @@ def aft_full(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor,
     (B, T, C) and a (T, T) bias ``w[query, key]``, by ``dense_mix.py``; ``causal`` keeps t' <= t. Under 'cuda' exact
     to rounding while each row of ``w`` spans less than ~50 (beyond, finite)."""
     check_qkv(q, k, v, 3, '(B, T, C)', '(B, T, C)')
-    check_bias(w, q.shape[1])
+    check_tensor('w', w, 2, '(T, T)')
+    if w.shape[0] != q.shape[1] or w.shape[1] != q.shape[1]:
+        raise ValueError(f'w must have shape (T, T) = ({q.shape[1]}, {q.shape[1]}), got {list(w.shape)}')
     out_dtype = output_dtype(q, k, v)
     dtype = compute_dtype([q, k, v, w])
     if torch.jit.is_scripting():
