@@ -6,7 +6,7 @@ import torch
 from timm.layers import resize_rel_pos_bias_table_simple
 from torch import nn
 
-from .dispatch import check_method, get_conv_method
+from .dispatch import check_choice, get_conv_method
 from ._checks import check_tokens
 from .channels_first import linear_nchw
 from .depthwise_mix import depthwise_mix_nchw
@@ -34,7 +34,7 @@ class AFTConv2d(nn.Module):
             raise ValueError(f'dim = {dim} must be divisible by num_heads = {num_heads}')
         if kernel_size < 1 or kernel_size % 2 == 0:
             raise ValueError(f'kernel_size must be a positive odd number, got {kernel_size}')
-        self.method = check_method(get_conv_method() if method is None else method)
+        self.method = check_choice(get_conv_method() if method is None else method)
         self.dim, self.num_heads, self.kernel_size, self.eps = dim, num_heads, kernel_size, eps
         self.qkv = nn.Linear(dim, dim * 2 + num_heads, bias=qkv_bias, **dd)
         self.pos_weight = nn.Parameter(torch.empty(num_heads, kernel_size, kernel_size, **dd))

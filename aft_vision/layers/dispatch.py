@@ -21,22 +21,22 @@ CONV_METHODS = ('dense', 'conv', 'triton')
 METHODS = ('auto',) + CONV_METHODS
 _default_method = 'auto'
 
-# device type -> (ratio, kappa, beta, largest h * T * T for the dense form): docs/performance.md, "The dispatch table"
+# device type -> (ratio, kappa, beta, largest h * T * T for the dense form), fitted as docs/operators.md#dispatch says
 DISPATCH_TABLES: Dict[str, Tuple[float, float, float, int]] = {
     'cpu': (0.42, 100.0, 1e5, 1 << 24), 'cuda': (16.0, 64.0, 0.0, 1 << 27)}
 
 
-def check_method(method: str, allowed: Tuple[str, ...] = METHODS, origin: str = 'method') -> str:
-    """``method`` if it is ``allowed``, else a ValueError naming ``origin``."""
-    if method not in allowed:
-        raise ValueError(f"{origin} must be one of {', '.join(allowed)}, got {method!r}")
-    return method
+def check_choice(value: str, allowed: Tuple[str, ...] = METHODS, origin: str = 'method') -> str:
+    """``value`` if it is one of ``allowed``, else a ValueError naming ``origin``."""
+    if value not in allowed:
+        raise ValueError(f"{origin} must be one of {', '.join(allowed)}, got {value!r}")
+    return value
 
 
 def set_conv_method(method: str) -> None:
     """Set the method of AFT-conv layers built from now on without one, and of ``aft_conv2d`` calls without one."""
     global _default_method
-    _default_method = check_method(method)
+    _default_method = check_choice(method)
 
 
 def get_conv_method() -> str:
@@ -77,7 +77,7 @@ def choose_conv_method(device_type: str, batch: int, height: int, width: int, ch
 def resolve_conv_method(method: Optional[str], q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> str:
     """The evaluation of one call: ``method`` (None: ``get_conv_method()``), 'conv' for 'auto' and 'triton' while
     exporting, the cost model's choice for 'auto' on the tensors' device."""
-    method = check_method(get_conv_method() if method is None else method)
+    method = check_choice(get_conv_method() if method is None else method)
     if exporting() and method in ('auto', 'triton'):
         return 'conv'
     if method == 'auto':
@@ -89,9 +89,7 @@ def resolve_conv_method(method: Optional[str], q: torch.Tensor, k: torch.Tensor,
 POLICIES = ('cpu', 'cuda')
 _ENV = 'AFT_DEVICE_POLICY'
 _override: Optional[str] = None
-
-
-_ENV_DEFAULT = os.environ.get(_ENV) and check_method(os.environ[_ENV], POLICIES, _ENV)
+_ENV_DEFAULT = os.environ.get(_ENV) and check_choice(os.environ[_ENV], POLICIES, _ENV)
 
 
 @contextlib.contextmanager
@@ -99,7 +97,7 @@ def device_policy(kind: Optional[str]) -> Iterator[None]:
     """Make the AFT operators behave as on device type ``kind`` ('cpu', 'cuda'; None: the inputs'), not
     thread-local: around whole forward and backward passes."""
     global _override
-    previous, _override = _override, kind and check_method(kind, POLICIES, 'device_policy')
+    previous, _override = _override, kind and check_choice(kind, POLICIES, 'device_policy')
     try:
         yield
     finally:
