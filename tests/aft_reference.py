@@ -372,19 +372,38 @@ def assert_model_agrees(got: torch.Tensor, exact: torch.Tensor, eager: torch.Ten
     assert_ratios({'model': (got - exact).abs().max().item() / tolerance}, f'{label} (whole model)')
 
 
-# The operator cases the layer and export tests share: ``inputs(op, key_scale, bias_scale)`` for each op,
-# keys and biases scaled to push the exponentials to their limits.
+# The inputs every operator test draws: seeded, keys and biases scaled to push the exponentials to their limits.
 CAUSAL = ('causal', 'simple_causal')
+SEQ_SHAPES = [(1, 1, 1), (2, 7, 3), (3, 12, 5)]  # (B, T, C)
+# (B, H, W, C, h, s): square and not, h = 1 and h = C, kernel larger than the map, a 1 x 1 map.
+GRID_SHAPES = [(1, 1, 1, 1, 1, 1), (2, 3, 4, 6, 3, 5), (1, 5, 2, 4, 4, 3), (2, 4, 4, 8, 1, 11), (1, 6, 7, 6, 2, 3)]
+
+
+def seq_inputs(batch, seq_len, channels, key_scale=1.0, bias_scale=1.0, seed=0, dtype=torch.float32):
+    """q, k, v (B, T, C) and a (T, T) bias, drawn in float32 and cast to ``dtype``."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = torch.randn(3, batch, seq_len, channels, generator=gen)
+    w = torch.randn(seq_len, seq_len, generator=gen)
+    return tuple(t.to(dtype) for t in (q, k * key_scale, v, w * bias_scale))
+
+
+def grid_inputs(batch, height, width, channels, num_heads, s, key_scale=1.0, bias_scale=1.0, seed=0,
+                dtype=torch.float32, device='cpu'):
+    """q, v (B, H, W, C), k (B, H, W, h) and an (h, s, s) bias, drawn in float32 and cast to ``dtype``."""
+    gen = torch.Generator().manual_seed(seed)
+    q, v = torch.randn(2, batch, height, width, channels, generator=gen)
+    k = torch.randn(batch, height, width, num_heads, generator=gen)
+    w = torch.randn(num_heads, s, s, generator=gen)
+    return tuple(t.to(device=device, dtype=dtype) for t in (q, k * key_scale, v, w * bias_scale))
 
 
 def inputs(op, key_scale, bias_scale, seed=0):
-    gen = torch.Generator().manual_seed(seed)
+    """The shared case of operator ``op`` (``OPS``)."""
     if op in ('dense', 'conv'):
-        batch, height, width, channels, num_heads, s = 2, 5, 6, 8, 4, 5
-        q, v = torch.randn(2, batch, height, width, channels, generator=gen)
-        k = torch.randn(batch, height, width, num_heads, generator=gen)
-        w = torch.randn(num_heads, s, s, generator=gen)
-    else:
-        q, k, v = torch.randn(3, 2, 9, 6, generator=gen)
-        w = torch.randn(9, 9, generator=gen)
-    return q, k * key_scale, v, w * bias_scale
+        return grid_inputs(2, 5, 6, 8, 4, 5, key_scale, bias_scale, seed)
+    return seq_inputs(2, 9, 6, key_scale, bias_scale, seed)
+
+
+def upstream(like, seed=1):
+    """A float64 upstream gradient of ``like``'s shape."""
+    return torch.randn(like.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)

@@ -1,9 +1,10 @@
-"""Not a test: the Triton kernel's cases, run by Triton's interpreter in a subprocess of test_layers.py (its
-``interpreter_results`` fixture), since ``TRITON_INTERPRET=1`` must be set before triton builds the kernels.
+"""Not a test: the Triton kernel's cases, run by Triton's interpreter in a subprocess of
+tests/layers/test_triton_kernel.py (its ``interpreter_results`` fixture), since ``TRITON_INTERPRET=1`` must be set
+before triton builds the kernels.
 
 ``python tests/triton_check.py`` (with ``TRITON_INTERPRET=1`` on a CPU) prints one line, ``RESULTS {json}``: per case,
 the largest ratio of each result's error to its rounding bound (``aft_reference.py``'s), and the float16, lazy-import,
-extreme-input, wiring and whole-model checks. test_layers.py also takes the cases and the comparisons from here.
+extreme-input, wiring and whole-model checks. test_triton_kernel.py also takes the cases and the comparisons from here.
 """
 import json
 import sys
@@ -30,22 +31,16 @@ EXTREME = (2, 6, 7, 4, 2, 5, 1e4, 40.0, 9)
 HALF_CASES = ['borders_5x7_s3', 'window_larger_than_map_s15_4x6', 'key_scale_20_bias_scale_3']
 
 
-def make_inputs(batch, height, width, channels, num_heads, ksize, key_scale, bias_scale, seed, device='cpu',
-                dtype=torch.float64):
-    """Seeded q, v (B, H, W, C), k (B, H, W, h), w (h, s, s) and an upstream gradient, rounded to ``dtype``."""
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, height, width, channels, generator=gen, dtype=torch.float64)
-    k = key_scale * torch.randn(batch, height, width, num_heads, generator=gen, dtype=torch.float64)
-    v = torch.randn(batch, height, width, channels, generator=gen, dtype=torch.float64)
-    w = bias_scale * torch.randn(num_heads, ksize, ksize, generator=gen, dtype=torch.float64)
-    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(123), dtype=torch.float64)
-    return [t.to(device=device, dtype=dtype) for t in (q, k, v, w, grad_out)]
+def case_inputs(case, device='cpu', dtype=torch.float32):
+    """``aft_reference.grid_inputs`` of a case, rounded to ``dtype``, and a float64 upstream gradient rounded alike."""
+    q, k, v, w = ref.grid_inputs(*case, dtype=dtype, device=device)
+    return q, k, v, w, ref.upstream(q, seed=123).to(device=device, dtype=dtype)
 
 
 def reference_and_bound(case, dtype):
     """The float64 results on the ``dtype``-rounded inputs (the kernel's error, not the inputs' rounding) and their
     bounds for the split form, accumulated in float32 with operands in ``dtype``."""
-    q, k, v, w, grad_out = make_inputs(*case, dtype=dtype)
+    q, k, v, w, grad_out = case_inputs(case, dtype=dtype)
     problem = ref.conv_problem(q, k, v, w)
     return problem, grad_out, ref.evaluate(problem, grad_out), ref.bound(
         problem, grad_out, 'split', torch.float32, dtype)
@@ -55,21 +50,17 @@ def ratios(case, device='cpu', dtype=torch.float32):
     """Largest error-to-bound ratio of the kernel's output and q / k / v / w gradients (inputs in ``dtype``)."""
     from aft_vision.layers.aft_conv_triton import aft_conv2d_triton
     _, grad_out, expected, bounds = reference_and_bound(case, dtype)
-    inputs = [t.to(device).requires_grad_(True) for t in make_inputs(*case, dtype=dtype)[:4]]
+    inputs = [t.to(device).requires_grad_(True) for t in case_inputs(case, dtype=dtype)[:4]]
     out = aft_conv2d_triton(*inputs)
     grads = torch.autograd.grad(out, inputs, grad_out.to(device))
     results = {name: t.cpu() for name, t in zip(['out', 'dq', 'dk', 'dv', 'dw'], (out,) + grads)}
     return dict(ref.excess(results, expected, bounds), dtype=str(out.dtype), shape=list(out.shape))
 
 
-def _check(result, label):
-    ref.assertratios({key: result[key] for key in ['out', 'dq', 'dk', 'dv', 'dw']}, label)
-
-
 def _finite(case):
     """Whether the kernel's output and gradients are finite for keys and biases of large magnitude."""
     from aft_vision.layers.aft_conv_triton import aft_conv2d_triton
-    q, k, v, w, _ = make_inputs(*case)
+    q, k, v, w, _ = case_inputs(case, dtype=torch.float64)
     w = case[7] * (2.0 * torch.rand(w.shape, generator=torch.Generator().manual_seed(case[8]), dtype=w.dtype) - 1.0)
     tri_in = [t.float().requires_grad_(True) for t in (q, k, v, w)]
     out = aft_conv2d_triton(*tri_in)
@@ -81,7 +72,7 @@ def _wiring(case):
     """``aft_conv2d(..., method='triton')`` against this kernel called directly."""
     from aft_vision.layers import functional
     from aft_vision.layers.aft_conv_triton import aft_conv2d_triton
-    inputs = make_inputs(*case, dtype=torch.float32)[:4]
+    inputs = case_inputs(case)[:4]
     routed = functional.aft_conv2d(*inputs, method='triton')
     return (routed - aft_conv2d_triton(*inputs)).abs().max().item()
 

@@ -4,8 +4,7 @@ dispatch tables (``aft_vision/layers/dispatch.py``).
 For each model and resolution: one layer's q, k, v, w at the model's token grid, width, heads and window, timed
 forward and backward separately (median of the repetitions of each, methods interleaved) under the device's default
 policy and the chosen precision; the fastest method (by forward + backward) is set beside the one ``method='auto'``
-picks. The depthwise method is timed with both backward evaluations (``dispatch.depthwise_backward``); its total
-uses the device's default one.
+picks. The depthwise method's variant keeps its historical name, ``conv:forward_conv`` (its backward).
 """
 import dataclasses
 import json
@@ -20,8 +19,6 @@ from tqdm import tqdm
 
 from ..checkpoints.files import atomic_dir
 from ..layers import AFTConv2d, aft_conv2d, choose_conv_method
-from ..layers.dispatch import DEPTHWISE_BACKWARD_METHODS, choose_depthwise_backward, depthwise_backward
-from ..layers.policy import get_device_policy, product_dtype
 
 __all__ = ['layer_shape', 'time_methods', 'main']
 
@@ -37,18 +34,10 @@ def layer_shape(name: str, img_size: int) -> Dict[str, int]:
             'num_heads': layer.num_heads, 'kernel_size': layer.kernel_size}
 
 
-def _methods(device: torch.device) -> List[str]:
-    from ..layers.aft_conv_triton import triton_available  # imports triton only when it checks for it
-    return ['dense', 'conv'] + (['triton'] if device.type == 'cuda' and triton_available() else [])
-
-
 def variants_for(device: torch.device) -> List[str]:
-    """What ``--ops`` can time on ``device``: 'dense', 'conv:forward_conv', 'conv:convolution_backward' and, on CUDA
-    with Triton, 'triton'."""
-    variants = []
-    for method in _methods(device):
-        variants += [f'conv:{b}' for b in DEPTHWISE_BACKWARD_METHODS] if method == 'conv' else [method]
-    return variants
+    """What ``--ops`` can time on ``device``: 'dense', 'conv:forward_conv' and, on CUDA with Triton, 'triton'."""
+    from ..layers.aft_conv_triton import triton_available  # imports triton only when it checks for it
+    return ['dense', 'conv:forward_conv'] + (['triton'] if device.type == 'cuda' and triton_available() else [])
 
 
 def time_methods(shape: Dict[str, int], batch_size: int, device: torch.device, precision: str, repeats: int,
@@ -68,7 +57,7 @@ def time_methods(shape: Dict[str, int], batch_size: int, device: torch.device, p
             torch.cuda.synchronize(device)
 
     def step(variant):
-        method, _, backward = variant.partition(':')
+        method = variant.partition(':')[0]
         inputs = [x.to(dtype) if dtype else x for x in (q, k, v)]
         start = time.perf_counter()
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
@@ -76,8 +65,7 @@ def time_methods(shape: Dict[str, int], batch_size: int, device: torch.device, p
         loss = out.float().sum()
         sync()
         middle = time.perf_counter()
-        with depthwise_backward(backward or None):
-            loss.backward()
+        loss.backward()
         sync()
         return (middle - start) * 1e3, (time.perf_counter() - middle) * 1e3
 
@@ -96,24 +84,17 @@ def time_methods(shape: Dict[str, int], batch_size: int, device: torch.device, p
 def main(settings, models: List[str], resolutions: List[int]) -> int:
     """``aft-vision bench --ops``: ``settings`` is a ``BenchSettings``; writes ``ops.json`` and ``ops.md``."""
     device = torch.device(settings.device)
-    precision = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}[settings.precision]
-    # what the operator asks 'auto' with: the dtype its dense products run in under this precision and policy
-    dtype = product_dtype(device, precision, torch.float32, get_device_policy(device))
-    default = f'conv:{choose_depthwise_backward(device.type)}'
     variants = settings.ops_methods or variants_for(device)
-    unknown = set(variants) - set(variants_for(device))
-    if unknown or default not in variants and 'conv' in [v.partition(':')[0] for v in variants]:
-        raise ValueError(f'--ops-methods takes {", ".join(variants_for(device))} (with {default} if any conv), '
-                         f'got {variants}')
+    if set(variants) - set(variants_for(device)):
+        raise ValueError(f'--ops-methods takes {", ".join(variants_for(device))}, got {variants}')
     rows = []
     pairs = [(res, name) for res in resolutions for name in models]
     for res, name in tqdm(pairs, desc='bench --ops', unit='layer'):
         shape = layer_shape(name, res)
         split = time_methods(shape, settings.batch_size, device, settings.precision, settings.repeats,
                              settings.warmup, variants)
-        ms = {variant.partition(':')[0]: sum(parts.values()) for variant, parts in split.items()
-              if variant.partition(':')[0] != 'conv' or variant == default}
-        auto = choose_conv_method(device.type, dtype, settings.batch_size, shape['height'], shape['width'],
+        ms = {variant.partition(':')[0]: sum(parts.values()) for variant, parts in split.items()}
+        auto = choose_conv_method(device.type, settings.batch_size, shape['height'], shape['width'],
                                   shape['channels'], shape['num_heads'], shape['kernel_size'])
         rows.append({'model': name, 'resolution': res, **shape, 'batch_size': settings.batch_size,
                      'device': str(device), 'precision': settings.precision, 'threads': torch.get_num_threads(),

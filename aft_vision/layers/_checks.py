@@ -1,9 +1,8 @@
-"""Input checks shared by the AFT operators (``functional.py``) and the Triton kernel (``aft_conv_triton.py``): each
-raises a ValueError or TypeError that names the argument and its shape."""
+"""Input checks of the AFT operators and modules: each error names the argument and its shape."""
 import torch
 from timm.layers import register_notrace_function
 
-__all__ = ['check_tensor', 'check_qkv', 'check_tokens', 'check_bias', 'check_conv_inputs']
+__all__ = ['check_tensor', 'check_qkv', 'check_tokens', 'check_conv_inputs']
 
 
 def check_tensor(name: str, tensor: torch.Tensor, ndim: int, layout: str):
@@ -27,26 +26,18 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ndim: int, layo
         raise ValueError(f'k must match q in every dim but the last, got q {list(q.shape)} and k {list(k.shape)}')
     if q.device != k.device or q.device != v.device:
         raise ValueError(f'q, k and v must be on one device, got {q.device}, {k.device} and {v.device}')
+    if key_layout == layout and k.shape != q.shape:
+        raise ValueError(f'k must have the shape of q {layout}, got q {list(q.shape)} and k {list(k.shape)}')
     if q.numel() == 0:
         raise ValueError(f'q must not be empty, got shape {list(q.shape)}')
 
 
 @register_notrace_function
 def check_tokens(x: torch.Tensor, layout: str, dim: int, seq_len: int = -1) -> None:
-    """Check a module input: ``x`` must be ``len(layout)``-D with last dim ``dim`` (and ``seq_len`` tokens if >= 0).
-
-    Registered as an fx leaf, so symbolic tracing records the check instead of branching on proxies.
-    """
+    """A module input ``x`` laid out as ``layout``, last dim ``dim`` (``seq_len`` tokens if >= 0); an fx leaf."""
     ndim = 4 if layout.startswith('(B, H, W') else 3
     if x.dim() != ndim or x.shape[-1] != dim or (seq_len >= 0 and x.shape[1] != seq_len):
         raise ValueError(f'expected tokens {layout}, got shape {list(x.shape)}')
-
-
-def check_bias(w: torch.Tensor, seq_len: int):
-    """A pair-wise bias (T, T) for ``seq_len`` tokens."""
-    check_tensor('w', w, 2, '(T, T)')
-    if w.shape[0] != seq_len or w.shape[1] != seq_len:
-        raise ValueError(f'w must have shape (T, T) = ({seq_len}, {seq_len}), got {list(w.shape)}')
 
 
 def check_conv_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor) -> None:

@@ -4,17 +4,14 @@ from typing import Optional, Tuple
 import torch
 
 from ._stable import TINY
-from ._write import write_into
 
 __all__ = ['gate', 'gate_inplace', 'gate_backward', 'per_channel']
 
 
 def per_channel(x: torch.Tensor, group: int, dim: int = -1) -> torch.Tensor:
-    """A per-head tensor with h heads on axis ``dim`` ((..., h) by default, (B, h, H, W) with ``dim=1``) repeated to
-    its value channels (h * group on that axis), channel c from head c // group: x itself for one channel per head.
-    Exported graphs take this form (same values as broadcasting a (..., h, 1) view): runtimes vectorise element-wise
-    nodes along the innermost axis, and a size-1 innermost axis ran them element by element (OpenVINO's CPU plugin:
-    10x slower). Sizes other than ``group`` stay -1 in the expand, so traced graphs keep their dynamic axes."""
+    """``x`` with h heads on axis ``dim`` repeated to h * group value channels (channel c from head c // group).
+    Exported graphs take this form, not a broadcast (..., h, 1) view, which OpenVINO ran 10x slower; the other sizes
+    stay -1 in the expand, so traced graphs keep their dynamic axes."""
     if group == 1:
         return x
     dim = dim % x.dim()
@@ -23,30 +20,23 @@ def per_channel(x: torch.Tensor, group: int, dim: int = -1) -> torch.Tensor:
 
 
 def gate(q: torch.Tensor, numerator: torch.Tensor, denominator: torch.Tensor, tiny: float = TINY) -> torch.Tensor:
-    """``sigmoid(q) * N / D`` for q, N (..., C) and D (..., Ck), each D broadcast over its C / Ck value channels and
-    floored at TINY (a finite result for any input; exact inputs never come near it)."""
+    """``sigmoid(q) * N / D`` for q, N (..., C) and D (..., Ck) broadcast to its channels, floored at ``tiny``."""
     group = numerator.shape[-1] // denominator.shape[-1]
     return torch.sigmoid(q) * (numerator / per_channel(denominator.clamp_min(tiny), group))
 
 
 def gate_inplace(q: torch.Tensor, numerator: torch.Tensor, denominator: torch.Tensor,
                  tiny: float = TINY) -> torch.Tensor:
-    """``gate`` without autograd and without its two temporaries, rounded alike (``sigmoid(q) * (N / D)``): N, a buffer
-    the caller discards, is divided in place, and the sigmoid's new tensor multiplied by it."""
+    """``gate`` without autograd or temporaries, rounded alike: N (a buffer the caller discards) divided in place."""
     out = torch.sigmoid(q)  # (..., C)
     mixed = numerator.unflatten(-1, (denominator.shape[-1], -1)).div_(denominator.clamp_min(tiny).unsqueeze(-1))
     return out.unflatten(-1, mixed.shape[-2:]).mul_(mixed).flatten(-2)
 
 
-def gate_backward(
-        grad_out: torch.Tensor,
-        q: torch.Tensor,
-        numerator: torch.Tensor,
-        denominator: torch.Tensor,
-        out: Optional[torch.Tensor] = None,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of ``gate`` with respect to q, N (..., C) and D (..., Ck). With ``out`` (..., C + Ck) given (no
-    autograd), the gradients of N and D are written into it, side by side, and returned as its views."""
+def gate_backward(grad_out: torch.Tensor, q: torch.Tensor, numerator: torch.Tensor, denominator: torch.Tensor,
+                  out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of ``gate`` in q, N (..., C) and D (..., Ck); with ``out`` (..., C + Ck) those of N and D are written
+    into it side by side (no autograd) and returned as its views."""
     denominator = denominator.clamp_min(TINY).unsqueeze(-1)  # (..., Ck, 1)
     mixed = numerator.unflatten(-1, (denominator.shape[-2], -1)) / denominator  # (..., Ck, C / Ck)
     grad_out = grad_out.unflatten(-1, mixed.shape[-2:])
@@ -57,8 +47,8 @@ def gate_backward(
     if out is None:
         grad_num, grad_den = gated.div_(denominator), scaled.sum(-1)
     else:
-        grad_num = write_into(out[..., :channels].unflatten(-1, mixed.shape[-2:]), torch.div, gated, denominator)
-        grad_den = write_into(out[..., channels:], torch.sum, scaled, -1)
+        grad_num = torch.div(gated, denominator, out=out[..., :channels].unflatten(-1, mixed.shape[-2:]))
+        grad_den = torch.sum(scaled, -1, out=out[..., channels:])
     grad_den = grad_den.div_(denominator.squeeze(-1)).neg_()  # (..., Ck)
     grad_q = scaled.mul_(gate_q.neg_().add_(1.0))  # times 1 - sigmoid(q)
     return grad_q.flatten(-2), grad_num.flatten(-2), grad_den

@@ -1,12 +1,12 @@
 """AFT-conv token mixer (Eq. 6) with the per-head bias reparameterisation of Eq. 8."""
 import math
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from timm.layers import resize_rel_pos_bias_table_simple
 from torch import nn
 
-from .dispatch import CONV_METHODS
+from .dispatch import check_choice, get_conv_method
 from ._checks import check_tokens
 from .channels_first import linear_nchw
 from .depthwise_mix import depthwise_mix_nchw
@@ -16,50 +16,26 @@ __all__ = ['AFTConv2d', 'resize_window_bias', 'scaled_kernel_size']
 
 
 class AFTConv2d(nn.Module):
-    """AFT-conv on a (B, H, W, C) token grid of any size: fully convolutional, no position embedding needed.
-
-    Keys have one channel per head. The raw (h, s, s) bias is standardised per head and scaled (Eq. 8):
-    ``w_i = gamma_i * (raw_i - mean(raw_i)) / std(raw_i) + beta_i`` with gamma = beta = 0 at initialisation, so a
-    freshly built layer computes AFT-simple. ``qkv`` stacks q (C), k (h) and v (C) along its output.
+    """AFT-conv on a (B, H, W, C) token grid of any size; ``qkv`` stacks q (C), k (one per head) and v (C). The raw
+    (h, s, s) bias is reparameterised per head (Eq. 8), ``w_i = gamma_i * (raw_i - mean) / std + beta_i``, with
+    gamma = beta = 0 at initialisation: a fresh layer computes AFT-simple.
 
     Args:
-        dim: Token width C.
-        num_heads: Number of heads h; C must be divisible by h.
-        kernel_size: Odd window size s.
-        qkv_bias: Bias in the q, k, v projection.
-        proj_drop: Dropout after the output projection.
         eps: Added to the variance in Eq. 8, so a constant raw bias stays well defined.
-        method: How ``aft_conv2d`` evaluates Eq. 6 ('auto', 'dense', 'conv', 'triton'); a model takes it as
-            ``mixer_kwargs={'method': ...}``.
-        device: Device of the parameters (timm factory kwarg).
-        dtype: Dtype of the parameters (timm factory kwarg).
+        method: How ``aft_conv2d`` evaluates Eq. 6 ('auto', 'dense', 'conv', 'triton'), fixed here; None takes
+            ``get_conv_method()``. A model takes it as ``mixer_kwargs={'method': ...}``.
     """
 
-    def __init__(
-            self,
-            dim: int,
-            num_heads: int,
-            kernel_size: int,
-            qkv_bias: bool = True,
-            proj_drop: float = 0.0,
-            eps: float = 1e-5,
-            method: str = 'auto',
-            device=None,
-            dtype=None,
-    ):
+    def __init__(self, dim: int, num_heads: int, kernel_size: int, qkv_bias: bool = True, proj_drop: float = 0.0,
+                 eps: float = 1e-5, method: Optional[str] = None, device=None, dtype=None):
         super().__init__()
         dd = {'device': device, 'dtype': dtype}
         if num_heads < 1 or dim % num_heads:
             raise ValueError(f'dim = {dim} must be divisible by num_heads = {num_heads}')
         if kernel_size < 1 or kernel_size % 2 == 0:
             raise ValueError(f'kernel_size must be a positive odd number, got {kernel_size}')
-        if method != 'auto' and method not in CONV_METHODS:
-            raise ValueError(f"method must be 'auto' or one of {', '.join(CONV_METHODS)}, got {method!r}")
-        self.method = method
-        self.dim = dim
-        self.num_heads = num_heads
-        self.kernel_size = kernel_size
-        self.eps = eps
+        self.method = check_choice(get_conv_method() if method is None else method)
+        self.dim, self.num_heads, self.kernel_size, self.eps = dim, num_heads, kernel_size, eps
         self.qkv = nn.Linear(dim, dim * 2 + num_heads, bias=qkv_bias, **dd)
         self.pos_weight = nn.Parameter(torch.empty(num_heads, kernel_size, kernel_size, **dd))
         self.pos_gamma = nn.Parameter(torch.zeros(num_heads, **dd))
@@ -69,7 +45,7 @@ class AFTConv2d(nn.Module):
         self.init_weights()
 
     def init_weights(self) -> None:
-        """Raw bias from N(0, 1), so ``eps`` is negligible beside its variance; gamma and beta at 0 (Eq. 8)."""
+        """Raw bias from N(0, 1); gamma and beta at 0 (Eq. 8)."""
         nn.init.normal_(self.pos_weight)
         nn.init.zeros_(self.pos_gamma)
         nn.init.zeros_(self.pos_beta)
@@ -79,9 +55,8 @@ class AFTConv2d(nn.Module):
         raw = self.pos_weight
         mean = raw.mean(dim=(1, 2), keepdim=True)
         var = raw.var(dim=(1, 2), unbiased=False, keepdim=True)
-        # gamma / std per head, formed on (h,) vectors so that gamma never meets rsqrt's ONNX form Div(1, sqrt)
-        # directly: onnxruntime's DivMulFusion then loses gamma where the TorchScript exporter made it an Identity of
-        # an equal parameter (every layer's zeros at initialisation) and refuses the graph
+        # gamma / std formed on (h,) vectors: gamma never meets rsqrt's ONNX form Div(1, sqrt) directly, which
+        # onnxruntime's DivMulFusion mishandles where the exporter made gamma an Identity of an equal parameter
         scale = (self.pos_gamma * torch.rsqrt(var + self.eps).view(-1)).view(-1, 1, 1)  # (h, 1, 1)
         # gamma * (raw - mean) / std + beta as one scale and shift of the parameter: autograd keeps no (h, s, s) copy
         return raw * scale + (self.pos_beta.view(-1, 1, 1) - mean * scale)
@@ -92,8 +67,8 @@ class AFTConv2d(nn.Module):
 
     @torch.no_grad()
     def resize_window(self, kernel_size: int) -> None:
-        """Resample the window to ``kernel_size`` x ``kernel_size`` (``resize_window_bias``), for a token grid that
-        grew or shrank by about ``kernel_size / self.kernel_size``; the same size leaves every parameter untouched."""
+        """Resample the window to ``kernel_size`` (``resize_window_bias``) for a grid scaled by about
+        ``kernel_size / self.kernel_size``; the same size leaves every parameter untouched."""
         if kernel_size == self.kernel_size:
             return
         raw, gamma, beta = resize_window_bias(self.pos_weight, self.pos_gamma, self.pos_beta, kernel_size, self.eps)
@@ -114,8 +89,8 @@ class AFTConv2d(nn.Module):
             raise ValueError(f'expected a map (B, {self.dim}, H, W), got shape {list(x.shape)}')
 
     def forward_nchw(self, x: torch.Tensor) -> torch.Tensor:
-        """The layer on a channel-first map (B, C, H, W) -> (B, C, H, W), for exported graphs: q, k and v by three
-        1 x 1 convolutions (no split), the sums by ``depthwise_mix_nchw`` whatever ``method`` says."""
+        """The layer on a channel-first map (B, C, H, W), for exported graphs: q, k, v by three 1 x 1 convolutions,
+        the sums by ``depthwise_mix_nchw`` whatever ``method`` says."""
         self._check_map(x)
         dim, heads = self.dim, self.num_heads
         q, k, v = (linear_nchw(x, self.qkv, rows) for rows in (
@@ -128,8 +103,8 @@ class AFTConv2d(nn.Module):
 
 
 def scaled_kernel_size(kernel_size: int, ratio: float) -> int:
-    """The odd window closest to ``kernel_size * ratio`` (ties to the larger), at least 1: the window that covers the
-    same part of an image whose token grid was scaled by ``ratio``."""
+    """The odd window closest to ``kernel_size * ratio`` (ties to the larger, at least 1): the same part of an image
+    whose token grid was scaled by ``ratio``."""
     if kernel_size < 1 or kernel_size % 2 == 0:
         raise ValueError(f'kernel_size must be a positive odd number, got {kernel_size}')
     if not (math.isfinite(ratio) and ratio > 0):
@@ -137,31 +112,11 @@ def scaled_kernel_size(kernel_size: int, ratio: float) -> int:
     return max(1, 2 * math.floor((kernel_size * ratio - 1) / 2 + 0.5) + 1)
 
 
-def resize_window_bias(
-        raw: torch.Tensor,
-        gamma: torch.Tensor,
-        beta: torch.Tensor,
-        kernel_size: int,
-        eps: float = 1e-5,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Stretch an AFT-conv window to ``kernel_size``: the bias ``w`` of Eq. 8 resampled bicubically by timm's
-    ``resize_rel_pos_bias_table_simple`` (the centre offset stays in place), so that it covers the same part of an
-    image whose token grid was scaled by about ``kernel_size / s``.
-
-    The raw bias is resampled and gamma, beta re-solved, so that the reparameterised bias of the results is the
-    stretched ``w`` to rounding (stretching is linear and keeps constants: ``w = scale * raw + shift`` per head keeps
-    its scale and shift).
-
-    Args:
-        raw: Raw bias ``pos_weight`` (h, s, s).
-        gamma: ``pos_gamma`` (h,).
-        beta: ``pos_beta`` (h,).
-        kernel_size: The new odd window size.
-        eps: The layer's ``eps``.
-
-    Returns:
-        The new (raw (h, k, k), gamma (h,), beta (h,)), in the dtypes given.
-    """
+def resize_window_bias(raw: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, kernel_size: int,
+                       eps: float = 1e-5) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stretch an AFT-conv window (raw ``pos_weight`` (h, s, s), ``pos_gamma``, ``pos_beta`` (h,)) to ``kernel_size``
+    by timm's ``resize_rel_pos_bias_table_simple`` (bicubic, centre in place), re-solving gamma and beta so that Eq. 8
+    gives the stretched ``w`` to rounding. Returns the new raw, gamma and beta in the dtypes given."""
     if kernel_size < 1 or kernel_size % 2 == 0:
         raise ValueError(f'kernel_size must be a positive odd number, got {kernel_size}')
     heads, dtype = raw.shape[0], torch.promote_types(raw.dtype, torch.float32)  # float64 stays float64

@@ -1,24 +1,20 @@
 """AFT-conv with a one-hot position bias per head: the Gumbel-softmax sparse variant of Sec. 8 (Eq. 10).
 
-The paper multiplies each head's bias by a Gumbel-softmax sample over its s x s offsets,
-``w_i = w_i * gumbel(w_i; tau)`` with tau = 0.5, and replaces the sample by a hard max at inference. With a one-hot
-factor every offset but one gets ``w = 0``, i.e. ``exp(w) - 1 = 0``: it contributes like a key outside the window
-(global connectivity is kept). Eq. 6 then reduces to a global sum plus one shifted map per head,
-
-    Y = sigmoid(Q) * (sum exp(K) V + c * shift(exp(K) V)) / (sum exp(K) + c * shift(exp(K))),  c = exp(w_sel) - 1,
-
-which is what ``aft_conv2d_onehot`` computes in O(T * C), like AFT-simple: the paper's "convolution into indexing".
+With one non-zero offset per head every other offset has ``exp(w) - 1 = 0`` (like a key outside the window), so Eq. 6
+becomes a global sum plus one shifted map per head,
+``Y = sigmoid(Q) * (sum exp(K) V + c * shift(exp(K) V)) / (sum exp(K) + c * shift(exp(K)))``, ``c = exp(w_sel) - 1``,
+which ``aft_conv2d_onehot`` computes in O(T C): the paper's "convolution into indexing".
 """
 import torch
 import torch.nn.functional as F
 from timm.layers import register_notrace_function
 from torch import nn
 
-from ._stable import TINY, flag_below, tracing
-from .policy import get_device_policy, no_autocast
-from .aft_conv import AFTConv2d
 from ._checks import check_conv_inputs, check_tokens
-from .functional import _CANCEL_TOL, _compute_dtype, _output_dtype, aft_conv2d
+from ._stable import CANCEL_TOL, TINY, flag_below
+from .aft_conv import AFTConv2d
+from .functional import aft_conv2d
+from .dispatch import capturing, compute_dtype, get_device_policy, no_autocast, output_dtype
 
 __all__ = ['AFTConv2dOneHot', 'aft_conv2d_onehot', 'onehot_bias', 'convert_to_onehot']
 
@@ -30,31 +26,11 @@ def onehot_bias(w: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 @register_notrace_function
-def aft_conv2d_onehot(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        w: torch.Tensor,
-        index: torch.Tensor,
-) -> torch.Tensor:
-    """AFT-conv (Eq. 6) with a one-hot bias by global pooling plus indexing, O(B * T * C).
-
-    Equals ``aft_conv2d(q, k, v, onehot_bias(w, index))``: head i's bias is ``w[i].flatten()[index[i]]`` at one
-    offset and 0 at the others. Keys outside the map contribute nothing to the shifted term, as in the convolution's
-    zero padding. Entries whose denominator cancels (a single dominant key seen through a very negative bias) are
-    handed to ``aft_conv2d``, which recomputes them exactly.
-
-    Args:
-        q: Queries (B, H, W, C), before the sigmoid.
-        k: Keys (B, H, W, h).
-        v: Values (B, H, W, C).
-        w: Position bias (h, s, s), s odd; only the selected entries are read.
-        index: Selected flat offset per head (h,), ``a * s + b`` for ``w[i, a, b]``, which links the query at
-            (y, x) to the key at (y + a - s//2, x + b - s//2).
-
-    Returns:
-        Mixed tokens (B, H, W, C).
-    """
+def aft_conv2d_onehot(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor,
+                      index: torch.Tensor) -> torch.Tensor:
+    """``aft_conv2d(q, k, v, onehot_bias(w, index))`` by global pooling plus indexing, O(B T C): head i's bias is
+    ``w[i].flatten()[index[i]]`` (h,) at one offset, 0 elsewhere. Under the 'cpu' policy a cancelled denominator
+    hands the call to ``aft_conv2d``, which repairs it."""
     check_conv_inputs(q, k, v, w)
     num_heads = k.shape[-1]
     if index.shape != (num_heads,):
@@ -65,20 +41,12 @@ def aft_conv2d_onehot(
         return _aft_conv2d_onehot(q, k, v, w, index)
 
 
-def _aft_conv2d_onehot(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        w: torch.Tensor,
-        index: torch.Tensor,
-        tiny: float = TINY,
-        cancel_tol: float = _CANCEL_TOL,
-) -> torch.Tensor:
+def _aft_conv2d_onehot(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, index: torch.Tensor,
+                       tiny: float = TINY, cancel_tol: float = CANCEL_TOL) -> torch.Tensor:
     batch, height, width, channels = q.shape
-    num_heads, s = w.shape[0], w.shape[-1]
-    head_dim = channels // num_heads
-    out_dtype = _output_dtype(q, k, v)
-    dtype = _compute_dtype([q, k, v, w])
+    num_heads, s, head_dim = w.shape[0], w.shape[-1], channels // w.shape[0]
+    out_dtype = output_dtype(q, k, v)
+    dtype = compute_dtype([q, k, v, w])
     q, k, v, w = q.to(dtype), k.to(dtype), v.to(dtype), w.to(device=q.device, dtype=dtype)
     index = index.to(q.device)
     heads = torch.arange(num_heads, device=q.device)
@@ -92,8 +60,8 @@ def _aft_conv2d_onehot(
     exp_kv = buffer[:, :num_keys, :, :head_dim]  # (B, T, h, d), a view
     exp_k = buffer[:, :num_keys, :, head_dim]  # (B, T, h), a view
     values = v.view(batch, num_keys, num_heads, head_dim)
-    # autograd, or a graph recorded by the TorchScript tracer (one branch whatever the grad mode): copy into the buffer
-    if tracing() or (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)):
+    # autograd, or a captured graph (one branch whatever the grad mode, no out= into views): copy into the buffer
+    if capturing() or (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)):
         keys = torch.exp(k - k.amax(dim=(1, 2), keepdim=True).detach()).view(batch, num_keys, num_heads)
         buffer[:, :num_keys, :, head_dim] = keys
         buffer[:, :num_keys, :, :head_dim] = keys.unsqueeze(-1) * values
@@ -130,29 +98,10 @@ def _aft_conv2d_onehot(
 
 
 class AFTConv2dOneHot(AFTConv2d):
-    """AFT-conv whose heads each attend through one learned offset (Sec. 8, Eq. 10).
-
-    Parameters and state-dict keys are those of ``AFTConv2d``, so dense checkpoints load as they are: ``dense_bias()``
-    is its Eq. 8 bias ``w`` (h, s, s), which also serves as the logits of the offset choice. The bias Eq. 6 uses,
-    ``effective_bias()``, is ``w * onehot``:
-
-    * training: ``onehot = gumbel_softmax(w_i.flatten(), tau)`` per head, a fresh sample at every call; with
-      ``hard=True`` (default) the sample is one-hot in the forward pass and differentiable straight-through (the
-      soft sample's gradient), so exactly one offset per head carries a bias, as the paper describes;
-    * eval: ``onehot`` marks ``argmax(w_i)`` (the first one on ties) and the forward pass runs
-      ``aft_conv2d_onehot`` (global pooling plus indexing) instead of a convolution.
-
-    A freshly built layer has ``w = 0`` (gamma = beta = 0, Eq. 8) and computes AFT-simple, like ``AFTConv2d``. Eq. 9's
-    entropy regulariser reads ``dense_bias()``, the logits, on both layers.
-
-    Args:
-        dim: Token width C.
-        num_heads: Number of heads h; C must be divisible by h.
-        kernel_size: Odd window size s.
-        tau: Gumbel-softmax temperature (the paper: 0.5).
-        hard: Straight-through one-hot samples in training; False uses the soft sample (a dense bias).
-        **kwargs: ``AFTConv2d``'s other arguments (qkv_bias, proj_drop, eps, method, device, dtype).
-    """
+    """AFT-conv whose heads each attend through one learned offset (Sec. 8, Eq. 10); ``AFTConv2d``'s parameters and
+    state-dict keys. ``dense_bias()`` (Eq. 8's ``w``) is also the logits of the offset choice; Eq. 6 uses w * onehot:
+    in training a Gumbel-softmax sample (temperature ``tau``, the paper's 0.5; straight-through one-hot if ``hard``)
+    per head and call, in eval ``argmax(w_i)`` by ``aft_conv2d_onehot``."""
 
     def __init__(self, dim: int, num_heads: int, kernel_size: int, tau: float = 0.5, hard: bool = True, **kwargs):
         super().__init__(dim, num_heads, kernel_size, **kwargs)
@@ -195,8 +144,8 @@ class AFTConv2dOneHot(AFTConv2d):
         return self.proj_drop(self.proj(x))
 
     def forward_nchw(self, x: torch.Tensor) -> torch.Tensor:
-        """``forward`` on a channel-first map (B, C, H, W): in eval, pooling plus indexing on token rows (the layout
-        changes here, the O(T C) form stays); in training, Eq. 6 with the sampled bias as ``AFTConv2d`` exports it."""
+        """``forward`` on a channel-first map (B, C, H, W): in eval the indexing form on token rows, in training
+        ``AFTConv2d``'s."""
         if self.training:
             return super().forward_nchw(x)
         self._check_map(x)
@@ -207,11 +156,8 @@ class AFTConv2dOneHot(AFTConv2d):
 
 
 def convert_to_onehot(model: nn.Module, tau: float = 0.5, hard: bool = True) -> nn.Module:
-    """Replace every ``AFTConv2d`` in ``model`` (in place) by an ``AFTConv2dOneHot`` with the same weights.
-
-    Returns:
-        ``model``, for chaining. A model without AFT-conv layers raises ValueError.
-    """
+    """Replace every ``AFTConv2d`` in ``model`` (in place) by an ``AFTConv2dOneHot`` with the same weights and return
+    ``model``; a model without one raises ValueError."""
     found = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

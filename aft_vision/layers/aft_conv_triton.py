@@ -1,33 +1,8 @@
-"""Fused windowed AFT-conv (Eq. 6 of Zhai et al., arXiv 2105.14103) in Triton, forward and backward.
+"""Fused windowed AFT-conv (Eq. 6) in Triton, forward and backward (docs/operators.md, "The Triton kernel").
 
-Per head i, AFT-conv applies one positive, image-independent (T, T) matrix ``E_i`` to the keys and values of every
-image of the batch (T = H * W token positions):
-
-    out = sigmoid(q) * N / D,    [N, D] = S = E_i @ X,    X = [exp(k - kmax) * v, exp(k - kmax)]
-
-with ``E_i[t, t'] = exp(w_i[t' - t] - m_i)`` when key t' lies in the s x s window of query t and ``exp(-m_i)``
-otherwise, ``kmax`` the maximum of the keys over positions (per image and head) and ``m_i = max(0, max w_i)``;
-both shifts are detached and cancel exactly between N and D. The kernel splits ``E_i`` into
-``exp(-m_i)`` everywhere (a column sum of X, one reduction per head done in torch) plus the windowed correction
-``K_i = exp(w_i - m_i) - exp(-m_i)`` inside the window, which one Triton program applies to a 2-D tile of
-queries by loading the halo of keys its windows reach and multiplying a tile of ``K_i``, built on the fly from the
-(h, s, s) bias, with that halo of X. The batch and the head's d + 1 channels form the N dimension of the product,
-so E is never materialised and memory stays O(B T C).
-
-The backward pass runs the transposed windowed product (for a tile of keys, the halo of queries that reach them;
-the offsets flip sign) for ``dX``, plus ``exp(-m)`` times the column sums of ``dS``, and a per-offset reduction for
-the bias gradient (each program reduces its tile per offset and adds once per (head, offset) atomically), both in
-Triton; the element-wise ratio, gate and exponential derivatives are plain torch. The autograd function saves only
-q, k, v and w and recomputes ``S`` in the backward pass.
-
-Block sizes are fixed (no autotuning): 8 x 8 positions per program (M = 64), halo steps of 32 positions (K) and up to
-64 of the B (d + 1) columns (N), one head per program; the grid is (tiles, heads, column blocks). The bias-gradient
-reduction runs on CUDA cores (up to s^2 masked loads of the tile per program, offsets that miss the map skipped),
-not tensor cores: for large s it is the slowest of the three kernels.
-
-Triton is imported on first use only. On the CPU the kernels run under Triton's interpreter, which needs the
-environment variable ``TRITON_INTERPRET=1`` (set before the kernels are first built); test them there in float32 or
-float16 (bfloat16 ``tl.dot`` is not faithful under the interpreter).
+Per head ``[N, D] = exp(-m) * colsum(X) + K @ X`` with ``K = exp(w - m) - exp(-m)`` inside the window: one program per
+8 x 8 tile of queries and the halo of keys it reaches, batch and channels as the product's N dimension. Triton is
+imported on first use; on the CPU the kernels need Triton's interpreter (``TRITON_INTERPRET=1`` before first use).
 """
 import os
 from typing import Dict, Optional, Tuple
@@ -35,6 +10,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from ._checks import check_conv_inputs
+from .dispatch import output_dtype
 
 __all__ = ['aft_conv2d_triton', 'triton_available', 'triton_unavailable_reason']
 
@@ -54,10 +30,7 @@ def _interpret_requested() -> bool:
 
 
 def triton_unavailable_reason() -> Optional[str]:
-    """Why the Triton kernel cannot run here, or None when it can.
-
-    It can run when ``triton`` imports and either a CUDA device is present or ``TRITON_INTERPRET=1`` is set.
-    """
+    """Why the Triton kernel cannot run here (triton missing, or neither CUDA nor ``TRITON_INTERPRET=1``), or None."""
     try:
         import triton  # noqa: F401
     except Exception as exc:  # ImportError, or a broken install
@@ -73,25 +46,17 @@ def triton_available() -> bool:
 
 
 def _build_kernels():
-    """Define the Triton kernels (imports triton); called once per interpreter mode."""
+    """Define the Triton kernels (imports triton), once per interpreter mode."""
     import triton
     import triton.language as tl
 
     @triton.jit
-    def window_product_kernel(
-            x_ptr,  # (h, T, N) operand: X (forward) or dS (transposed), input dtype or float32
-            kern_ptr,  # (h, s * s) float32: K = exp(w - m) - exp(-m)
-            glob_ptr,  # (h, N) float32: exp(-m) * column sums of the operand, added to every row
-            out_ptr,  # (h, T, N) float32
-            height, width, n_cols, ksize, radius, tiles_x,
-            TRANSPOSE: tl.constexpr, TY: tl.constexpr, TX: tl.constexpr, BLOCK_K: tl.constexpr,
-            BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-    ):
-        """out[i, t, n] = glob[i, n] + sum over t' in the window of K_i[offset] * x[i, t', n].
-
-        Rows t are a TY x TX tile of the map; the halo of positions their windows reach (clipped to the map) is
-        walked BLOCK_K positions at a time. offset(t, t') = t' - t, or t - t' when TRANSPOSE (the adjoint).
-        """
+    def window_product_kernel(x_ptr, kern_ptr, glob_ptr, out_ptr, height, width, n_cols, ksize, radius, tiles_x,
+                              TRANSPOSE: tl.constexpr, TY: tl.constexpr, TX: tl.constexpr, BLOCK_K: tl.constexpr,
+                              BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+        # x (h, T, N): X or dS; kern (h, s * s): K; glob (h, N): exp(-m) * column sums; out (h, T, N) float32
+        """out[i, t, n] = glob[i, n] + sum over t' in the window of K_i[t' - t] * x[i, t', n] (t - t' when
+        TRANSPOSE) for a TY x TX tile of rows t, the halo walked BLOCK_K positions at a time."""
         pid_tile = tl.program_id(0)
         head = tl.program_id(1).to(tl.int64)
         pid_n = tl.program_id(2)
@@ -144,13 +109,9 @@ def _build_kernels():
         tl.store(out_ptr + head * num_pos * n_cols + out_off, acc, mask=row_ok[:, None] & n_ok[None, :])
 
     @triton.jit
-    def bias_grad_kernel(
-            ds_ptr,  # (h, T, N) float32: dS
-            x_ptr,  # (h, T, N) operand dtype: X
-            dk_ptr,  # (h, s * s) float32, accumulated with one atomic add per (head, offset) per program
-            height, width, n_cols, ksize, radius, tiles_x,
-            TY: tl.constexpr, TX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
-    ):
+    def bias_grad_kernel(ds_ptr, x_ptr, dk_ptr, height, width, n_cols, ksize, radius, tiles_x,
+                         TY: tl.constexpr, TX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr):
+        # ds (h, T, N) float32, x (h, T, N); dk (h, s * s) float32, one atomic add per (head, offset) per program
         """dK[i, o] += sum over this tile's queries t and channels n of dS[i, t, n] * X[i, t + o, n]."""
         pid_tile = tl.program_id(0)
         head = tl.program_id(1).to(tl.int64)
@@ -199,8 +160,10 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _block_n(n_cols: int) -> int:
-    return min(BLOCK_N_MAX, max(16, _next_pow2(n_cols)))
+def _grid(height: int, width: int, num_heads: int, n_cols: int):
+    """The launch grid (tiles, heads, column blocks), the tiles per row and the column block."""
+    tiles_x, block_n = -(-width // TILE_X), min(BLOCK_N_MAX, max(16, _next_pow2(n_cols)))
+    return (-(-height // TILE_Y) * tiles_x, num_heads, -(-n_cols // block_n)), tiles_x, block_n
 
 
 def _operand_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -214,14 +177,10 @@ def _window_product(x: torch.Tensor, kern: torch.Tensor, glob: torch.Tensor, hei
     window_product_kernel, _ = _kernels()
     num_heads, num_pos, n_cols = x.shape
     out = torch.empty(num_heads, num_pos, n_cols, device=x.device, dtype=torch.float32)
-    tiles_x = -(-width // TILE_X)
-    block_n = _block_n(n_cols)
-    grid = (-(-height // TILE_Y) * tiles_x, num_heads, -(-n_cols // block_n))
-    window_product_kernel[grid](
-        x, kern, glob, out, height, width, n_cols, ksize, ksize // 2, tiles_x,
-        TRANSPOSE=transpose, TY=TILE_Y, TX=TILE_X, BLOCK_K=BLOCK_K, BLOCK_N=block_n,
-        IEEE=x.dtype == torch.float32,
-    )
+    grid, tiles_x, block_n = _grid(height, width, num_heads, n_cols)
+    window_product_kernel[grid](x, kern, glob, out, height, width, n_cols, ksize, ksize // 2, tiles_x,
+                                TRANSPOSE=transpose, TY=TILE_Y, TX=TILE_X, BLOCK_K=BLOCK_K, BLOCK_N=block_n,
+                                IEEE=x.dtype == torch.float32)
     return out
 
 
@@ -230,37 +189,19 @@ def _bias_grad(ds: torch.Tensor, x: torch.Tensor, height: int, width: int, ksize
     _, bias_grad_kernel = _kernels()
     num_heads, _, n_cols = x.shape
     dk = torch.zeros(num_heads, ksize * ksize, device=x.device, dtype=torch.float32)
-    tiles_x = -(-width // TILE_X)
-    block_n = _block_n(n_cols)
-    grid = (-(-height // TILE_Y) * tiles_x, num_heads, -(-n_cols // block_n))
-    bias_grad_kernel[grid](
-        ds, x, dk, height, width, n_cols, ksize, ksize // 2, tiles_x,
-        TY=TILE_Y, TX=TILE_X, BLOCK_N=block_n, BLOCK_S=_next_pow2(ksize * ksize),
-    )
+    grid, tiles_x, block_n = _grid(height, width, num_heads, n_cols)
+    bias_grad_kernel[grid](ds, x, dk, height, width, n_cols, ksize, ksize // 2, tiles_x,
+                           TY=TILE_Y, TX=TILE_X, BLOCK_N=block_n, BLOCK_S=_next_pow2(ksize * ksize))
     return dk
 
 
 def _mix(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, op_dtype: torch.dtype):
-    """Forward pieces shared by forward and backward, in float32: the windowed product and the guarded ratio.
-
-    The exact denominator is at least ``exp(min(0, min w) - m)`` times the column sum of ``exp(k - kmax)`` (every
-    entry of E is at least that), and the exact ratio N / D is a positive average of the values: the computed D is
-    raised to that bound and the ratio clamped to each image's value range, which changes nothing where the sums
-    are exact and keeps the result finite and bounded where the windowed correction cancelled to rounding noise.
-
-    Returns:
-        ek: exp(k - kmax) (B, H, W, h).
-        x: X = [exp(k - kmax) v, exp(k - kmax)] laid out (h, T, B * (d + 1)) in ``op_dtype``.
-        kern: K = exp(w - m) - exp(-m) (h, s * s).
-        floor: exp(-m) (h,).
-        bias_scale: exp(w - m) (h, s, s).
-        mixed: N / D (B, H, W, h, d).
-        denom: D (B, H, W, h, 1).
-    """
+    """The forward pieces, in float32: exp(k - kmax) (B, H, W, h), X (h, T, B (d + 1)) in ``op_dtype``,
+    K (h, s * s), exp(-m) (h,), exp(w - m) (h, s, s), N / D (B, H, W, h, d) and D (B, H, W, h, 1). D is raised to its
+    exact lower bound ``exp(min(0, min w) - m) * sum exp(k - kmax)`` and N / D clamped to each image's value range:
+    no change where the sums are exact, finite and bounded where the correction cancelled."""
     batch, height, width, num_heads = k.shape
-    channels = v.shape[-1]
-    d = channels // num_heads
-    ksize = w.shape[-1]
+    d, ksize = v.shape[-1] // num_heads, w.shape[-1]
     kf = k.float()
     vf = v.float().view(batch, height, width, num_heads, d)
     kmax = kf.detach().amax(dim=(1, 2), keepdim=True)  # (B, 1, 1, h)
@@ -290,10 +231,8 @@ class _AFTConv2dTriton(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, w):
-        batch, height, width, channels = q.shape
-        num_heads = k.shape[-1]
-        d = channels // num_heads
-        out_dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+        (batch, height, width, channels), num_heads = q.shape, k.shape[-1]
+        d, out_dtype = channels // num_heads, output_dtype(q, k, v)
         mixed = _mix(k, v, w, _operand_dtype(out_dtype))[5]  # (B, H, W, h, d)
         gate = torch.sigmoid(q.float()).view(batch, height, width, num_heads, d)
         out = (gate * mixed).reshape(batch, height, width, channels)  # (B, H, W, C)
@@ -303,12 +242,8 @@ class _AFTConv2dTriton(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, w = ctx.saved_tensors
-        batch, height, width, channels = q.shape
-        num_heads = k.shape[-1]
-        d = channels // num_heads
-        ksize = w.shape[-1]
-        out_dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
-        op_dtype = _operand_dtype(out_dtype)
+        (batch, height, width, channels), num_heads, ksize = q.shape, k.shape[-1], w.shape[-1]
+        d, op_dtype = channels // num_heads, _operand_dtype(output_dtype(q, k, v))
         ek, x, kern, floor, bias_scale, mixed, denom = _mix(k, v, w, op_dtype)  # recomputed forward
         shape5 = (batch, height, width, num_heads, d)
         gate = torch.sigmoid(q.float()).view(shape5)
@@ -337,42 +272,9 @@ class _AFTConv2dTriton(torch.autograd.Function):
 
 
 def aft_conv2d_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """AFT-conv (Eq. 6) on a 2-D token grid with the fused windowed Triton kernel; differentiable in q, k, v, w.
-
-    Same contract as ``functional.aft_conv2d``. Numerics:
-
-    * Positive max-shifted form: keys are shifted by their maximum per image and head, the bias by
-      ``m = max(0, max w)`` per head (both detached; the shifts cancel), so every entry of E and of X's last column
-      is positive and at most 1, nothing overflows, and the exact denominator is at least ``exp(min(0, min w) - m)``
-      times the column sum of ``exp(k - kmax)`` (which is at least 1).
-    * The kernel adds the windowed correction ``K = exp(w - m) - exp(-m)`` to the global ``exp(-m)`` term. Where
-      ``w < 0``, K is negative and cancels part of that term, so the error relative to the value scale is about
-      float32 eps times ``exp(max(0, -min w))`` when a query's weight sits inside its window: measured 1e-7 for
-      ``min w >= -1``, 1e-5 at -5, 7e-4 at -10 and 0.2 at -15 on a map covered by the window; ~1e-7 for every
-      ``min w`` down to -15 when keys outside the window carry weight (s = 3 on 8x8). Beyond, the denominator is
-      raised to its exact lower bound and the ratio clamped to each image's value range: finite and bounded, not
-      exact, for any finite input whose per-head bias range stays below ~87.
-    * Products accumulate in float32. Operands are float32 (IEEE products) for float32 / float64 inputs (float64 is
-      computed in float32); float16 / bfloat16 inputs keep X in their dtype and split K into two half-precision
-      parts, so only X's rounding (2^-11 / 2^-8 relative) is added; the backward product takes dS in bfloat16
-      (bfloat16 inputs) or float32 (float16 inputs, where dS could overflow).
-    * No host synchronisation (no ``.item()``, no data-dependent branch); only q, k, v and w are saved for the
-      backward pass, which recomputes the product.
-
-    Args:
-        q: Queries (B, H, W, C), before the sigmoid.
-        k: Keys (B, H, W, h), one channel per head; channel c of q and v belongs to head ``c // (C // h)``.
-        v: Values (B, H, W, C).
-        w: Position bias (h, s, s), s odd and at most 31; ``w[i, a, b]`` links the query at (y, x) to the key at
-            (y + a - s//2, x + b - s//2). The window may be larger than the map.
-
-    Returns:
-        Mixed tokens (B, H, W, C) in the promoted dtype of q, k and v.
-
-    Raises:
-        RuntimeError: When Triton cannot run here (not installed, or neither CUDA nor ``TRITON_INTERPRET=1``), or
-            the tensors are on the CPU while the kernels are compiled for CUDA.
-    """
+    """AFT-conv (Eq. 6) by the fused Triton kernel, ``aft_conv2d``'s contract with s <= 31, no host sync and no repair
+    under either policy: error about float32 eps times ``exp(max(0, -min w))`` of the value scale, finite and bounded
+    for any finite input (docs/operators.md). RuntimeError where Triton cannot run (no CUDA, no interpreter)."""
     check_conv_inputs(q, k, v, w)
     reason = None if triton_available() else (triton_unavailable_reason() or 'triton_available() is False')
     if reason is None and q.device.type != 'cuda' and not _interpret_requested():

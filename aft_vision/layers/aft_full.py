@@ -1,46 +1,28 @@
-"""AFT-full and AFT-local token mixers with the factorised position bias of Eq. 7."""
+"""The token mixers on (B, T, C) tokens, drop-ins for a ViT block's ``attn`` (``qkv`` laid out as timm's): AFT-full
+and AFT-local with the factorised position bias of Eq. 7, and AFT-simple."""
 import torch
 from torch import nn
 
 from ._checks import check_tokens
-from .functional import aft_full, aft_local
+from .functional import aft_full, aft_local, aft_simple
 
-__all__ = ['AFTFull', 'AFTLocal']
+__all__ = ['AFTFull', 'AFTLocal', 'AFTSimple']
 
 
 class AFTFull(nn.Module):
-    """AFT-full (Eq. 2) on (B, T, C) tokens, a drop-in for a ViT block's ``attn``.
-
-    The (T, T) position bias is factorised as ``w = pos_u @ pos_v.T`` (Eq. 7). ``qkv`` keeps the layout of timm's
-    ``Attention.qkv`` (q, k, v stacked along the output), so a ViT's attention weights map onto it by name.
+    """AFT-full (Eq. 2).
 
     Args:
-        dim: Token width C.
-        seq_len: Number of tokens T the position bias is built for (including prefix tokens).
-        pos_dim: Width d' of the factorised bias.
-        qkv_bias: Bias in the q, k, v projection.
-        proj_drop: Dropout after the output projection.
+        seq_len: Number of tokens T the bias is built for (prefix tokens included).
+        pos_dim: Width d' of the factorised bias ``w = pos_u @ pos_v.T`` (Eq. 7).
         causal: Restrict each token to itself and earlier tokens.
-        device: Device of the parameters (timm factory kwarg).
-        dtype: Dtype of the parameters (timm factory kwarg).
     """
 
-    def __init__(
-            self,
-            dim: int,
-            seq_len: int,
-            pos_dim: int = 128,
-            qkv_bias: bool = True,
-            proj_drop: float = 0.0,
-            causal: bool = False,
-            device=None,
-            dtype=None,
-    ):
+    def __init__(self, dim: int, seq_len: int, pos_dim: int = 128, qkv_bias: bool = True, proj_drop: float = 0.0,
+                 causal: bool = False, device=None, dtype=None):
         super().__init__()
         dd = {'device': device, 'dtype': dtype}
-        self.dim = dim
-        self.seq_len = seq_len
-        self.causal = causal
+        self.dim, self.seq_len, self.causal = dim, seq_len, causal
         self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias, **dd)
         self.pos_u = nn.Parameter(torch.empty(seq_len, pos_dim, **dd))
         self.pos_v = nn.Parameter(torch.empty(seq_len, pos_dim, **dd))
@@ -49,7 +31,7 @@ class AFTFull(nn.Module):
         self.init_weights()
 
     def init_weights(self) -> None:
-        """Initialise the factorised bias as in the paper, u and v from N(0, 1e-2)."""
+        """u and v from N(0, 1e-2), as in the paper."""
         nn.init.normal_(self.pos_u, std=0.1)
         nn.init.normal_(self.pos_v, std=0.1)
 
@@ -71,38 +53,12 @@ class AFTFull(nn.Module):
 
 
 class AFTLocal(AFTFull):
-    """AFT-local (Eq. 4): AFT-full whose bias is zeroed outside a window of ``window`` tokens.
+    """AFT-local (Eq. 4): AFT-full whose bias is zeroed where ``|t - t'| >= window``; other arguments as ``AFTFull``."""
 
-    Args:
-        dim: Token width C.
-        seq_len: Number of tokens T.
-        window: Local window size s (``|t - t'| < s`` keeps the learned bias).
-        pos_dim: Width d' of the factorised bias.
-        qkv_bias: Bias in the q, k, v projection.
-        proj_drop: Dropout after the output projection.
-        causal: Restrict each token to itself and earlier tokens.
-        device: Device of the parameters (timm factory kwarg).
-        dtype: Dtype of the parameters (timm factory kwarg).
-    """
-
-    def __init__(
-            self,
-            dim: int,
-            seq_len: int,
-            window: int,
-            pos_dim: int = 128,
-            qkv_bias: bool = True,
-            proj_drop: float = 0.0,
-            causal: bool = False,
-            device=None,
-            dtype=None,
-    ):
+    def __init__(self, dim: int, seq_len: int, window: int, **kwargs):
         if window < 1:
             raise ValueError(f'window must be >= 1, got {window}')
-        super().__init__(
-            dim, seq_len, pos_dim=pos_dim, qkv_bias=qkv_bias, proj_drop=proj_drop, causal=causal,
-            device=device, dtype=dtype,
-        )
+        super().__init__(dim, seq_len, **kwargs)
         self.window = window
 
     def _mix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -110,3 +66,22 @@ class AFTLocal(AFTFull):
 
     def extra_repr(self) -> str:
         return f'{super().extra_repr()}, window={self.window}'
+
+
+class AFTSimple(nn.Module):
+    """AFT-simple (Eq. 5): no position bias, linear in T; ``causal`` as ``AFTFull``'s."""
+
+    def __init__(self, dim: int, qkv_bias: bool = True, proj_drop: float = 0.0, causal: bool = False,
+                 device=None, dtype=None):
+        super().__init__()
+        dd = {'device': device, 'dtype': dtype}
+        self.dim, self.causal = dim, causal
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias, **dd)
+        self.proj = nn.Linear(dim, dim, **dd)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_tokens(x, f'(B, T, {self.dim})', self.dim)
+        q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x (B, T, C)
+        x = aft_simple(q, k, v, causal=self.causal)
+        return self.proj_drop(self.proj(x))

@@ -1,11 +1,5 @@
-"""Token-row layers applied to a channel-first (B, C, H, W) map, for the graph a CPU runtime is given.
-
-OpenVINO lays a 4-D tensor out by its second axis (blocked NCHW): a model that keeps its tokens as (B, C, H, W) from the
-patch embedding to the pooling meets AFT-conv's depthwise convolutions in their own layout, with no transposes between
-token rows and maps (``models/aft_conv.py: export_layout``). These functions compute what ``nn.Linear`` and
-``nn.LayerNorm`` compute on token rows, with the same parameters: a linear layer as a 1 x 1 convolution, LayerNorm as
-reductions over the channel axis. Eager PyTorch is faster on rows: these serve exported graphs.
-"""
+"""``nn.Linear`` and ``nn.LayerNorm`` on channel-first (B, C, H, W) maps: the channel-first graph's layers
+(``models/aft_conv.py: export_layout``), no transposes around the depthwise convolutions for OpenVINO."""
 from typing import Optional
 
 import torch

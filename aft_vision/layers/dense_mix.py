@@ -1,33 +1,14 @@
-"""AFT's sums as one positive matrix per bias head applied to max-shifted keys and values (AFT-full, -local, -conv).
-
-For bias head g with log weights ``L_g`` (query t, key t'), every AFT operator computes
-
-    out = sigmoid(q) * N / D,  [N | D] = E_g @ X,  E_g = exp(L_g - rowmax L_g),  X = [exp(k - kmax) v | exp(k - kmax)]
-
-with kmax the maximum of each key channel over positions, per image. Both shifts cancel in N / D and carry no
-gradient. Every entry of E and of X's key columns lies in [0, 1] and each row of E holds a 1, so D cannot cancel: it is
-at least ``exp(L[t, t*] - rowmax L[t])`` for the position t* of the largest key, i.e. it underflows only when a bias row
-spans more than ~87 (float32 / bfloat16 exponent range; ~17 in float16). The image does not enter E, so the batch and
-the head's channels form the N dimension of one matrix product per head, which can run in a 16-bit dtype with float32
-accumulation (``mm_dtype``).
-
-The weights are held key-major, ``(G, T keys, T queries)``. An AFT-conv bias (h, s, s) becomes a table of relative
-offsets (h, 2H - 1, 2W - 1), zero outside the window, and ``F.unfold`` lays it out with the queries in reverse order
-(``L[i, key, H*W - 1 - query]``); its gradient is the adjoint, ``F.fold``, which sums each offset's band. No index
-tensors, no gather or scatter over h T^2 entries.
-
-``DenseMix`` is the autograd Function: it saves only its inputs (q, k, v and the compact bias) and recomputes E and X
-in the backward pass.
-"""
+"""AFT's sums as one positive matrix per bias head times max-shifted tokens (AFT-full, -local, -conv):
+``[N | D] = E_g @ X``, ``E_g = exp(L_g - rowmax L_g)``, ``X = [exp(k - kmax) v | exp(k - kmax)]``. E holds a 1 per row,
+so D cannot cancel; the batch is the product's N dimension (16-bit ``mm_dtype`` allowed). Weights are key-major
+(G, T keys, T queries); an AFT-conv bias is laid out by ``F.unfold`` (queries reversed), its gradient by ``F.fold``."""
 from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from ._gate import gate, gate_backward, gate_inplace
-from ._write import write_into
-from ._stable import tracing
-from .policy import no_autocast
+from .dispatch import capturing, no_autocast
 
 __all__ = ['DenseMix', 'dense_mix', 'log_weights', 'dense_sums']
 
@@ -42,12 +23,9 @@ def _offset_table(w: torch.Tensor, height: int, width: int) -> torch.Tensor:
 
 
 def log_weights(w: torch.Tensor, grid: Optional[Tuple[int, int]], causal: bool) -> torch.Tensor:
-    """Key-major log weights (G, T keys, T queries).
-
-    ``grid`` None: ``w`` is a (T, T) bias ``w[query, key]``, one head (-inf for keys after the query if ``causal``).
-    ``grid`` (H, W): ``w`` is an AFT-conv bias (h, s, s) on an H x W token grid, 0 outside each query's window, less
-    ``m = max(0, max w)`` per head (a shift that cancels), with the queries in reverse order (module docstring).
-    """
+    """Key-major log weights (G, T keys, T queries): for ``grid`` None of a (T, T) bias ``w[query, key]`` (-inf after
+    the query if ``causal``); for ``grid`` (H, W) of an AFT-conv bias (h, s, s), 0 outside the window, less
+    ``max(0, max w)`` per head, the queries reversed."""
     if grid is None:
         if causal:
             w = w.masked_fill(torch.ones_like(w, dtype=torch.bool).triu(1), float('-inf'))
@@ -76,8 +54,7 @@ def _bias_grad(grad_log_w: torch.Tensor, w: torch.Tensor, grid: Optional[Tuple[i
 
 
 def _tokens(k: torch.Tensor, v: torch.Tensor, heads: int):
-    """X per head (G, T, B * n) with n = (C + Ck) / G columns per image, by concatenation (plain autograd:
-    TorchScript)."""
+    """X per head (G, T, B * n), n = (C + Ck) / G columns per image, in plain autograd."""
     batch, num_keys, channels = v.shape
     exp_k = torch.exp(k - k.amax(dim=1, keepdim=True).detach())  # (B, T, Ck), max 1 per image and channel
     exp_kv = exp_k.unsqueeze(-1) * v.view(batch, num_keys, k.shape[-1], -1)  # (B, T, Ck, C / Ck)
@@ -86,9 +63,8 @@ def _tokens(k: torch.Tensor, v: torch.Tensor, heads: int):
 
 
 def _tokens_into(k: torch.Tensor, v: torch.Tensor, heads: int):
-    """X per head (G, T, B * n) written in place (no autograd), exp(k - kmax) (B, T, Ck, contiguous) and the view
-    exp(k - kmax) v (B, T, Ck, C / Ck) of X. exp runs on a contiguous tensor (on a strided view CPU kernels take a
-    scalar path, 10x slower) and is copied into X; the product is written straight into its view."""
+    """X per head (G, T, B * n) written in one buffer (no autograd), exp(k - kmax) (B, T, Ck) and the view
+    exp(k - kmax) v (B, T, Ck, C / Ck) of X. exp runs contiguous (10x faster on CPU) and is copied in."""
     batch, num_keys, channels = v.shape
     key_channels = k.shape[-1]
     per_head = channels // heads
@@ -98,7 +74,7 @@ def _tokens_into(k: torch.Tensor, v: torch.Tensor, heads: int):
     keys = exp_k.view(batch, num_keys, heads, -1)  # (B, T, G, Ck / G)
     layout[..., per_head:].copy_(keys)
     values = layout[..., :per_head].unflatten(-1, (-1, channels // key_channels))  # (B, T, G, Ck / G, C / Ck)
-    write_into(values, torch.mul, v.view(values.shape), keys.unsqueeze(-1))
+    torch.mul(v.view(values.shape), keys.unsqueeze(-1), out=values)
     return tokens.view(heads, num_keys, -1), exp_k, values.flatten(2, 3)  # exp_kv a view where G = 1 or G = Ck
 
 
@@ -122,8 +98,7 @@ def _join(numerator: torch.Tensor, denominator: torch.Tensor, heads: int, revers
 
 
 def _weights(log_w: torch.Tensor, shifted: bool) -> torch.Tensor:
-    """E (G, T keys, T queries): exp of the log weights, less each query's maximum unless ``shifted`` already (an
-    AFT-conv head's m): every entry at most 1, and each query's largest at least exp(-(its bias range))."""
+    """E (G, T keys, T queries): exp of the log weights less each query's maximum (unless ``shifted`` already)."""
     return torch.exp(log_w if shifted else log_w - log_w.amax(dim=1, keepdim=True).detach())
 
 
@@ -133,8 +108,8 @@ def _mm(a: torch.Tensor, b: torch.Tensor, mm_dtype: torch.dtype) -> torch.Tensor
 
 def dense_sums(k: torch.Tensor, v: torch.Tensor, log_w: torch.Tensor, reverse: bool, mm_dtype: torch.dtype,
                tokens: Optional[torch.Tensor] = None):
-    """N (B, T, C) and D (B, T, Ck) for key-major log weights (G, T, T) from ``log_weights`` (``reverse``: an AFT-conv
-    layout); plain autograd (TorchScript) unless ``tokens`` (G, T, B * n) come from ``_tokens_into``."""
+    """N (B, T, C) and D (B, T, Ck) for log weights (G, T, T) (``reverse``: AFT-conv's layout); plain autograd unless
+    ``tokens`` come from ``_tokens_into``."""
     if tokens is None:
         tokens = _tokens(k, v, log_w.shape[0])
     sums = _mm(_weights(log_w, reverse).transpose(1, 2), tokens, mm_dtype)  # (G, T queries, B * n)
@@ -142,13 +117,8 @@ def dense_sums(k: torch.Tensor, v: torch.Tensor, log_w: torch.Tensor, reverse: b
 
 
 class DenseMix(torch.autograd.Function):
-    """``sigmoid(q) * N / D`` for the dense positive form; saves q, k, v, w and recomputes the rest in backward.
-
-    Inputs: q, v (B, T, C); k (B, T, Ck); w: a (T, T) bias (``grid`` None) or an AFT-conv bias (h, s, s) on a
-    ``grid`` = (H, W) with h = Ck; any float dtypes, cast to ``dtype`` for the element-wise arithmetic and to
-    ``mm_dtype`` for the products. Returns the output (B, T, C) in ``dtype`` and, not differentiable, D (B, T, Ck) for
-    the caller's exactness check.
-    """
+    """``sigmoid(q) * N / D`` and (not differentiable) D for q, v (B, T, C), k (B, T, Ck) and a (T, T) bias (``grid``
+    None) or an AFT-conv bias (h, s, s) on ``grid`` (H, W); arithmetic in ``dtype``, products in ``mm_dtype``."""
 
     @staticmethod
     def forward(ctx, q, k, v, w, grid, causal, dtype, mm_dtype):
@@ -186,19 +156,10 @@ class DenseMix(torch.autograd.Function):
         return tuple(g.reshape(x.shape).to(x.dtype) for g, x in zip(grads, inputs)) + (None, None, None, None)
 
 
-def dense_mix(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        w: torch.Tensor,
-        grid: Optional[Tuple[int, int]],
-        causal: bool,
-        dtype: torch.dtype,
-        mm_dtype: torch.dtype,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``sigmoid(q) * N / D`` and D by ``DenseMix`` (plain autograd while scripted or traced into TorchScript,
-    ``_stable.tracing``). See ``DenseMix``."""
-    if torch.jit.is_scripting() or tracing():
+def dense_mix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, grid: Optional[Tuple[int, int]],
+              causal: bool, dtype: torch.dtype, mm_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``DenseMix``, or its plain-autograd form inside TorchScript and while ``capturing()``."""
+    if torch.jit.is_scripting() or capturing():
         q, k, v, w = q.to(dtype), k.to(dtype), v.to(dtype), w.to(dtype)
         numerator, denominator = dense_sums(k, v, log_weights(w, grid, causal), grid is not None, mm_dtype)
         return gate(q, numerator, denominator), denominator

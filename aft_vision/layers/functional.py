@@ -1,77 +1,33 @@
-"""Functional AFT operators: Eqs. 2, 4, 5 and 6 of Zhai et al., "An Attention Free Transformer" (arXiv 2105.14103).
-
-Like ``torch.nn.functional.scaled_dot_product_attention``, these take projected queries, keys and values and return
-the mixed tokens. All of them:
-
-* subtract maxima before ``exp`` (keys per image and channel over positions, biases per query row or head), never
-  across the batch, and compute the sums in a positive form (``dense_mix.py``, ``depthwise_mix.py``);
-* save only their inputs for the backward pass and recompute the rest there (training memory of the order of the
-  inputs, like fused attention);
-* behave as the device policy says (``policy.py``): under 'cpu' (the default on CPU) the arithmetic runs in float32
-  (float64 for float64 inputs), matrix products take bfloat16 operands under bfloat16, and every entry whose shifted
-  sums underflowed or cancelled is recomputed exactly (``_stable.py``), so the result is exact to the rounding of its
-  operands for any finite input; under 'cuda' (the default on CUDA) nothing is copied to the host, matrix products run
-  in the autocast dtype with float32 accumulation, and the result is finite for any finite input and exact to rounding
-  within the bounds each function states;
-* return the promoted input dtype (bfloat16 in, bfloat16 out under autocast) and never build a (B, T, T, C) tensor.
-"""
-from typing import List
+"""Functional AFT operators (Eqs. 2, 4, 5, 6 of Zhai et al., arXiv 2105.14103), like ``F.scaled_dot_product_attention``:
+projected q, k, v in, mixed tokens out (promoted dtype); only the inputs saved for backward, no (B, T, T, C) tensor.
+Under the 'cpu' policy exact to the rounding of the operands for any finite input; under 'cuda' (and when captured)
+finite for any finite input, exact within the bounds each function states (docs/operators.md)."""
+from typing import Optional
 
 import torch
 from timm.layers import register_notrace_function
 
-from ._checks import check_bias, check_conv_inputs, check_qkv, check_tensor
-from ._stable import TINY, exporting, flag_below, recompute_flagged
+from ._checks import check_conv_inputs, check_qkv, check_tensor
+from ._stable import CANCEL_TOL, TINY, flag_below, recompute_flagged
 from .dense_mix import dense_mix, log_weights
 from .depthwise_mix import depthwise_mix
-from .dispatch import choose_conv_method
-from .policy import get_device_policy, no_autocast, product_dtype
+from .dispatch import compute_dtype, get_device_policy, no_autocast, output_dtype, product_dtype, resolve_conv_method
 from .simple_mix import simple_mix
 
 __all__ = ['aft_full', 'aft_local', 'aft_simple', 'aft_conv2d']
 
-# A depthwise-path AFT-conv denominator below this fraction of its scale is dominated by the cancellation in
-# ``exp(w) - 1``: under the 'cpu' policy such entries are recomputed exactly.
-_CANCEL_TOL = 1e-2
-
-
-def _compute_dtype(tensors: List[torch.Tensor]) -> torch.dtype:
-    for tensor in tensors:
-        if tensor.dtype == torch.float64:
-            return torch.float64
-    return torch.float32
-
-
-def _output_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.dtype:
-    return torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
-
 
 @register_notrace_function
 def aft_full(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, causal: bool = False) -> torch.Tensor:
-    """AFT-full (Eq. 2): ``sigmoid(q_t) * sum_t' exp(k_t' + w_tt') v_t' / sum_t' exp(k_t' + w_tt')``.
-
-    One positive (T, T) weight matrix ``exp(w - rowmax w)`` times ``[exp(k - kmax) v, exp(k - kmax)]`` with the batch
-    and channels as the product's N dimension (``dense_mix.py``); memory O(B * T * C) plus the (T, T) bias. Under the
-    'cuda' policy the product runs in the autocast dtype and the result is exact to rounding while each row of ``w``
-    spans less than ~50 (beyond it the denominator is floored: finite, no longer exact); under 'cpu' it runs in
-    bfloat16 under bfloat16 (float32 otherwise) and the result is exact to that rounding for any finite input.
-
-    Args:
-        q: Queries (B, T, C), before the sigmoid.
-        k: Keys (B, T, C).
-        v: Values (B, T, C).
-        w: Pair-wise position bias (T, T); ``w[t, t']`` links query t to key t'.
-        causal: Restrict the sums to t' <= t.
-
-    Returns:
-        Mixed tokens (B, T, C) in the promoted dtype of q, k and v.
-    """
+    """AFT-full (Eq. 2): ``sigmoid(q_t) * sum_t' exp(k_t' + w_tt') v_t' / sum_t' exp(k_t' + w_tt')`` for q, k, v
+    (B, T, C) and a (T, T) bias ``w[query, key]``, by ``dense_mix.py``; ``causal`` keeps t' <= t. Under 'cuda' exact
+    to rounding while each row of ``w`` spans less than ~50 (beyond, finite)."""
     check_qkv(q, k, v, 3, '(B, T, C)', '(B, T, C)')
-    if k.shape != q.shape:
-        raise ValueError(f'k must have the shape of q (B, T, C), got q {list(q.shape)} and k {list(k.shape)}')
-    check_bias(w, q.shape[1])
-    out_dtype = _output_dtype(q, k, v)
-    dtype = _compute_dtype([q, k, v, w])
+    check_tensor('w', w, 2, '(T, T)')
+    if w.shape[0] != q.shape[1] or w.shape[1] != q.shape[1]:
+        raise ValueError(f'w must have shape (T, T) = ({q.shape[1]}, {q.shape[1]}), got {list(w.shape)}')
+    out_dtype = output_dtype(q, k, v)
+    dtype = compute_dtype([q, k, v, w])
     if torch.jit.is_scripting():
         return _aft_full(q, k, v, w, causal, dtype, dtype, 'cpu').to(out_dtype)
     else:
@@ -93,29 +49,10 @@ def _aft_full(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor
 
 
 @register_notrace_function
-def aft_local(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        w: torch.Tensor,
-        window: int,
-        causal: bool = False,
-) -> torch.Tensor:
-    """AFT-local (Eq. 4): AFT-full with ``w[t, t']`` replaced by 0 where ``|t - t'| >= window``.
-
-    Positions outside the window still contribute with bias 0 (global connectivity), unlike hard-local attention.
-
-    Args:
-        q: Queries (B, T, C), before the sigmoid.
-        k: Keys (B, T, C).
-        v: Values (B, T, C).
-        w: Pair-wise position bias (T, T).
-        window: Window size s >= 1; ``window >= T`` gives AFT-full.
-        causal: Restrict the sums to t' <= t.
-
-    Returns:
-        Mixed tokens (B, T, C).
-    """
+def aft_local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, window: int,
+              causal: bool = False) -> torch.Tensor:
+    """AFT-local (Eq. 4): ``aft_full`` with ``w[t, t']`` set to 0 where ``|t - t'| >= window`` (keys outside the
+    window still contribute, with bias 0)."""
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f'window must be a positive int, got {window}')
     check_tensor('w', w, 2, '(T, T)')
@@ -126,24 +63,9 @@ def aft_local(
 
 @register_notrace_function
 def aft_simple(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> torch.Tensor:
-    """AFT-simple (Eq. 5): ``sigmoid(q_t) * sum_t' softmax(k)_t' v_t'``, linear in T.
-
-    Element-wise and reductions only, in float32 (float64 for float64 inputs) under every policy. The causal form
-    uses prefix sums of ``exp(k - kmax)``; under 'cpu' entries whose prefix underflowed are recomputed exactly, under
-    'cuda' their denominator is floored (finite; exact while a prefix's largest key is within ~50 of the maximum).
-
-    Args:
-        q: Queries (B, T, C), before the sigmoid.
-        k: Keys (B, T, C).
-        v: Values (B, T, C).
-        causal: Restrict the sums to t' <= t (prefix sums).
-
-    Returns:
-        Mixed tokens (B, T, C).
-    """
+    """AFT-simple (Eq. 5): ``sigmoid(q_t) * sum_t' softmax(k)_t' v_t'`` for q, k, v (B, T, C), linear in T, in float32;
+    ``causal`` takes prefix sums (under 'cuda' exact while a prefix's largest key is within ~50 of the maximum)."""
     check_qkv(q, k, v, 3, '(B, T, C)', '(B, T, C)')
-    if k.shape != q.shape:
-        raise ValueError(f'k must have the shape of q (B, T, C), got q {list(q.shape)} and k {list(k.shape)}')
     if torch.jit.is_scripting():
         return _aft_simple(q, k, v, causal, 'cpu')
     else:
@@ -153,8 +75,8 @@ def aft_simple(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool =
 
 def _aft_simple(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, policy: str,
                 tiny: float = TINY) -> torch.Tensor:
-    out_dtype = _output_dtype(q, k, v)
-    dtype = _compute_dtype([q, k, v])
+    out_dtype = output_dtype(q, k, v)
+    dtype = compute_dtype([q, k, v])
     out, denominator = simple_mix(q, k, v, causal, dtype)
     if causal:  # a prefix whose keys all lie far below the sequence's largest
         bad = flag_below(denominator, denominator.new_full((), tiny), policy)
@@ -164,65 +86,35 @@ def _aft_simple(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
 
 
 @register_notrace_function
-def aft_conv2d(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        w: torch.Tensor,
-        method: str = 'auto',
-) -> torch.Tensor:
-    """AFT-conv (Eq. 6) on a 2-D token grid.
+def aft_conv2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor,
+               method: Optional[str] = None) -> torch.Tensor:
+    """AFT-conv (Eq. 6) on a 2-D token grid: every key of the image contributes, those inside the s x s window
+    around the query with the extra bias ``w``.
 
-    ``sigmoid(q) * (conv(exp(k) v, exp(w) - 1) + sum exp(k) v) / (conv(exp(k), exp(w) - 1) + sum exp(k))``: every key
-    of the image contributes, keys inside the s x s window around the query with the extra bias ``w``.
-
-    Evaluations, chosen by ``method`` (every one selectable on every device):
-
-    * ``'dense'``: the (h, T, T) positive per-head weight matrix times ``[exp(k - kmax) v, exp(k - kmax)]``, the batch
-      as the product's N dimension (``dense_mix.py``), O(T^2 C); its denominator cannot cancel, so the product takes
-      bfloat16 operands under bfloat16 (``policy.product_dtype``).
-    * ``'conv'``: one depthwise convolution plus a global sum (``depthwise_mix.py``), O(T s^2 C), in float32 (a
-      contiguous NCHW input on CUDA, where cuDNN's channels-last depthwise path is slow; a channels-last view elsewhere,
-      where oneDNN's NCHW depthwise path is slow).
-    * ``'triton'``: the fused windowed kernel (``aft_conv_triton.py``), where Triton can run.
-    * ``'auto'`` (default): ``dispatch.choose_conv_method`` from the tables measured per device type. While exporting
-      (torch.export, ONNX, ``torch.jit.trace``) or scripted, ``'auto'`` and ``'triton'`` take ``'conv'``, so the graph
-      works at any input size and on any runtime.
-
-    Exactness: under the 'cpu' policy every entry whose denominator underflowed (dense) or cancelled (conv) is
-    recomputed exactly on the host. Under 'cuda' (and in exported or compiled graphs) nothing is recomputed: the
-    dense form is exact to rounding while a head's bias spans less than ~50, the conv form to a relative
-    ``6e-8 * exp(max(0, -min w))`` of its denominator (1e-3 at min w = -9.7); beyond, the result stays finite.
+    ``method`` (None: ``get_conv_method()``): 'dense' (``dense_mix.py``), 'conv' (``depthwise_mix.py``), 'triton'
+    (``aft_conv2d_triton``, which repairs nothing under either policy: its own bound) or 'auto' (``dispatch.py``).
+    Under 'cuda' the dense form is exact to rounding while a head's bias spans less than ~50, the conv form to
+    ``6e-8 * exp(max(0, -min w))`` of its denominator.
 
     Args:
-        q: Queries (B, H, W, C), before the sigmoid.
-        k: Keys (B, H, W, h), one channel per head; channel c of q and v belongs to head ``c // (C // h)``.
-        v: Values (B, H, W, C).
+        q: Queries (B, H, W, C), before the sigmoid. v: Values (B, H, W, C).
+        k: Keys (B, H, W, h), one per head; channel c of q and v belongs to head ``c // (C // h)``.
         w: Position bias (h, s, s), s odd; ``w[i, a, b]`` links the query at (y, x) to the key at
             (y + a - s//2, x + b - s//2). The window may be larger than the map.
-        method: ``'auto'``, ``'dense'``, ``'conv'`` or ``'triton'``.
-
-    Returns:
-        Mixed tokens (B, H, W, C).
     """
     check_conv_inputs(q, k, v, w)
-    if method not in ('auto', 'dense', 'conv', 'triton'):
-        raise ValueError(f"method must be 'auto', 'dense', 'conv' or 'triton', got '{method}'")
-    out_dtype = _output_dtype(q, k, v)
-    dtype = _compute_dtype([q, k, v, w])
+    out_dtype = output_dtype(q, k, v)
+    dtype = compute_dtype([q, k, v, w])
     if torch.jit.is_scripting():  # TorchScript, like export, takes the convolution for 'auto' and 'triton'
-        return _aft_conv2d(q, k, v, w, 'dense' if method == 'dense' else 'conv', dtype, dtype, 'cpu').to(out_dtype)
+        dense = method is not None and method == 'dense'
+        return _aft_conv2d(q, k, v, w, 'dense' if dense else 'conv', dtype, dtype, 'cpu').to(out_dtype)
     else:
+        method = resolve_conv_method(method, q, k, w)
         policy = get_device_policy(q.device)
         mm_dtype = product_dtype(q.device, out_dtype, dtype, policy)
-        if exporting() and method in ('auto', 'triton'):  # exported graphs take the convolution: any input size
-            method = 'conv'
-        elif method == 'auto':
-            method = choose_conv_method(  # the device's speed table for the dtype the dense products would run in
-                q.device.type, mm_dtype, q.shape[0], q.shape[1], q.shape[2], q.shape[3], k.shape[-1], w.shape[-1])
-        if method == 'triton':
-            return _aft_conv2d_triton(q, k, v, w)
         with no_autocast(q.device):
+            if method == 'triton':  # its own bound under either policy (``aft_conv2d_triton``)
+                return _aft_conv2d_triton(q, k, v, w)
             return _aft_conv2d(q, k, v, w, method, dtype, mm_dtype, policy).to(out_dtype)
 
 
@@ -234,7 +126,7 @@ def _aft_conv2d_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: tor
 
 def _aft_conv2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, method: str, dtype: torch.dtype,
                 mm_dtype: torch.dtype, policy: str, tiny: float = TINY,
-                cancel_tol: float = _CANCEL_TOL) -> torch.Tensor:
+                cancel_tol: float = CANCEL_TOL) -> torch.Tensor:
     batch, height, width, channels = q.shape
     num_heads = k.shape[-1]
     num_keys = height * width
@@ -245,8 +137,7 @@ def _aft_conv2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tens
         out, denominator = out.view(q.shape), denominator.view(k.shape)
         threshold = denominator.new_full((), tiny)  # the largest joint term underflowed
     else:
-        # the layout is the device's (cuDNN's channels-last depthwise path is slow), whatever the policy
-        out, denominator, scale = depthwise_mix(q, k, v, w, q.device.type == 'cuda', dtype)
+        out, denominator, scale = depthwise_mix(q, k, v, w, q.device.type == 'cuda', dtype)  # cuDNN: NCHW
         threshold = (scale * cancel_tol).clamp_min(tiny)  # (B, 1, 1, h): mostly cancellation (or underflow)
     bad = flag_below(denominator, threshold, policy)  # (B, H, W, h)
     if bad is not None:

@@ -1,14 +1,10 @@
-"""AFT-simple's sums (Eq. 5): one softmax over positions per channel, or its prefix sums for the causal form.
-
-``SimpleMix`` saves only q, k, v and recomputes ``exp(k - kmax)`` and the sums in the backward pass; the gradient of
-a (prefix) sum is a (reversed prefix) sum.
-"""
+"""AFT-simple's sums (Eq. 5), or their prefix sums; ``SimpleMix`` saves only q, k, v."""
 from typing import Tuple
 
 import torch
 
 from ._gate import gate, gate_backward
-from ._stable import tracing
+from .dispatch import capturing
 
 __all__ = ['SimpleMix', 'simple_mix']
 
@@ -29,8 +25,7 @@ def _sum_back(grad: torch.Tensor, causal: bool) -> torch.Tensor:
 
 
 class SimpleMix(torch.autograd.Function):
-    """``sigmoid(q) * N / D`` for AFT-simple; q, k, v (B, T, C) of any float dtype, computed in ``dtype``. Returns
-    the output (B, T, C) and, not differentiable, D."""
+    """``sigmoid(q) * N / D`` and (not differentiable) D for q, k, v (B, T, C), computed in ``dtype``."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal, dtype):
@@ -56,9 +51,8 @@ class SimpleMix(torch.autograd.Function):
 
 def simple_mix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``sigmoid(q) * N / D`` and D by ``SimpleMix`` (plain autograd while scripted or traced into TorchScript,
-    ``_stable.tracing``)."""
-    if torch.jit.is_scripting() or tracing():
+    """``SimpleMix``, or its plain-autograd form inside TorchScript and while ``capturing()``."""
+    if torch.jit.is_scripting() or capturing():
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         numerator, denominator, _ = simple_sums(k, v, causal)
         return gate(q, numerator, denominator), denominator
