@@ -17,6 +17,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from ..plots import save_figure  # noqa: F401  moved to aft_vision.plots: here until tasks and bench import it there
+
 __all__ = ['load_weights', 'save_weights', 'atomic_dir', 'output_dir', 'check_output_dir', 'swap_in', 'save_figure',
            'sha256sum', 'umask_mode']
 
@@ -230,18 +232,3 @@ def sha256sum(path: PathLike) -> str:
         for block in iter(lambda: handle.read(1 << 20), b''):
             digest.update(block)
     return digest.hexdigest()
-
-
-def save_figure(fig, path: PathLike, dpi: int = 110) -> None:
-    """Save a matplotlib figure as PNG through a temporary sibling, then close it."""
-    import matplotlib.pyplot as plt
-
-    path = Path(path)
-    temp = path.with_name(f'.{path.name}.tmp.png')
-    try:
-        fig.tight_layout()
-        fig.savefig(temp, dpi=dpi)
-        os.replace(temp, path)
-    finally:
-        plt.close(fig)
-        temp.unlink(missing_ok=True)

@@ -80,8 +80,7 @@ def _check_model(name: str, command: str, options: Dict) -> Optional[str]:
     """None for a model ``command`` can run, else what is wrong: the name registered (and its tag), an existing
     ``local-dir:`` folder, an AFT model where only those serve, a source whose weights read, a reachable (or cached)
     Hub, ``--model-kwargs`` it can be built with."""
-    from ..hub import check_aft_model, check_source
-    from ..models import check_model_name
+    from ..hub import check_aft_model, check_model_name, check_source
 
     if name.startswith('local-dir:') and not Path(name.split(':', 1)[1]).is_dir():
         return f'{name.split(":", 1)[1]} is not a folder'
@@ -197,7 +196,7 @@ def _first_problem(args: argparse.Namespace) -> Optional[str]:
         if problem:
             return f'--model-kwargs: {problem}'
     if options.get('pretrained') and args.command != 'predict':  # predict asks for more, a trained classifier
-        from ..models import check_pretrained
+        from ..hub import check_pretrained
         try:
             check_pretrained(args.model)
         except ValueError as error:

@@ -9,8 +9,8 @@ from PIL import Image, UnidentifiedImageError
 from timm.data import ImageNetInfo, create_transform, resolve_data_config
 from timm.utils import ParseKwargs
 
-from ..hub import load_model, warn_random_weights
-from ..models import AFTConvTransformer, check_pretrained
+from ..hub import check_pretrained, load_model, warn_random_weights
+from ..models import AFTConvTransformer
 
 __all__ = ['predict', 'add_arguments', 'add_model_arguments', 'model_from_args', 'run']
 

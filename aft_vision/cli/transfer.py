@@ -6,7 +6,7 @@ import timm
 from timm.utils import ParseKwargs
 
 from ..checkpoints import load_weights, save_weights, transfer_vit_weights
-from ..models import create_aft_model
+from ..hub import load_model
 
 HELP = 'convert DeiT / ViT weights into an AFT model (safetensors)'
 
@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    model = create_aft_model(args.model, num_classes=args.num_classes, **args.model_kwargs)
+    model, _ = load_model(args.model, model_kwargs={**args.model_kwargs, 'num_classes': args.num_classes})
     if Path(args.src).is_file():
         source = load_weights(args.src)
     else:
