@@ -1,6 +1,6 @@
 """Safe weight files and outputs: read only safetensors or tensor-only pickles; write through a temporary sibling and
 swap it in, never clobbering silently; ``--force`` replaces only the entries a command writes; modes follow the
-user's umask."""
+user's umask. (timm's ``load_state_dict`` reads any pickle and its savers write in place.)"""
 import argparse
 import contextlib
 import hashlib
@@ -26,15 +26,8 @@ PathLike = Union[str, os.PathLike]
 
 
 def load_weights(path: PathLike) -> Dict[str, torch.Tensor]:
-    """Read a weight file: ``.safetensors``, or a PyTorch file through ``torch.load(weights_only=True)``.
-
-    Besides tensors and containers, the weights-only unpickler admits ``argparse.Namespace`` (a plain attribute bag),
-    which timm's ``train.py`` stores as ``args`` in its checkpoints; anything else pickled is refused.
-
-    Raises:
-        FileNotFoundError: ``path`` does not exist.
-        ValueError: The file is truncated, corrupted, empty, or a pickle holding more than tensors.
-    """
+    """Read ``.safetensors``, or a PyTorch file with ``torch.load(weights_only=True)`` (which also admits the
+    ``argparse.Namespace`` timm ``train.py`` stores as ``args``); ValueError for a damaged file or other pickles."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f'weight file not found: {path}')
@@ -62,14 +55,13 @@ def load_weights(path: PathLike) -> Dict[str, torch.Tensor]:
 
 
 def umask_mode(mode: int = 0o777) -> int:
-    """``mode`` less the process umask: what ``mkdir`` or ``open`` would give (``tempfile`` gives 0700 / 0600)."""
+    """``mode`` less the process umask (``tempfile`` gives 0700 / 0600)."""
     mask = os.umask(0)
     os.umask(mask)
     return mode & ~mask
 
 
 def _temporary_dir(target: Path, kind: str = '') -> Path:
-    """An empty hidden sibling of ``target``, mode as the umask gives (it may become ``target`` itself)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(prefix=f'.{target.name}.{kind}', dir=target.parent))
     folder.chmod(umask_mode())
@@ -85,7 +77,6 @@ def _remove(path: Path) -> None:
 
 @contextlib.contextmanager
 def _staged(target: Path, force: bool) -> Iterator[Path]:
-    """Yield a temporary sibling of ``target``; move it into place on success, delete it on any failure."""
     if target.exists() and not force and not (target.is_dir() and not any(target.iterdir())):
         raise FileExistsError(f'{target} exists; pass force=True (--force) to overwrite it')
     staging = _temporary_dir(target)
@@ -98,11 +89,7 @@ def _staged(target: Path, force: bool) -> Iterator[Path]:
 
 def save_weights(state_dict: Mapping[str, torch.Tensor], path: PathLike, force: bool = False,
                  metadata: Optional[Mapping[str, str]] = None) -> str:
-    """Write ``state_dict`` as safetensors to ``path`` atomically and return its sha256.
-
-    Raises:
-        FileExistsError: ``path`` exists and ``force`` is False.
-    """
+    """Write ``state_dict`` as safetensors to ``path`` atomically (FileExistsError unless ``force``); its sha256."""
     path = Path(path)
     with _staged(path, force) as staging:
         temp_file = staging / path.name
@@ -117,11 +104,8 @@ def save_weights(state_dict: Mapping[str, torch.Tensor], path: PathLike, force: 
 
 @contextlib.contextmanager
 def atomic_dir(path: PathLike, force: bool = False) -> Iterator[Path]:
-    """Build a folder's entries in a temporary sibling; they reach ``path`` only if the block succeeds.
-
-    An existing ``path`` (``force``) keeps every entry the block did not write: each one it wrote replaces the entry
-    of that name (``swap_in``), so a folder the user keeps more in loses nothing but what the command writes.
-    """
+    """Build a folder's entries in a temporary sibling; they reach ``path`` only if the block succeeds, replacing
+    (``force``) only the entries of the same names (``swap_in``)."""
     path = Path(path)
     with _staged(path, force) as staging:
         yield staging
@@ -134,11 +118,8 @@ def atomic_dir(path: PathLike, force: bool = False) -> Iterator[Path]:
 
 
 def swap_in(staging: Path, target: Path) -> None:
-    """Move every entry of the folder ``staging`` into the folder ``target``, then remove ``staging``.
-
-    The entries they replace are set aside until all have moved and put back if a move fails, so ``target`` ends
-    either fully updated or as it was. Entries of ``target`` that ``staging`` lacks are left alone.
-    """
+    """Move every entry of ``staging`` into ``target``: all of them, or (a move failed) none, the replaced entries
+    put back; entries ``staging`` lacks are left alone."""
     retired = _temporary_dir(target, 'old.')
     moved = []
     try:
@@ -159,18 +140,13 @@ def swap_in(staging: Path, target: Path) -> None:
 
 
 def _put_back(retired: Path, target: Path, name: str) -> None:
-    """Move the entry ``name`` set aside in ``retired`` back into ``target``, where there is one."""
     if (retired / name).exists() or (retired / name).is_symlink():
         os.replace(retired / name, target / name)
 
 
 def check_output_dir(path: PathLike, force: bool = False, resumes: bool = False) -> None:
-    """Raise unless a command may write the folder ``path``: not a file; empty or absent unless ``force`` (or
-    ``resumes``: the command continues what is there); in a place the user can write. Touches nothing.
-
-    Raises:
-        NotADirectoryError, FileExistsError, PermissionError: as one line naming ``path``.
-    """
+    """Raise (one line naming ``path``) unless a command may write the folder: not a file; empty or absent unless
+    ``force`` or ``resumes``; writable. Touches nothing."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise NotADirectoryError(f'--out-dir: {path} is a file, not a folder')
@@ -184,22 +160,9 @@ def check_output_dir(path: PathLike, force: bool = False, resumes: bool = False)
 @contextlib.contextmanager
 def output_dir(path: PathLike, force: bool = False, writes: Sequence[str] = (), active: bool = True
                ) -> Iterator[Path]:
-    """The folder a job writes into, ``path`` itself (so what it prints and records names the real place).
-
-    Refused if it exists with anything in it, unless ``force``; made and checked writable before the job starts. The
-    entries ``writes`` names that are there already are set aside while the job runs: on success they are dropped
-    (``force`` replaces only what the job writes), on failure the job's entries are removed and they are put back, so
-    the folder is as it was. A folder the job created is removed again on failure.
-
-    Args:
-        writes: The entries (files, folders) the job writes directly under ``path``.
-        active: False on processes that only read (ranks other than 0): the folder is yielded untouched.
-
-    Raises:
-        FileExistsError: ``path`` holds something and ``force`` is False.
-        NotADirectoryError: ``path`` is a file.
-        OSError: ``path`` cannot be created or written.
-    """
+    """The folder a job writes into, ``path`` itself, checked by ``check_output_dir``. The entries ``writes`` names
+    are set aside while the job runs: dropped on success, put back on failure (the job's removed, a folder it made
+    too). ``active`` False (ranks other than 0): yielded untouched."""
     path = Path(path)
     if not active:
         yield path
@@ -226,9 +189,6 @@ def output_dir(path: PathLike, force: bool = False, writes: Sequence[str] = (), 
 
 
 def sha256sum(path: PathLike) -> str:
-    """Hex sha256 of a file, read in 1 MiB blocks."""
-    digest = hashlib.sha256()
+    """Hex sha256 of a file."""
     with open(path, 'rb') as handle:
-        for block in iter(lambda: handle.read(1 << 20), b''):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(handle, 'sha256').hexdigest()

@@ -83,7 +83,7 @@ def check_aft_model(name: str) -> None:
 
 
 def check_model_kwargs(name: str, model_kwargs: Dict[str, Any], defaults: Optional[Dict[str, Any]] = None) -> None:
-    """Build ``name`` with ``model_kwargs`` (over ``defaults``) on the meta device; ValueError in one line if not."""
+    """ValueError in one line unless ``name`` builds with ``model_kwargs`` (over ``defaults``), on the meta device."""
     if not model_kwargs:
         return
     try:
@@ -95,26 +95,18 @@ def check_model_kwargs(name: str, model_kwargs: Dict[str, Any], defaults: Option
                          ) from None
 
 
-def _hub_reachable() -> bool:
-    # no retries: an offline machine is told in seconds, not after a minute of huggingface_hub's backoff
-    from huggingface_hub import constants
-
-    if constants.HF_HUB_OFFLINE:
-        return False
-    endpoint = urlparse(constants.ENDPOINT)
-    try:
-        socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=HUB_TIMEOUT_S).close()
-    except OSError:
-        return False
-    return True
-
-
 def _check_hub(repo_id: str) -> None:
-    """Reachable, or (offline) cached; offline, the process goes on in huggingface_hub's offline mode."""
+    """Reachable within ``HUB_TIMEOUT_S`` (no retries: offline is told in seconds), or offline and cached; offline,
+    the process goes on in huggingface_hub's offline mode."""
     from huggingface_hub import constants, try_to_load_from_cache
 
-    if _hub_reachable():
-        return
+    if not constants.HF_HUB_OFFLINE:
+        endpoint = urlparse(constants.ENDPOINT)
+        try:
+            socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=HUB_TIMEOUT_S).close()
+            return
+        except OSError:
+            pass
     os.environ['HF_HUB_OFFLINE'] = '1'
     constants.HF_HUB_OFFLINE = True
     repo, _, revision = repo_id.partition('@')
@@ -171,8 +163,7 @@ def warn_random_weights(name: str, weights: str) -> None:
               'its outputs mean nothing', file=sys.stderr)
 
 
-def _from_checkpoint(name: str, checkpoint: str, use_ema: bool, model_kwargs: Dict[str, Any]
-                     ) -> Tuple[torch.nn.Module, str]:
+def _from_checkpoint(name: str, checkpoint: str, use_ema: bool, model_kwargs: Dict) -> Tuple[torch.nn.Module, str]:
     """``name`` built with the run record's arguments (``model_kwargs`` over them), sized to the checkpoint's head,
     the checkpoint loaded strictly (``select_weights``: timm's rule) and the record's data config set."""
     record = read_training_record(checkpoint)
@@ -192,31 +183,23 @@ def _from_checkpoint(name: str, checkpoint: str, use_ema: bool, model_kwargs: Di
     return model, f'{weights}; data config: {source}'
 
 
-def load_model(
-        name: str,
-        checkpoint: Optional[str] = None,
-        pretrained: bool = False,
-        use_ema: bool = True,
-        model_kwargs: Optional[Dict[str, Any]] = None,
-        aft_only: bool = True,
-) -> Tuple[torch.nn.Module, str]:
+def load_model(name: str, checkpoint: Optional[str] = None, pretrained: bool = False, use_ema: bool = True,
+               model_kwargs: Optional[Dict[str, Any]] = None, aft_only: bool = True) -> Tuple[torch.nn.Module, str]:
     """The model ``name`` names, with its weights and data config (``model.pretrained_cfg``), in eval mode.
 
     Args:
         name: A registered model (with a tag), or a ``local-dir:`` / ``hf-hub:`` source (its weights always load).
-        checkpoint: A weight file (safetensors, weights-only PyTorch, a timm training checkpoint): ``name`` is built
-            with its run record's arguments (``model_kwargs`` over them), sized to its head, given its data config.
+        checkpoint: A weight file (safetensors, weights-only PyTorch, a timm training checkpoint), loaded into
+            ``name`` built with its run record's arguments (``model_kwargs`` over them), with its data config.
         pretrained: The tag's pretrained weights.
         use_ema: A training checkpoint's EMA weights where it has them (timm's rule), else its trained ones.
         aft_only: Refuse a model that is not an AFT model.
 
     Returns:
-        The model and which weights it holds, in words (``RANDOM_WEIGHTS`` for a bare name: see
-        ``warn_random_weights``).
+        The model and which weights it holds, in words (``RANDOM_WEIGHTS`` for a bare name: ``warn_random_weights``).
 
     Raises:
-        ValueError: Unknown or non-AFT model, damaged or unfitting weights, arguments that do not build, an
-            unreachable Hub; one line naming the file, the model or the key.
+        ValueError: One line naming the file, the model or the key.
     """
     model_kwargs = dict(model_kwargs or {})
     check_model_name(name)

@@ -79,9 +79,10 @@ def _strip_client_args(model: torch.nn.Module, config_file: Path) -> Dict[str, A
     return config
 
 
-def _model_card(model: torch.nn.Module, model_name: str, repo_id: str, results: Optional[Dict],
-                datasets: Sequence[str], base_model: Optional[str], training: Optional[str], license_name: str,
-                cfg: Dict[str, Any], data_config_source: Optional[str]) -> str:
+def _model_card(model: torch.nn.Module, model_name: str, repo_id: str, cfg: Dict[str, Any],
+                results: Optional[Dict] = None, datasets: Sequence[str] = (), base_model: Optional[str] = None,
+                training: Optional[str] = None, license_name: str = 'apache-2.0',
+                data_config_source: Optional[str] = None) -> str:
     """README.md by timm's ``generate_readme``; huggingface_hub's ``ModelCard`` then writes the metadata timm has no
     place for (``base_model``) or lowercases (dataset ids, which are case-sensitive)."""
     size = f'{tuple(cfg.get("input_size", ()))}' + (f', test {tuple(cfg["test_input_size"])}'
@@ -108,54 +109,29 @@ def _model_card(model: torch.nn.Module, model_name: str, repo_id: str, results: 
         'comparison': table if metrics else 'No evaluation results were provided by the publisher.',
         'citation': _CITATION}, repo_id.split('/')[-1])
     card = ModelCard(text)
-    card.data.datasets = list(datasets) or None
-    card.data.base_model = base_model
+    card.data.datasets, card.data.base_model = list(datasets) or None, base_model
     return str(card)
 
 
-def build_hub_folder(
-        model: torch.nn.Module,
-        folder: Path,
-        model_name: str,
-        repo_id: str,
-        label_names: Optional[List[str]] = None,
-        results: Optional[Dict] = None,
-        datasets: Sequence[str] = (),
-        base_model: Optional[str] = None,
-        training: Optional[str] = None,
-        license_name: str = 'apache-2.0',
-        data_config: Optional[Dict[str, Any]] = None,
-        data_config_source: Optional[str] = None,
-) -> None:
+def build_hub_folder(model: torch.nn.Module, folder: Path, model_name: str, repo_id: str,
+                     label_names: Optional[List[str]] = None, data_config: Optional[Dict[str, Any]] = None,
+                     **card) -> None:
     """Write ``config.json``, ``model.safetensors`` and ``README.md`` for ``model`` into ``folder``; ``data_config``
-    (``DATA_CONFIG_KEYS``) None publishes the architecture's default config."""
+    (``DATA_CONFIG_KEYS``) None publishes the architecture's default config; ``card``: ``_model_card``'s."""
     if label_names is not None and len(label_names) != model.num_classes:
         raise ValueError(f'{len(label_names)} label names given for a model with {model.num_classes} classes')
     model_config = {'label_names': list(label_names)} if label_names else None
     save_for_hf(model, str(folder), model_config=model_config, safe_serialization=True, data_config=data_config)
     config = _strip_client_args(model, folder / 'config.json')
-    card = _model_card(model, model_name, repo_id, results, datasets, base_model, training, license_name,
-                       config['pretrained_cfg'], data_config_source)
-    (folder / 'README.md').write_text(card, encoding='utf-8')
+    text = _model_card(model, model_name, repo_id, config['pretrained_cfg'], **card)
+    (folder / 'README.md').write_text(text, encoding='utf-8')
 
 
-def publish(
-        checkpoint: str,
-        model_name: Optional[str],
-        repo_id: str,
-        out_dir: Optional[str] = None,
-        dry_run: bool = False,
-        force: bool = False,
-        label_names: Optional[List[str]] = None,
-        results_file: Optional[str] = None,
-        datasets: Sequence[str] = (),
-        base_model: Optional[str] = None,
-        training: Optional[str] = None,
-        private: bool = False,
-        model_kwargs: Optional[Dict] = None,
-        data_config: Optional[Dict[str, Any]] = None,
-        use_ema: bool = True,
-) -> Dict[str, str]:
+def publish(checkpoint: str, model_name: Optional[str], repo_id: str, out_dir: Optional[str] = None,
+            dry_run: bool = False, force: bool = False, label_names: Optional[List[str]] = None,
+            results_file: Optional[str] = None, datasets: Sequence[str] = (), base_model: Optional[str] = None,
+            training: Optional[str] = None, private: bool = False, model_kwargs: Optional[Dict] = None,
+            data_config: Optional[Dict[str, Any]] = None, use_ema: bool = True) -> Dict[str, str]:
     """Publish an AFT checkpoint: a local folder (``dry_run``) or a Hub upload.
 
     Args:
@@ -186,32 +162,34 @@ def publish(
     if model_name is None or parse_model_name(model_name)[0]:  # the record's, or a published folder's architecture
         model_name, kwargs = source_architecture(model_name or record.architecture, kwargs)
     model, weights = load_model(model_name, checkpoint, use_ema=use_ema, model_kwargs=kwargs, aft_only=False)
-    weights = weights.split('; data config: ')[0]  # this folder's data config is resolved below
+    weights = weights.split('; data config: ')[0]  # this folder's data config is resolved here
     data_config, source = resolve_publish_data_config(model, record, data_config)
     if data_config is None:
         warnings.warn(f'publishing {checkpoint} with {source}; give the run record or --input-size / --crop-pct',
                       UserWarning, stacklevel=2)
-    folder_args = dict(model_name=model_name, repo_id=repo_id, label_names=label_names, results=results,
-                       datasets=datasets, base_model=base_model, training=training, data_config=data_config,
-                       data_config_source=source)
-    if dry_run:
-        with atomic_dir(out_dir, force=force) as staging:
-            build_hub_folder(model, staging, **folder_args)
-        return {'folder': str(out_dir), 'sha256': sha256sum(Path(out_dir) / 'model.safetensors'),
-                'data_config_source': source, 'weights': weights}
-
-    from huggingface_hub import HfApi
-    with tempfile.TemporaryDirectory(prefix='aft-publish-') as staging:
-        build_hub_folder(model, Path(staging), **folder_args)
+    staged = atomic_dir(out_dir, force=force) if dry_run else tempfile.TemporaryDirectory(prefix='aft-publish-')
+    with staged as staging:
+        build_hub_folder(model, Path(staging), model_name, repo_id, label_names, data_config, results=results,
+                         datasets=datasets, base_model=base_model, training=training, data_config_source=source)
         digest = sha256sum(Path(staging) / 'model.safetensors')
-        api = HfApi(library_name='aft_vision', library_version=__version__)
-        try:
-            repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
-        except Exception as error:  # huggingface_hub raises many types; name the step and the cause
-            raise RuntimeError(f'creating Hub repository {repo_id} failed: {type(error).__name__}: {error}') from None
-        try:
-            commit = api.upload_folder(repo_id=repo_id, folder_path=staging, commit_message='Add AFT model')
-        except Exception as error:
-            raise RuntimeError(f'uploading to {repo_id} failed: {type(error).__name__}: {error}') from None
-    return {'url': str(getattr(commit, 'commit_url', commit)), 'sha256': digest, 'data_config_source': source,
-            'weights': weights}
+        if dry_run:
+            return {'folder': str(out_dir), 'sha256': digest, 'data_config_source': source, 'weights': weights}
+        url = _upload(Path(staging), repo_id, private)
+    return {'url': url, 'sha256': digest, 'data_config_source': source, 'weights': weights}
+
+
+def _upload(folder: Path, repo_id: str, private: bool) -> str:
+    """huggingface_hub's ``create_repo`` and ``upload_folder`` (as ``push_to_hf_hub``), each failure naming its step;
+    the token is huggingface_hub's (login or ``HF_TOKEN``), never printed."""
+    from huggingface_hub import HfApi
+
+    api = HfApi(library_name='aft_vision', library_version=__version__)
+    try:
+        repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+    except Exception as error:  # huggingface_hub raises many types; name the step and the cause
+        raise RuntimeError(f'creating Hub repository {repo_id} failed: {type(error).__name__}: {error}') from None
+    try:
+        commit = api.upload_folder(repo_id=repo_id, folder_path=str(folder), commit_message='Add AFT model')
+    except Exception as error:
+        raise RuntimeError(f'uploading to {repo_id} failed: {type(error).__name__}: {error}') from None
+    return str(getattr(commit, 'commit_url', commit))
