@@ -61,15 +61,13 @@ def select_weights(checkpoint: Mapping, use_ema: bool = True) -> Tuple[Dict[str,
     for key, value in state_dict.items():
         if not isinstance(value, torch.Tensor):
             raise ValueError(f'checkpoint entry {key!r} is a {type(value).__name__}, not a tensor: not a state dict')
-    has_ema = any(isinstance(checkpoint.get(key), Mapping) for key in EMA_KEYS)
     if taken in EMA_KEYS:
-        weights = f"the EMA weights ('{taken}'; use_ema=False / --no-ema for the trained ones)"
-    elif taken:
-        why = ', not the EMA ones (use_ema=False)' if has_ema else ' (the checkpoint holds no EMA copy)'
-        weights = f"the '{taken}' weights{why}"
-    else:
-        weights = 'a bare state dict'
-    return state_dict, weights
+        return state_dict, f"the EMA weights ('{taken}'; use_ema=False / --no-ema for the trained ones)"
+    if not taken:
+        return state_dict, 'a bare state dict'
+    has_ema = any(isinstance(checkpoint.get(key), Mapping) for key in EMA_KEYS)
+    why = ', not the EMA ones (use_ema=False)' if has_ema else ' (the checkpoint holds no EMA copy)'
+    return state_dict, f"the '{taken}' weights{why}"
 
 
 def unwrap_state_dict(checkpoint: Mapping, use_ema: bool = True) -> Dict[str, torch.Tensor]:
@@ -79,9 +77,7 @@ def unwrap_state_dict(checkpoint: Mapping, use_ema: bool = True) -> Dict[str, to
 
 def is_vit_state_dict(state_dict: Mapping[str, torch.Tensor]) -> bool:
     """``attn.qkv`` weights and no AFT position biases."""
-    has_qkv = any(_QKV.match(key) for key in state_dict)
-    has_aft = any('.attn.pos_' in key for key in state_dict)
-    return has_qkv and not has_aft
+    return any(_QKV.match(key) for key in state_dict) and not any('.attn.pos_' in key for key in state_dict)
 
 
 def _num_blocks(keys) -> int:
@@ -120,14 +116,8 @@ def _map_qkv(key: str, source: torch.Tensor, target: torch.Tensor, values_only: 
 
 def transfer_vit_weights(state_dict: Mapping[str, torch.Tensor], model: torch.nn.Module,
                          use_ema: bool = True) -> Tuple[Dict[str, torch.Tensor], TransferReport]:
-    """Map a DeiT / ViT state dict (timm's layout, the DeiT release's or a training checkpoint) onto ``model``.
-
-    Returns:
-        A complete state dict for ``model`` (fresh tensors from its current state) and the report.
-
-    Raises:
-        ValueError: Not a ViT / DeiT layout, or a width, depth or shape that does not fit (key and shapes named).
-    """
+    """A complete state dict for ``model`` from a DeiT / ViT one (timm's layout, the DeiT release's or a training
+    checkpoint; fresh tensors: the model's own), and the report. ValueError naming a key and shapes that do not fit."""
     source, weights = select_weights(state_dict, use_ema)
     target = model.state_dict()
     for required in ('patch_embed.proj.weight', 'blocks.0.attn.qkv.weight'):

@@ -84,16 +84,8 @@ def export(model: torch.nn.Module, out: os.PathLike, fmt: str = 'onnx', img_size
            calibration: Optional[os.PathLike] = None, force: bool = False, seed: int = 0,
            held_out: Optional[os.PathLike] = None) -> Dict:
     """Write ``model`` to ``out`` as ``fmt`` ('onnx', 'openvino'), float32 or INT8 calibrated on the images of
-    ``calibration`` (``calibration_files``), once the written file agrees with eager PyTorch.
-
-    Returns:
-        The largest logit error (absolute and relative) on random images; for INT8, top-1 agreement with eager on
-        the held-out images, and both top-1s where they sit in class folders named by index (``0/``, ``1/``, ...).
-
-    Raises:
-        ValueError: Unknown format, a size the model refuses, unusable images, or a file that does not match eager.
-        FileExistsError: ``out`` (or its .bin) exists and ``force`` is False.
-    """
+    ``calibration`` (``calibration_files``), once the written file agrees with eager (``_check``: what it returns);
+    ValueError for what it refuses, FileExistsError unless ``force``."""
     if fmt not in runtimes.FORMATS:
         raise ValueError(f"--format must be one of {', '.join(runtimes.FORMATS)}, got {fmt!r}")
     out = Path(out)
@@ -133,8 +125,8 @@ def export(model: torch.nn.Module, out: os.PathLike, fmt: str = 'onnx', img_size
 
 
 def _check(model: torch.nn.Module, run, size, held_out, seed: int) -> Dict:
-    """Logits on 3 fresh random images (float32: within ``FLOAT_RTOL`` of the largest), INT8 top-1 on
-    ``held_out`` (images, their files or None); non-finite outputs refused."""
+    """The largest logit error on 3 fresh random images (float32: within ``FLOAT_RTOL`` of the largest logit); INT8:
+    top-1 agreement on ``held_out`` (images, files), both top-1s where the files sit in folders named by class index."""
     gen = torch.Generator().manual_seed(seed + 1)
     images = torch.randn(3, 3, *size, generator=gen)
     with torch.no_grad():

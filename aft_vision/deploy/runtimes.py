@@ -51,14 +51,10 @@ def _graph(path: os.PathLike):
     return onnx.load(str(path), load_external_data=False).graph
 
 
-def _grouped_convolutions(graph) -> List[str]:
-    return [node.name for node in graph.node if node.op_type == 'Conv'
+def float_convolutions(path: os.PathLike, graph=None) -> List[str]:
+    """The grouped convolutions of an ONNX file or ``graph`` (AFT's window convolutions, kept in float)."""
+    return [node.name for node in (graph or _graph(path)).node if node.op_type == 'Conv'
             and any(attr.name == 'group' and attr.i > 1 for attr in node.attribute)]
-
-
-def float_convolutions(path: os.PathLike) -> List[str]:
-    """The grouped convolutions of an ONNX file (AFT's window convolutions, kept in float)."""
-    return _grouped_convolutions(_graph(path))
 
 
 def quantize_onnx(src: os.PathLike, dst: os.PathLike, batches: Sequence[np.ndarray]) -> None:
@@ -78,7 +74,7 @@ def quantize_onnx(src: os.PathLike, dst: os.PathLike, batches: Sequence[np.ndarr
     name = next(value.name for value in graph.input if value.name not in weights)  # the image input
     quantize_static(str(src), str(dst), Reader(name), quant_format=QuantFormat.QDQ, per_channel=True,
                     activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
-                    op_types_to_quantize=['MatMul', 'Gemm', 'Conv'], nodes_to_exclude=_grouped_convolutions(graph))
+                    op_types_to_quantize=['MatMul', 'Gemm', 'Conv'], nodes_to_exclude=float_convolutions(src, graph))
 
 
 def quantize_openvino(ov_model, batches: Sequence[np.ndarray]):
@@ -120,11 +116,7 @@ def openvino_runner(ov_model, precision: str = 'fp32', threads: Optional[int] = 
     config = {'INFERENCE_PRECISION_HINT': 'bf16' if precision == 'bf16' else 'f32',
               'INFERENCE_NUM_THREADS': threads or torch.get_num_threads()}
     request = ov.Core().compile_model(ov_model, 'CPU', config).create_infer_request()
-
-    def run(images: np.ndarray) -> np.ndarray:
-        return request.infer({0: np.ascontiguousarray(images, dtype=np.float32)})[0].copy()
-
-    return run
+    return lambda images: request.infer({0: np.ascontiguousarray(images, dtype=np.float32)})[0].copy()
 
 
 def load_runner(path: os.PathLike, precision: str = 'fp32', threads: Optional[int] = None) -> Runner:

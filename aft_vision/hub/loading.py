@@ -185,22 +185,10 @@ def _from_checkpoint(name: str, checkpoint: str, use_ema: bool, model_kwargs: Di
 
 def load_model(name: str, checkpoint: Optional[str] = None, pretrained: bool = False, use_ema: bool = True,
                model_kwargs: Optional[Dict[str, Any]] = None, aft_only: bool = True) -> Tuple[torch.nn.Module, str]:
-    """The model ``name`` names, with its weights and data config (``model.pretrained_cfg``), in eval mode.
-
-    Args:
-        name: A registered model (with a tag), or a ``local-dir:`` / ``hf-hub:`` source (its weights always load).
-        checkpoint: A weight file (safetensors, weights-only PyTorch, a timm training checkpoint), loaded into
-            ``name`` built with its run record's arguments (``model_kwargs`` over them), with its data config.
-        pretrained: The tag's pretrained weights.
-        use_ema: A training checkpoint's EMA weights where it has them (timm's rule), else its trained ones.
-        aft_only: Refuse a model that is not an AFT model.
-
-    Returns:
-        The model and which weights it holds, in words (``RANDOM_WEIGHTS`` for a bare name: ``warn_random_weights``).
-
-    Raises:
-        ValueError: One line naming the file, the model or the key.
-    """
+    """``(model in eval mode, which weights it holds in words)`` for a registered ``name`` (random weights:
+    ``RANDOM_WEIGHTS``, or its tag's with ``pretrained``), a ``local-dir:`` / ``hf-hub:`` source, or a ``checkpoint``
+    (``_from_checkpoint``); ``model.pretrained_cfg`` holds the data config. ``use_ema``: timm's rule; ``aft_only``:
+    refuse other models. ValueError in one line naming the file, the model or the key."""
     model_kwargs = dict(model_kwargs or {})
     check_model_name(name)
     check_source(name)

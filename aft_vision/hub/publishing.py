@@ -27,30 +27,18 @@ __all__ = ['build_hub_folder', 'publish', 'source_architecture', 'read_training_
 
 # numeric entries of the main job's results.json that are settings of the run, not metrics for the model card
 _RUN_SETTINGS = ('epochs', 'img_size', 'eval_img_size', 'world_size', 'wall_seconds', 'seed')
-_USAGE = """`import aft_vision` first: it registers the AFT architectures with timm, which both clients build from
-`config.json`. With timm (its data config holds the preprocessing above):
-
-```python
-import aft_vision  # registers the AFT architectures with timm
+_USAGE = """```python
+import aft_vision  # first: it registers the AFT architectures with timm, which both clients build from config.json
 import timm
 from PIL import Image
-
-model = timm.create_model('hf-hub:REPO_ID', pretrained=True).eval()
-config = timm.data.resolve_data_config({}, model=model)
-transform = timm.data.create_transform(**config)
-logits = model(transform(Image.open('image.png').convert('RGB')).unsqueeze(0))
-```
-
-With Hugging Face transformers (its timm wrapper reads the same `config.json`):
-
-```python
-import aft_vision  # registers the AFT architectures with timm
 from transformers import pipeline
 
-classifier = pipeline('image-classification', model='REPO_ID')
+model = timm.create_model('hf-hub:REPO_ID', pretrained=True).eval()
+transform = timm.data.create_transform(**timm.data.resolve_data_config({}, model=model))  # the preprocessing above
+logits = model(transform(Image.open('image.png').convert('RGB')).unsqueeze(0))
+classifier = pipeline('image-classification', model='REPO_ID')  # transformers' timm wrapper reads config.json too
 print(classifier('image.png'))
-```
-"""
+```"""
 _CITATION = """@article{zhai2021attention,
   title={An Attention Free Transformer},
   author={Zhai, Shuangfei and Talbott, Walter and Srivastava, Nitish and Huang, Chen and Goh, Hanlin and
@@ -64,17 +52,12 @@ def _strip_client_args(model: torch.nn.Module, config_file: Path) -> Dict[str, A
     """Rewrite ``config.json`` without the client's arguments in ``model_args`` (timm writes them): clients pass
     ``num_classes`` themselves; ``in_chans`` / ``global_pool`` stay only where they differ from the defaults."""
     config = json.loads(config_file.read_text())
-    model_args = dict(config.get('model_args') or {})
     signature = inspect.signature(type(model).__init__).parameters
-    default_pool = signature['global_pool'].default if 'global_pool' in signature else None
-    model_args.pop('num_classes', None)
-    if model_args.get('in_chans') == 3:
-        model_args.pop('in_chans')
-    if 'global_pool' in model_args and model_args['global_pool'] == default_pool:
-        model_args.pop('global_pool')
-    config['model_args'] = model_args
-    if not model_args:
-        config.pop('model_args')
+    defaults = {'in_chans': 3, 'global_pool': signature['global_pool'].default if 'global_pool' in signature else None}
+    model_args = {key: value for key, value in (config.pop('model_args', None) or {}).items()
+                  if key != 'num_classes' and not (key in defaults and value == defaults[key])}
+    if model_args:
+        config['model_args'] = model_args
     config_file.write_text(json.dumps(config, indent=2))
     return config
 
@@ -132,23 +115,12 @@ def publish(checkpoint: str, model_name: Optional[str], repo_id: str, out_dir: O
             results_file: Optional[str] = None, datasets: Sequence[str] = (), base_model: Optional[str] = None,
             training: Optional[str] = None, private: bool = False, model_kwargs: Optional[Dict] = None,
             data_config: Optional[Dict[str, Any]] = None, use_ema: bool = True) -> Dict[str, str]:
-    """Publish an AFT checkpoint: a local folder (``dry_run``) or a Hub upload.
-
-    Args:
-        model_name: The registered architecture, or a ``local-dir:`` / ``hf-hub:`` folder whose architecture and
-            arguments the weights share; None takes the one the run record names.
-        model_kwargs: Architecture arguments (e.g. ``patch_size=4``), over the run record's.
-        data_config: Overrides of the preprocessing the run record gives (``DATA_CONFIG_KEYS``); without either,
-            the architecture's default config is published and a ``UserWarning`` (and the card) says so.
-        use_ema: A training checkpoint's EMA weights where it has them (timm's rule), else its trained ones.
+    """Publish ``checkpoint`` into ``out_dir`` (``dry_run``; FileExistsError unless ``force``) or to the Hub
+    (RuntimeError naming the failed step), as ``model_name`` (None: the run record's; or a published folder's) with
+    ``model_kwargs`` and ``data_config`` over the run record's (neither: the default config, with a UserWarning).
 
     Returns:
         ``{'folder' or 'url', 'sha256' (of model.safetensors), 'data_config_source', 'weights'}``.
-
-    Raises:
-        ValueError: Bad checkpoint, repo id, labels, results file, run record or data config; no architecture.
-        FileExistsError: ``out_dir`` exists and ``force`` is False.
-        RuntimeError: The upload failed (the message says which step).
     """
     if repo_id.count('/') != 1 or not all(repo_id.split('/')):
         raise ValueError(f"repo id must look like 'org/name', got {repo_id!r}")

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 from timm.models import load_model_config_from_hf, parse_model_name, split_model_name_tag
+from timm.models._hub import load_model_config_from_path  # what timm's local-dir: reads (not exported)
 
 from ..checkpoints.files import load_weights
 
@@ -27,11 +28,9 @@ def source_architecture(name: str, model_kwargs: Optional[Dict[str, Any]] = None
     if source == 'hf-hub':
         _, architecture, saved = load_model_config_from_hf(model_id)
     else:
-        config_file = Path(model_id) / 'config.json'
-        if not config_file.is_file():
+        if not (Path(model_id) / 'config.json').is_file():
             raise FileNotFoundError(f'{name}: no config.json in {model_id} (write one with aft-vision publish)')
-        config = json.loads(config_file.read_text())
-        architecture, saved = config['architecture'], config.get('model_args')
+        _, architecture, saved = load_model_config_from_path(model_id)
     saved = {key: value for key, value in (saved or {}).items() if key != 'num_classes'}  # older folders kept it
     return architecture, {**saved, **model_kwargs}
 
