@@ -10,10 +10,13 @@ import sys
 from pathlib import Path
 from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 
+import timm
 import torch
 from timm.utils import ParseKwargs
 
 from ..checkpoints import check_output_dir
+from ..hub import (check_aft_model, check_init_weights, check_model_kwargs, check_model_name, check_pretrained,
+                   check_source)
 from ..tasks import classify, segment
 from ..tasks.image_folders import check_image_folders
 
@@ -34,16 +37,12 @@ def parse_device(name: str) -> torch.device:
 
 # option -> (lowest, highest, lowest excluded); None: unbounded. List values are checked one by one.
 LIMITS: Dict[str, Tuple[Optional[float], Optional[float], bool]] = {
-    'epochs': (1, None, False), 'batch_size': (1, None, False), 'repeats': (1, None, False),
-    'warmup': (0, None, False), 'threads': (1, None, False), 'seed': (0, 2 ** 63 - 1, False),
-    'img_size': (1, None, False), 'eval_img_size': (1, None, False), 'resolutions': (16, None, False),
-    'input_size': (1, None, False), 'test_input_size': (1, None, False), 'topk': (1, None, False),
-    'heads': (1, None, False), 'query': (0, None, False), 'dpi': (10, 1200, False), 'num_classes': (0, None, False),
-    'lr': (0, None, True), 'sparsity_weight': (0, None, False), 'crop_pct': (0, 1, True), 'std': (0, None, True),
-    'mean': (None, None, False), 'scenes': (1, None, False), 'seeds': (1, None, False),
-    'train_img_sizes': (1, None, False), 'train_batch_sizes': (1, None, False), 'eval_img_sizes': (1, None, False),
-    'base_img_size': (1, None, False),
-}
+    **dict.fromkeys(('epochs', 'batch_size', 'repeats', 'threads', 'img_size', 'eval_img_size', 'input_size',
+                     'test_input_size', 'topk', 'heads', 'scenes', 'seeds', 'train_img_sizes', 'train_batch_sizes',
+                     'eval_img_sizes', 'base_img_size'), (1, None, False)),
+    **dict.fromkeys(('warmup', 'query', 'num_classes', 'sparsity_weight'), (0, None, False)),
+    'seed': (0, 2 ** 63 - 1, False), 'resolutions': (16, None, False), 'dpi': (10, 1200, False),
+    'lr': (0, None, True), 'crop_pct': (0, 1, True), 'std': (0, None, True), 'mean': (None, None, False)}
 # ``train --task``: each task's settings and job. The options whose default differs between tasks take their task's
 # (``TASK_DEFAULTS``, left unset on the command line); an option a task's settings lack is refused when given.
 TASKS = {'classify': (classify.ClassifySettings, classify.run), 'segment': (segment.SegmentSettings, segment.run)}
@@ -85,10 +84,7 @@ def _fails(prefix: str, check: Callable, *args, errors=(ValueError, OSError)) ->
 
 
 def _check_model(name: str, command: str, options: Dict) -> None:
-    """Raise unless ``command`` can run ``name``: registered (with its tag), a folder whose weights read, a reachable
-    (or cached) Hub, an AFT model where only those serve."""
-    from ..hub import check_aft_model, check_model_name, check_source
-
+    """Raise unless ``command`` can run ``name``: registered, a readable folder or reachable Hub, AFT where needed."""
     if name.startswith('local-dir:') and not Path(name.split(':', 1)[1]).is_dir():
         raise ValueError(f'{name.split(":", 1)[1]} is not a folder')
     check_model_name(name)
@@ -115,9 +111,8 @@ def fill_task_defaults(args: argparse.Namespace) -> argparse.Namespace:
 
 def settings_from(settings: type, args: argparse.Namespace):
     """The dataclass ``settings`` filled from the parsed options of the same names (its defaults for the others)."""
-    options = vars(args)
-    return settings(**{field.name: options[field.name] for field in dataclasses.fields(settings)
-                       if field.name in options})
+    return settings(**{field.name: vars(args)[field.name] for field in dataclasses.fields(settings)
+                       if field.name in vars(args)})
 
 
 def one_line(message: str) -> str:
@@ -126,16 +121,12 @@ def one_line(message: str) -> str:
 
 
 def check_args(args: argparse.Namespace) -> Optional[str]:
-    """The first problem with a parsed command line, as one line '--option: why', or None: numbers in range, input
-    files present, output files of the right kind and not silently replaced, models that build, devices available."""
-    problem = next((problem for problem in _problems(args) if problem), None)
-    return None if problem is None else one_line(problem)
+    """The first problem with a parsed command line (numbers, files, outputs, models, devices) as '--option: why'."""
+    return next((one_line(problem) for problem in _problems(args) if problem), None)
 
 
 def _problems(args: argparse.Namespace) -> Iterator[Optional[str]]:
-    """Each check in turn (a generator: none runs after the first problem)."""
-    from ..hub import check_init_weights, check_model_kwargs, check_pretrained
-
+    # each check in turn, as a generator: none runs after the first problem
     options, command = vars(args), args.command
     if options.get('task') is not None:
         fields = {field.name for field in dataclasses.fields(TASKS[options['task']][0])} | {'task', 'command'}
@@ -165,7 +156,6 @@ def _problems(args: argparse.Namespace) -> Iterator[Optional[str]]:
     if data_dir is not None:
         yield _fails('', check_image_folders, data_dir)
     if command == 'transfer' and not Path(args.src).is_file():
-        import timm
         if Path(args.src).suffix in WEIGHT_SUFFIXES or not timm.is_model(args.src):
             yield f'--src: {args.src} not found: neither a checkpoint file nor a timm model name'
     for name in [options.get('model')] + list(options.get('models') or []):
@@ -195,13 +185,7 @@ class ModelKwargs(ParseKwargs):
 
 
 class Parser(argparse.ArgumentParser):
-    """Usage errors as one line on stderr, exit code 2, like every other user error of the command; ``--model-kwargs``
-    values checked as they are parsed (``ModelKwargs``)."""
-
-    def add_argument(self, *args, **kwargs):
-        if kwargs.get('action') is ParseKwargs:
-            kwargs['action'] = ModelKwargs
-        return super().add_argument(*args, **kwargs)
+    """Usage errors as one line, exit code 2, like every other user error."""
 
     def error(self, message: str):
         self.exit(2, f'{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n')
@@ -209,13 +193,7 @@ class Parser(argparse.ArgumentParser):
 
 def run_command(parser: argparse.ArgumentParser, argv: Sequence[str],
                 command: Callable[[argparse.Namespace], int]) -> int:
-    """Parse ``argv`` with ``parser`` (whose subcommand sets ``args.command``), check it and run ``command(args)``.
-
-    Returns:
-        The command's exit code; 0 for ``--help`` and ``--version``; 2 for a usage error, a value ``check_args``
-        refuses (nothing has run) or an error the user caused (bad names, missing or unwritable files, bad values),
-        each reported as one line on stderr.
-    """
+    """Parse, check and run ``argv``: ``command(args)``'s exit code; 2 for any user error, said in one line."""
     try:
         args = parser.parse_args(argv)
         if getattr(args, 'task', None) is not None:

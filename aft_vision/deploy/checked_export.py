@@ -50,7 +50,7 @@ def calibration_files(folder: os.PathLike, seed: int = 0,
 
 def _folder_images(folder: os.PathLike, at_least: int) -> List[Path]:
     if not Path(folder).is_dir():
-        raise ValueError(f'--calibration: {folder} is not a folder of images')
+        raise ValueError(f'--calibration: {folder} is not a folder of images (or "digits")')
     files = sorted(p for p in Path(folder).rglob('*') if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
     if len(files) < at_least:
         raise ValueError(f'--calibration: {folder} holds {len(files)} images ({", ".join(IMAGE_SUFFIXES)}); '
