@@ -26,8 +26,7 @@ PathLike = Union[str, os.PathLike]
 
 
 def load_weights(path: PathLike) -> Dict[str, torch.Tensor]:
-    """Read ``.safetensors``, or a PyTorch file with ``torch.load(weights_only=True)`` (which also admits the
-    ``argparse.Namespace`` timm ``train.py`` stores as ``args``); ValueError for a damaged file or other pickles."""
+    """Read safetensors or a weights-only PyTorch file (and timm ``train.py``'s ``args``); ValueError if damaged."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f'weight file not found: {path}')
@@ -104,8 +103,7 @@ def save_weights(state_dict: Mapping[str, torch.Tensor], path: PathLike, force: 
 
 @contextlib.contextmanager
 def atomic_dir(path: PathLike, force: bool = False) -> Iterator[Path]:
-    """Build a folder's entries in a temporary sibling; they reach ``path`` only if the block succeeds, replacing
-    (``force``) only the entries of the same names (``swap_in``)."""
+    """A temporary sibling whose entries reach ``path`` if the block succeeds (``force``: through ``swap_in``)."""
     path = Path(path)
     with _staged(path, force) as staging:
         yield staging
@@ -118,8 +116,7 @@ def atomic_dir(path: PathLike, force: bool = False) -> Iterator[Path]:
 
 
 def swap_in(staging: Path, target: Path) -> None:
-    """Move every entry of ``staging`` into ``target``: all of them, or (a move failed) none, the replaced entries
-    put back; entries ``staging`` lacks are left alone."""
+    """Move ``staging``'s entries into ``target``: all, or (a move failed) none, the replaced ones put back."""
     retired = _temporary_dir(target, 'old.')
     moved = []
     try:
@@ -145,8 +142,7 @@ def _put_back(retired: Path, target: Path, name: str) -> None:
 
 
 def check_output_dir(path: PathLike, force: bool = False, resumes: bool = False) -> None:
-    """Raise (one line naming ``path``) unless a command may write the folder: not a file; empty or absent unless
-    ``force`` or ``resumes``; writable. Touches nothing."""
+    """Raise unless a command may write the folder ``path``: no file, empty unless ``force`` / ``resumes``, writable."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise NotADirectoryError(f'--out-dir: {path} is a file, not a folder')
@@ -160,9 +156,8 @@ def check_output_dir(path: PathLike, force: bool = False, resumes: bool = False)
 @contextlib.contextmanager
 def output_dir(path: PathLike, force: bool = False, writes: Sequence[str] = (), active: bool = True
                ) -> Iterator[Path]:
-    """The folder a job writes into, ``path`` itself, checked by ``check_output_dir``. The entries ``writes`` names
-    are set aside while the job runs: dropped on success, put back on failure (the job's removed, a folder it made
-    too). ``active`` False (ranks other than 0): yielded untouched."""
+    """``path`` for a job to write into (``check_output_dir``), the entries ``writes`` names set aside: dropped on
+    success, put back on failure (a folder it made removed). ``active`` False (ranks but 0): untouched."""
     path = Path(path)
     if not active:
         yield path

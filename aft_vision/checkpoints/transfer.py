@@ -34,11 +34,10 @@ class TransferReport:
         """A short human-readable report, one section per outcome."""
         lines = [f'copied {len(self.copied)} tensors, resampled {len(self.resampled)}, partially copied '
                  f'{len(self.partial)}, skipped {len(self.skipped)} source tensors, fresh {len(self.fresh)}']
-        for title, items in (('resampled', self.resampled), ('partial', self.partial), ('skipped', self.skipped)):
-            for key, why in _collapse(items).items():
-                lines.append(f'  {title:9s} {key}: {why}')
-        for key in _collapse(dict.fromkeys(self.fresh, '')):
-            lines.append(f'  fresh     {key}')
+        lines += [f'  {title:9s} {key}: {why}' for title, items in (
+            ('resampled', self.resampled), ('partial', self.partial), ('skipped', self.skipped))
+            for key, why in _collapse(items).items()]
+        lines += [f'  fresh     {key}' for key in _collapse(dict.fromkeys(self.fresh, ''))]
         if self.weights:
             lines.append(f'  source    {self.weights}')
         return '\n'.join(lines)
@@ -52,9 +51,8 @@ def _collapse(items: Mapping[str, str]) -> Dict[str, str]:
 
 
 def select_weights(checkpoint: Mapping, use_ema: bool = True) -> Tuple[Dict[str, torch.Tensor], str]:
-    """A checkpoint's tensors in timm's ``load_state_dict`` order (EMA first unless ``use_ema`` is False, then
-    ``state_dict`` / ``model``, prefixes stripped by ``clean_state_dict``), and which were taken, in words: timm's
-    reads the file itself (any pickle) and does not say."""
+    """A checkpoint's tensors as timm's ``load_state_dict`` takes them (EMA first unless ``use_ema`` is False;
+    ``clean_state_dict``), and which, in words: timm's reads the file itself (any pickle) and does not say."""
     keys = WEIGHT_KEYS if use_ema else WEIGHT_KEYS[len(EMA_KEYS):]
     taken = next((key for key in keys if isinstance(checkpoint.get(key), Mapping)), '')
     state_dict = clean_state_dict(checkpoint[taken] if taken else checkpoint)
@@ -116,8 +114,7 @@ def _map_qkv(key: str, source: torch.Tensor, target: torch.Tensor, values_only: 
 
 def transfer_vit_weights(state_dict: Mapping[str, torch.Tensor], model: torch.nn.Module,
                          use_ema: bool = True) -> Tuple[Dict[str, torch.Tensor], TransferReport]:
-    """A complete state dict for ``model`` from a DeiT / ViT one (timm's layout, the DeiT release's or a training
-    checkpoint; fresh tensors: the model's own), and the report. ValueError naming a key and shapes that do not fit."""
+    """A complete state dict for ``model`` from a DeiT / ViT one, and the report; ValueError naming what misfits."""
     source, weights = select_weights(state_dict, use_ema)
     target = model.state_dict()
     for required in ('patch_embed.proj.weight', 'blocks.0.attn.qkv.weight'):

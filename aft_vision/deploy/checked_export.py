@@ -34,8 +34,7 @@ def _load(paths: List[Path], transform) -> torch.Tensor:
 
 def calibration_files(folder: os.PathLike, seed: int = 0,
                       held_out: Optional[os.PathLike] = None) -> Tuple[List[Path], List[Path]]:
-    """The images of ``folder`` (recursive) to calibrate on (at most 300), and those to check against: ``held_out``'s,
-    or 20% of ``folder`` drawn with ``seed``. ValueError for a missing folder or too few images."""
+    """Images of ``folder`` to calibrate on (at most 300), and to check (``held_out``'s or 20% of ``folder``)."""
     gen = torch.Generator().manual_seed(seed)
     files = _folder_images(folder, 1 if held_out else 2)
     if held_out:

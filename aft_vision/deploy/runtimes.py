@@ -107,8 +107,7 @@ def onnx_runner(path: os.PathLike, threads: Optional[int] = None) -> Runner:
 
 
 def openvino_runner(ov_model, precision: str = 'fp32', threads: Optional[int] = None) -> Runner:
-    """Images (N, 3, H, W) -> logits by OpenVINO's CPU plugin: ``precision`` 'fp32' / 'bf16' is its precision hint,
-    'int8' a quantized model with float parts in float32."""
+    """Images (N, 3, H, W) -> logits by OpenVINO's CPU plugin; 'fp32' / 'bf16': its hint, 'int8': float parts fp32."""
     import openvino as ov
 
     if precision not in PRECISIONS:

@@ -54,9 +54,8 @@ def _check_data_config(config: Dict[str, Any], in_chans: int) -> Dict[str, Any]:
 
 def resolve_publish_data_config(model: torch.nn.Module, record: Optional[TrainingRecord] = None,
                                 overrides: Optional[Dict[str, Any]] = None) -> Tuple[Optional[Dict[str, Any]], str]:
-    """``(data_config, where it came from)``: ``overrides`` over the run's ``record`` (a timm ``train.py`` one
-    resolved as ``train.py`` resolved its evaluation); None when neither says anything (the architecture's default
-    config is published then). ValueError for an entry that is malformed or does not fit the model."""
+    """``(data_config or None: the default config, where it came from)``: ``overrides`` over the run's ``record`` (a
+    timm ``train.py`` one resolved as ``train.py`` did); ValueError for an entry that does not fit the model."""
     in_chans = getattr(model, 'in_chans', 3)
     overrides = _check_data_config(dict(overrides or {}), in_chans)
     if record is None:
@@ -66,10 +65,8 @@ def resolve_publish_data_config(model: torch.nn.Module, record: Optional[Trainin
         unset = [key for key in DATA_CONFIG_KEYS if key not in overrides and key != 'test_input_size']
         return overrides, (f'{", ".join(overrides)} from the command line; '
                            f'{", ".join(unset) or "nothing"} from the architecture\'s default config')
-    if record.timm_args is not None:
-        resolved = resolve_data_config(dict(record.timm_args), model=model)
-    else:
-        resolved = dict(record.data_config)
-    config = {**_check_data_config(resolved, in_chans), **overrides}
+    timm_args = record.timm_args
+    resolved = record.data_config if timm_args is None else resolve_data_config(dict(timm_args), model=model)
+    config = {**_check_data_config(dict(resolved), in_chans), **overrides}
     source = record.source + (f'; {", ".join(overrides)} from the command line' if overrides else '')
     return config, source

@@ -38,8 +38,7 @@ def _first_line(error: BaseException) -> str:
 
 
 def check_model_name(name: str) -> None:
-    """Raise ValueError unless ``name`` is a registered model with a known tag (or a ``:`` source), naming the
-    closest registered AFT models or the tags."""
+    """ValueError unless ``name`` is a ``:`` source or registered with a known tag (the closest names or tags said)."""
     if ':' in name:
         return
     architecture = name.split('.')[0]
@@ -60,8 +59,7 @@ def create_aft_model(name: str, pretrained: bool = False, **kwargs) -> torch.nn.
 
 
 def check_pretrained(name: str, classifier: bool = False) -> None:
-    """Raise ValueError unless ``name``'s tag has weights (and, with ``classifier``, a trained head), before anything
-    is downloaded; ``hf-hub:`` / ``local-dir:`` sources pass (their weights are read when the model is built)."""
+    """ValueError unless ``name``'s tag has weights (``classifier``: a trained head), before any download."""
     if ':' in name:
         return
     check_model_name(name)
@@ -96,8 +94,7 @@ def check_model_kwargs(name: str, model_kwargs: Dict[str, Any], defaults: Option
 
 
 def _check_hub(repo_id: str) -> None:
-    """Reachable within ``HUB_TIMEOUT_S`` (no retries: offline is told in seconds), or offline and cached; offline,
-    the process goes on in huggingface_hub's offline mode."""
+    """Reachable within ``HUB_TIMEOUT_S`` (no retries), or cached, the process then in huggingface_hub offline mode."""
     from huggingface_hub import constants, try_to_load_from_cache
 
     if not constants.HF_HUB_OFFLINE:
@@ -116,8 +113,7 @@ def _check_hub(repo_id: str) -> None:
 
 
 def check_source(name: str) -> None:
-    """A ``local-dir:`` folder's config.json and weights readable, an ``hf-hub:`` repository reachable or cached;
-    ValueError (one line naming the file) otherwise. Registered names pass."""
+    """ValueError unless a ``local-dir:`` folder's files read, or an ``hf-hub:`` repository is reachable or cached."""
     source, model_id = parse_model_name(name)
     if source == 'hf-hub':
         _check_hub(model_id)
@@ -143,8 +139,7 @@ def _check_fits(state_dict: Dict[str, torch.Tensor], expected: Dict[str, torch.T
 
 
 def check_init_weights(path: str, name: str, model_kwargs: Dict[str, Any], num_classes: int) -> None:
-    """Raise ValueError unless the weights a run starts from (``--init-from``) fit ``name`` with ``model_kwargs`` and
-    ``num_classes``: the model's own, every key and shape, or a ViT / DeiT's (``transfer_vit_weights`` maps them)."""
+    """ValueError unless ``--init-from`` weights fit the model: its own (every key and shape) or a ViT / DeiT's."""
     weights = unwrap_state_dict(load_weights(path))
     with torch.device('meta'):
         model = timm.create_model(name, num_classes=num_classes, **model_kwargs)
@@ -164,8 +159,7 @@ def warn_random_weights(name: str, weights: str) -> None:
 
 
 def _from_checkpoint(name: str, checkpoint: str, use_ema: bool, model_kwargs: Dict) -> Tuple[torch.nn.Module, str]:
-    """``name`` built with the run record's arguments (``model_kwargs`` over them), sized to the checkpoint's head,
-    the checkpoint loaded strictly (``select_weights``: timm's rule) and the record's data config set."""
+    # name built with its run record's arguments under model_kwargs, sized to the head; strict load; its data config
     record = read_training_record(checkpoint)
     architecture, kwargs = name, {**(record.model_kwargs if record else {}), **model_kwargs}
     if ':' in name:  # a published folder or Hub repo: its architecture and saved arguments
@@ -180,7 +174,7 @@ def _from_checkpoint(name: str, checkpoint: str, use_ema: bool, model_kwargs: Di
     config, source = resolve_publish_data_config(model, record)  # as ``publish`` would publish it
     if config:
         model.pretrained_cfg = {**model.pretrained_cfg, **config}
-    return model, f'{weights}; data config: {source}'
+    return model.eval(), f'{weights}; data config: {source}'
 
 
 def load_model(name: str, checkpoint: Optional[str] = None, pretrained: bool = False, use_ema: bool = True,
@@ -195,8 +189,7 @@ def load_model(name: str, checkpoint: Optional[str] = None, pretrained: bool = F
     if aft_only:
         check_aft_model(name)
     if checkpoint:
-        model, weights = _from_checkpoint(name, checkpoint, use_ema, model_kwargs)
-        return model.eval(), weights
+        return _from_checkpoint(name, checkpoint, use_ema, model_kwargs)
     check_model_kwargs(name, model_kwargs)
     loads = pretrained or ':' in name
     try:

@@ -49,8 +49,7 @@ _CITATION = """@article{zhai2021attention,
 
 
 def _strip_client_args(model: torch.nn.Module, config_file: Path) -> Dict[str, Any]:
-    """Rewrite ``config.json`` without the client's arguments in ``model_args`` (timm writes them): clients pass
-    ``num_classes`` themselves; ``in_chans`` / ``global_pool`` stay only where they differ from the defaults."""
+    """Drop from ``model_args`` what clients pass (timm writes it): ``num_classes``, default ``in_chans`` / pooling."""
     config = json.loads(config_file.read_text())
     signature = inspect.signature(type(model).__init__).parameters
     defaults = {'in_chans': 3, 'global_pool': signature['global_pool'].default if 'global_pool' in signature else None}
@@ -151,8 +150,7 @@ def publish(checkpoint: str, model_name: Optional[str], repo_id: str, out_dir: O
 
 
 def _upload(folder: Path, repo_id: str, private: bool) -> str:
-    """huggingface_hub's ``create_repo`` and ``upload_folder`` (as ``push_to_hf_hub``), each failure naming its step;
-    the token is huggingface_hub's (login or ``HF_TOKEN``), never printed."""
+    """``create_repo`` and ``upload_folder`` as ``push_to_hf_hub`` (its token, never printed); errors name the step."""
     from huggingface_hub import HfApi
 
     api = HfApi(library_name='aft_vision', library_version=__version__)

@@ -18,9 +18,8 @@ DATA_CONFIG_KEYS = ('input_size', 'test_input_size', 'crop_pct', 'crop_mode', 'i
 
 
 def source_architecture(name: str, model_kwargs: Optional[Dict[str, Any]] = None) -> Tuple[str, Dict[str, Any]]:
-    """The registered architecture (no tag) and the arguments that rebuild ``name``: a ``local-dir:`` / ``hf-hub:``
-    config.json's ``model_args`` but ``num_classes`` (the checkpoint's head gives it), ``model_kwargs`` over them.
-    FileNotFoundError for a folder without config.json."""
+    """The architecture (no tag) and arguments that rebuild ``name``: a source's config.json ``model_args`` but
+    ``num_classes`` (the head gives it), ``model_kwargs`` over them. FileNotFoundError without config.json."""
     model_kwargs = dict(model_kwargs or {})
     source, model_id = parse_model_name(name)
     if not source:
