@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 import aft_vision  # noqa: F401  registers the models
 from aft_vision.checkpoints import atomic_dir, load_weights, output_dir, save_weights, swap_in, transfer_vit_weights
 from aft_vision.cli import main as cli_main
-from aft_vision.hub import model_from_checkpoint
+from aft_vision.hub import load_model
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Weight files: only safetensors or tensor-only pickles are read; writes are atomic and never clobber silently.
@@ -268,7 +268,7 @@ def test_training_checkpoints_load_as_timm_loads_them(kind, tmp_path):
     torch.save(training_checkpoint(kind, trained, ema), path)
     for use_ema in (True, False):
         expected = ema if kind == 'ema' and use_ema else trained
-        model, weights = model_from_checkpoint('aft_conv_test', str(path), use_ema=use_ema)
+        model, weights = load_model('aft_conv_test', str(path), use_ema=use_ema)
         timm_state = timm.models.load_state_dict(str(path), use_ema=use_ema)
         assert model.state_dict().keys() == timm_state.keys()
         for key, tensor in model.state_dict().items():

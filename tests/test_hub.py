@@ -117,7 +117,8 @@ def test_publish_dry_run_round_trips_through_local_dir_and_hf_hub(tmp_path, offl
     results.write_text(json.dumps({'top1': 97.5}))
     folder = tmp_path / 'hub-folder'
     publish(str(checkpoint), 'aft_conv_test', 'someone/aft-test', out_dir=str(folder), dry_run=True,
-            label_names=list('abcde'), results_file=str(results), datasets=['digits'],
+            label_names=list('abcde'), results_file=str(results), datasets=['MNIST-Digits'],
+            base_model='timm/deit_tiny_patch16_224.fb_in1k',
             data_config={'input_size': 64, 'crop_pct': 1.0, 'interpolation': 'bilinear'})
     assert sorted(p.name for p in folder.iterdir()) == ['README.md', 'config.json', 'model.safetensors']
     config = json.loads((folder / 'config.json').read_text())
@@ -128,6 +129,9 @@ def test_publish_dry_run_round_trips_through_local_dir_and_hf_hub(tmp_path, offl
     assert config['label_names'] == list('abcde')
     card = (folder / 'README.md').read_text()
     assert 'library_name: timm' in card and '| top1 | 97.5 |' in card and "hf-hub:someone/aft-test" in card
+    # the Hub's metadata as given: dataset ids are case-sensitive (timm's generate_readme lowercases them)
+    assert 'datasets:\n- MNIST-Digits\n' in card
+    assert 'base_model: timm/deit_tiny_patch16_224.fb_in1k\n' in card
 
     x = torch.randn(2, 3, 64, 64)
     expected = model(x)

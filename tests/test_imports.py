@@ -17,7 +17,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / 'aft_vision'
 # what users name: ``import aft_vision``, ``python -m aft_vision.run`` / ``aft_vision.train``, timm's
 # ``--device-modules aft_vision.timm_sparsity``.
 FLOORS = (
-    ('version', 'layers', 'checkpoints'),  # operators; weight files and the DeiT transfer
+    ('version', 'plots'),  # the version; figures written atomically
+    ('layers', 'checkpoints'),  # operators; weight files and the DeiT transfer
     ('models',),  # timm-registered families and the feature pyramid
     ('hub', 'deploy'),  # publishing and loading back; ONNX / OpenVINO and INT8
     ('bench', 'tasks'),  # benchmarks; the jobs (classify, segment, study, visualize)
@@ -137,12 +138,12 @@ def test_layering_catches_an_upward_import():
              'aft_vision.models._base': {'aft_vision.hub'}, 'aft_vision.cli.args': {'aft_vision.tasks.classify'},
              'aft_vision.hub.publish': {'aft_vision.deploy'}}
     assert layering_violations(graph) == [
-        'aft_vision.hub.publish imports aft_vision.deploy (hub, floor 2, may import only floors below; deploy is on '
-        'floor 2)',
-        'aft_vision.models._base imports aft_vision.hub (models, floor 1, may import only floors below; hub is on '
-        'floor 2)',
-        'aft_vision.tasks.classify imports aft_vision.cli.args (tasks, floor 3, may import only floors below; cli is '
-        'on floor 4)',
+        'aft_vision.hub.publish imports aft_vision.deploy (hub, floor 3, may import only floors below; deploy is on '
+        'floor 3)',
+        'aft_vision.models._base imports aft_vision.hub (models, floor 2, may import only floors below; hub is on '
+        'floor 3)',
+        'aft_vision.tasks.classify imports aft_vision.cli.args (tasks, floor 4, may import only floors below; cli is '
+        'on floor 5)',
     ]
 
 

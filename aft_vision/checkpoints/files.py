@@ -1,6 +1,6 @@
 """Safe weight files and outputs: read only safetensors or tensor-only pickles; write through a temporary sibling and
 swap it in, never clobbering silently; ``--force`` replaces only the entries a command writes; modes follow the
-user's umask."""
+user's umask. (timm's ``load_state_dict`` reads any pickle and its savers write in place.)"""
 import argparse
 import contextlib
 import hashlib
@@ -17,6 +17,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from ..plots import save_figure  # noqa: F401  moved to aft_vision.plots: here until tasks and bench import it there
+
 __all__ = ['load_weights', 'save_weights', 'atomic_dir', 'output_dir', 'check_output_dir', 'swap_in', 'save_figure',
            'sha256sum', 'umask_mode']
 
@@ -24,15 +26,7 @@ PathLike = Union[str, os.PathLike]
 
 
 def load_weights(path: PathLike) -> Dict[str, torch.Tensor]:
-    """Read a weight file: ``.safetensors``, or a PyTorch file through ``torch.load(weights_only=True)``.
-
-    Besides tensors and containers, the weights-only unpickler admits ``argparse.Namespace`` (a plain attribute bag),
-    which timm's ``train.py`` stores as ``args`` in its checkpoints; anything else pickled is refused.
-
-    Raises:
-        FileNotFoundError: ``path`` does not exist.
-        ValueError: The file is truncated, corrupted, empty, or a pickle holding more than tensors.
-    """
+    """Read safetensors or a weights-only PyTorch file (and timm ``train.py``'s ``args``); ValueError if damaged."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f'weight file not found: {path}')
@@ -60,14 +54,13 @@ def load_weights(path: PathLike) -> Dict[str, torch.Tensor]:
 
 
 def umask_mode(mode: int = 0o777) -> int:
-    """``mode`` less the process umask: what ``mkdir`` or ``open`` would give (``tempfile`` gives 0700 / 0600)."""
+    """``mode`` less the process umask (``tempfile`` gives 0700 / 0600)."""
     mask = os.umask(0)
     os.umask(mask)
     return mode & ~mask
 
 
 def _temporary_dir(target: Path, kind: str = '') -> Path:
-    """An empty hidden sibling of ``target``, mode as the umask gives (it may become ``target`` itself)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(prefix=f'.{target.name}.{kind}', dir=target.parent))
     folder.chmod(umask_mode())
@@ -83,7 +76,6 @@ def _remove(path: Path) -> None:
 
 @contextlib.contextmanager
 def _staged(target: Path, force: bool) -> Iterator[Path]:
-    """Yield a temporary sibling of ``target``; move it into place on success, delete it on any failure."""
     if target.exists() and not force and not (target.is_dir() and not any(target.iterdir())):
         raise FileExistsError(f'{target} exists; pass force=True (--force) to overwrite it')
     staging = _temporary_dir(target)
@@ -96,11 +88,7 @@ def _staged(target: Path, force: bool) -> Iterator[Path]:
 
 def save_weights(state_dict: Mapping[str, torch.Tensor], path: PathLike, force: bool = False,
                  metadata: Optional[Mapping[str, str]] = None) -> str:
-    """Write ``state_dict`` as safetensors to ``path`` atomically and return its sha256.
-
-    Raises:
-        FileExistsError: ``path`` exists and ``force`` is False.
-    """
+    """Write ``state_dict`` as safetensors to ``path`` atomically (FileExistsError unless ``force``); its sha256."""
     path = Path(path)
     with _staged(path, force) as staging:
         temp_file = staging / path.name
@@ -115,11 +103,7 @@ def save_weights(state_dict: Mapping[str, torch.Tensor], path: PathLike, force: 
 
 @contextlib.contextmanager
 def atomic_dir(path: PathLike, force: bool = False) -> Iterator[Path]:
-    """Build a folder's entries in a temporary sibling; they reach ``path`` only if the block succeeds.
-
-    An existing ``path`` (``force``) keeps every entry the block did not write: each one it wrote replaces the entry
-    of that name (``swap_in``), so a folder the user keeps more in loses nothing but what the command writes.
-    """
+    """A temporary sibling whose entries reach ``path`` if the block succeeds (``force``: through ``swap_in``)."""
     path = Path(path)
     with _staged(path, force) as staging:
         yield staging
@@ -132,11 +116,7 @@ def atomic_dir(path: PathLike, force: bool = False) -> Iterator[Path]:
 
 
 def swap_in(staging: Path, target: Path) -> None:
-    """Move every entry of the folder ``staging`` into the folder ``target``, then remove ``staging``.
-
-    The entries they replace are set aside until all have moved and put back if a move fails, so ``target`` ends
-    either fully updated or as it was. Entries of ``target`` that ``staging`` lacks are left alone.
-    """
+    """Move ``staging``'s entries into ``target``: all, or (a move failed) none, the replaced ones put back."""
     retired = _temporary_dir(target, 'old.')
     moved = []
     try:
@@ -157,18 +137,12 @@ def swap_in(staging: Path, target: Path) -> None:
 
 
 def _put_back(retired: Path, target: Path, name: str) -> None:
-    """Move the entry ``name`` set aside in ``retired`` back into ``target``, where there is one."""
     if (retired / name).exists() or (retired / name).is_symlink():
         os.replace(retired / name, target / name)
 
 
 def check_output_dir(path: PathLike, force: bool = False, resumes: bool = False) -> None:
-    """Raise unless a command may write the folder ``path``: not a file; empty or absent unless ``force`` (or
-    ``resumes``: the command continues what is there); in a place the user can write. Touches nothing.
-
-    Raises:
-        NotADirectoryError, FileExistsError, PermissionError: as one line naming ``path``.
-    """
+    """Raise unless a command may write the folder ``path``: no file, empty unless ``force`` / ``resumes``, writable."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise NotADirectoryError(f'--out-dir: {path} is a file, not a folder')
@@ -182,22 +156,8 @@ def check_output_dir(path: PathLike, force: bool = False, resumes: bool = False)
 @contextlib.contextmanager
 def output_dir(path: PathLike, force: bool = False, writes: Sequence[str] = (), active: bool = True
                ) -> Iterator[Path]:
-    """The folder a job writes into, ``path`` itself (so what it prints and records names the real place).
-
-    Refused if it exists with anything in it, unless ``force``; made and checked writable before the job starts. The
-    entries ``writes`` names that are there already are set aside while the job runs: on success they are dropped
-    (``force`` replaces only what the job writes), on failure the job's entries are removed and they are put back, so
-    the folder is as it was. A folder the job created is removed again on failure.
-
-    Args:
-        writes: The entries (files, folders) the job writes directly under ``path``.
-        active: False on processes that only read (ranks other than 0): the folder is yielded untouched.
-
-    Raises:
-        FileExistsError: ``path`` holds something and ``force`` is False.
-        NotADirectoryError: ``path`` is a file.
-        OSError: ``path`` cannot be created or written.
-    """
+    """``path`` for a job to write into (``check_output_dir``), the entries ``writes`` names set aside: dropped on
+    success, put back on failure (a folder it made removed). ``active`` False (ranks but 0): untouched."""
     path = Path(path)
     if not active:
         yield path
@@ -224,24 +184,6 @@ def output_dir(path: PathLike, force: bool = False, writes: Sequence[str] = (), 
 
 
 def sha256sum(path: PathLike) -> str:
-    """Hex sha256 of a file, read in 1 MiB blocks."""
-    digest = hashlib.sha256()
+    """Hex sha256 of a file."""
     with open(path, 'rb') as handle:
-        for block in iter(lambda: handle.read(1 << 20), b''):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def save_figure(fig, path: PathLike, dpi: int = 110) -> None:
-    """Save a matplotlib figure as PNG through a temporary sibling, then close it."""
-    import matplotlib.pyplot as plt
-
-    path = Path(path)
-    temp = path.with_name(f'.{path.name}.tmp.png')
-    try:
-        fig.tight_layout()
-        fig.savefig(temp, dpi=dpi)
-        os.replace(temp, path)
-    finally:
-        plt.close(fig)
-        temp.unlink(missing_ok=True)
+        return hashlib.file_digest(handle, 'sha256').hexdigest()

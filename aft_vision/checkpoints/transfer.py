@@ -1,16 +1,6 @@
-"""DeiT / ViT -> AFT weight transfer (Sec. 5.3, Table 8 of the AFT paper).
-
-``transfer_vit_weights(state_dict, model)`` maps a DeiT or ViT state dict (timm's layout, or the original DeiT
-release's ``{"model": ...}``) onto any AFT model by name: patch embedding, LayerNorms, MLPs, value and output
-projections. The result is a backbone: DeiT's classifier was trained on DeiT's features, not the AFT model's, so it
-is dropped and any head the model has starts fresh. As in the paper, AFT-conv starts its query and key
-projections, position biases and (absent) class token / position embedding fresh; AFT-full and AFT-simple also take
-the query / key projections, the class token and the position embedding (resampled to the model's grid).
-
-Every source tensor is either used or named as deliberately skipped, every shape is checked, and the returned
-``TransferReport`` says what was copied, resampled, skipped and freshly initialised.
-"""
-import logging
+"""DeiT / ViT -> AFT weight transfer (Sec. 5.3, Table 8 of the AFT paper), and a checkpoint's weights taken as timm
+takes them. Which tensors are copied, resampled or started fresh per family: docs/weights.md. timm maps other
+families' weights only inside each model's checkpoint filter, with no report of what it took."""
 import math
 import re
 from dataclasses import dataclass, field
@@ -21,8 +11,6 @@ from timm.layers import resample_abs_pos_embed
 from timm.models import clean_state_dict
 
 __all__ = ['TransferReport', 'transfer_vit_weights', 'select_weights', 'unwrap_state_dict', 'is_vit_state_dict']
-
-_logger = logging.getLogger(__name__)
 
 _QKV = re.compile(r'blocks\.(\d+)\.attn\.qkv\.(weight|bias)$')
 _DISTILLATION = ('dist_token', 'head_dist.weight', 'head_dist.bias')
@@ -44,22 +32,18 @@ class TransferReport:
 
     def summary(self) -> str:
         """A short human-readable report, one section per outcome."""
-        lines = [
-            f'copied {len(self.copied)} tensors, resampled {len(self.resampled)}, partially copied '
-            f'{len(self.partial)}, skipped {len(self.skipped)} source tensors, fresh {len(self.fresh)}',
-        ]
-        for title, items in (('resampled', self.resampled), ('partial', self.partial), ('skipped', self.skipped)):
-            for key, why in _collapse(items).items():
-                lines.append(f'  {title:9s} {key}: {why}')
-        for key in _collapse(dict.fromkeys(self.fresh, '')):
-            lines.append(f'  fresh     {key}')
+        lines = [f'copied {len(self.copied)} tensors, resampled {len(self.resampled)}, partially copied '
+                 f'{len(self.partial)}, skipped {len(self.skipped)} source tensors, fresh {len(self.fresh)}']
+        lines += [f'  {title:9s} {key}: {why}' for title, items in (
+            ('resampled', self.resampled), ('partial', self.partial), ('skipped', self.skipped))
+            for key, why in _collapse(items).items()]
+        lines += [f'  fresh     {key}' for key in _collapse(dict.fromkeys(self.fresh, ''))]
         if self.weights:
             lines.append(f'  source    {self.weights}')
         return '\n'.join(lines)
 
 
 def _collapse(items: Mapping[str, str]) -> Dict[str, str]:
-    """Fold per-block entries into ``blocks.*.`` lines so the report stays short."""
     folded: Dict[str, str] = {}
     for key, why in items.items():
         folded.setdefault(re.sub(r'^blocks\.\d+\.', 'blocks.*.', key), re.sub(r'blocks\.\d+\.', 'blocks.*.', why))
@@ -67,47 +51,31 @@ def _collapse(items: Mapping[str, str]) -> Dict[str, str]:
 
 
 def select_weights(checkpoint: Mapping, use_ema: bool = True) -> Tuple[Dict[str, torch.Tensor], str]:
-    """The weights of a checkpoint, taken as timm's ``load_state_dict`` takes them, and which were taken.
-
-    A training checkpoint's EMA weights (``state_dict_ema``, ``model_ema``) unless ``use_ema`` is False, else its
-    ``state_dict`` or ``model``; a bare state dict as it is. timm's ``clean_state_dict`` strips the prefixes of a DDP
-    (``module.``) or ``torch.compile`` (``_orig_mod.``) model. timm's ``load_state_dict`` reads a file itself and does
-    not say which weights it took: its order of keys is kept here, on a checkpoint ``_io.load_weights`` read safely.
-
-    Returns:
-        The tensors, and which weights they are (e.g. ``"the EMA weights ('state_dict_ema')"``).
-
-    Raises:
-        ValueError: An entry is not a tensor (not a state dict).
-    """
+    """A checkpoint's tensors as timm's ``load_state_dict`` takes them (EMA first unless ``use_ema`` is False;
+    ``clean_state_dict``), and which, in words: timm's reads the file itself (any pickle) and does not say."""
     keys = WEIGHT_KEYS if use_ema else WEIGHT_KEYS[len(EMA_KEYS):]
     taken = next((key for key in keys if isinstance(checkpoint.get(key), Mapping)), '')
     state_dict = clean_state_dict(checkpoint[taken] if taken else checkpoint)
     for key, value in state_dict.items():
         if not isinstance(value, torch.Tensor):
             raise ValueError(f'checkpoint entry {key!r} is a {type(value).__name__}, not a tensor: not a state dict')
-    has_ema = any(isinstance(checkpoint.get(key), Mapping) for key in EMA_KEYS)
     if taken in EMA_KEYS:
-        weights = f"the EMA weights ('{taken}'; use_ema=False / --no-ema for the trained ones)"
-    elif taken:
-        why = ', not the EMA ones (use_ema=False)' if has_ema else ' (the checkpoint holds no EMA copy)'
-        weights = f"the '{taken}' weights{why}"
-    else:
-        weights = 'a bare state dict'
-    return state_dict, weights
+        return state_dict, f"the EMA weights ('{taken}'; use_ema=False / --no-ema for the trained ones)"
+    if not taken:
+        return state_dict, 'a bare state dict'
+    has_ema = any(isinstance(checkpoint.get(key), Mapping) for key in EMA_KEYS)
+    why = ', not the EMA ones (use_ema=False)' if has_ema else ' (the checkpoint holds no EMA copy)'
+    return state_dict, f"the '{taken}' weights{why}"
 
 
 def unwrap_state_dict(checkpoint: Mapping, use_ema: bool = True) -> Dict[str, torch.Tensor]:
-    """The tensors of a checkpoint saved bare, as ``{'model': ...}`` / ``{'state_dict': ...}`` (EMA weights first
-    unless ``use_ema`` is False), by DDP or from a compiled model (``select_weights``)."""
+    """``select_weights``' tensors alone."""
     return select_weights(checkpoint, use_ema)[0]
 
 
 def is_vit_state_dict(state_dict: Mapping[str, torch.Tensor]) -> bool:
-    """True for a ViT / DeiT state dict: ``attn.qkv`` weights and no AFT position biases."""
-    has_qkv = any(_QKV.match(key) for key in state_dict)
-    has_aft = any('.attn.pos_' in key for key in state_dict)
-    return has_qkv and not has_aft
+    """``attn.qkv`` weights and no AFT position biases."""
+    return any(_QKV.match(key) for key in state_dict) and not any('.attn.pos_' in key for key in state_dict)
 
 
 def _num_blocks(keys) -> int:
@@ -116,7 +84,7 @@ def _num_blocks(keys) -> int:
 
 
 def _resample_pos_embed(pos_embed: torch.Tensor, target: torch.Tensor, num_prefix: int) -> torch.Tensor:
-    """Resample (1, prefix + h*w, C) over a square source grid to the target's token count."""
+    # (1, prefix + h*w, C) over a square source grid -> the target's token count
     src_tokens, dst_tokens = pos_embed.shape[1] - num_prefix, target.shape[1] - num_prefix
     src_side, dst_side = math.isqrt(src_tokens), math.isqrt(dst_tokens)
     if src_side * src_side != src_tokens or dst_side * dst_side != dst_tokens:
@@ -144,25 +112,9 @@ def _map_qkv(key: str, source: torch.Tensor, target: torch.Tensor, values_only: 
     return mapped
 
 
-def transfer_vit_weights(
-        state_dict: Mapping[str, torch.Tensor],
-        model: torch.nn.Module,
-        use_ema: bool = True,
-) -> Tuple[Dict[str, torch.Tensor], TransferReport]:
-    """Map a DeiT / ViT state dict onto an AFT model.
-
-    Args:
-        state_dict: Source tensors, in timm's ViT layout, wrapped as in the DeiT release or a training checkpoint.
-        model: The AFT model to fill; tensors it starts fresh are taken from its current state.
-        use_ema: Take a training checkpoint's EMA weights where it has them (``select_weights``).
-
-    Returns:
-        A complete state dict for ``model`` (``load_state_dict(strict=True)`` accepts it) and the report.
-
-    Raises:
-        ValueError: The source is not a ViT / DeiT layout, or its width, depth or a tensor shape does not fit,
-            naming the key and both shapes.
-    """
+def transfer_vit_weights(state_dict: Mapping[str, torch.Tensor], model: torch.nn.Module,
+                         use_ema: bool = True) -> Tuple[Dict[str, torch.Tensor], TransferReport]:
+    """A complete state dict for ``model`` from a DeiT / ViT one, and the report; ValueError naming what misfits."""
     source, weights = select_weights(state_dict, use_ema)
     target = model.state_dict()
     for required in ('patch_embed.proj.weight', 'blocks.0.attn.qkv.weight'):
@@ -177,7 +129,6 @@ def transfer_vit_weights(
     if src_patch.shape[0] != dst_patch.shape[0] or src_patch.shape[2:] != dst_patch.shape[2:]:
         raise ValueError(f'width mismatch at patch_embed.proj.weight: checkpoint {list(src_patch.shape)}, '
                          f'model {list(dst_patch.shape)}')
-
     report = TransferReport(weights=weights)
     mapped = dict(target)
     num_prefix = getattr(model, 'num_prefix_tokens', 1)

@@ -1,20 +1,22 @@
-"""What the ``aft-vision`` command line accepts, and how it runs a command: ``check_args`` finds the first bad
-number, size, path, name or device in a parsed command line, before its subcommand starts (so nothing is
-written), as '--option: why'; ``run_command`` parses, checks and runs, turning user errors into one line on stderr
-and exit code 2. Both ``aft_vision.cli`` and ``python -m aft_vision.train`` enter through ``run_command``;
-``settings_from`` hands a job its settings."""
+"""How the ``aft-vision`` command line runs a command (``run_command``, also behind ``python -m aft_vision.train``):
+parse, ``check_args`` (the first bad number, path, name or device, before anything is written), run; user errors end
+as one line on stderr, exit code 2. ``settings_from`` hands a job its settings."""
 import argparse
 import dataclasses
+import functools
 import math
 import os
 import sys
 from pathlib import Path
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 
+import timm
 import torch
 from timm.utils import ParseKwargs
 
 from ..checkpoints import check_output_dir
+from ..hub import (check_aft_model, check_init_weights, check_model_kwargs, check_model_name, check_pretrained,
+                   check_source)
 from ..tasks import classify, segment
 from ..tasks.image_folders import check_image_folders
 
@@ -35,16 +37,12 @@ def parse_device(name: str) -> torch.device:
 
 # option -> (lowest, highest, lowest excluded); None: unbounded. List values are checked one by one.
 LIMITS: Dict[str, Tuple[Optional[float], Optional[float], bool]] = {
-    'epochs': (1, None, False), 'batch_size': (1, None, False), 'repeats': (1, None, False),
-    'warmup': (0, None, False), 'threads': (1, None, False), 'seed': (0, 2 ** 63 - 1, False),
-    'img_size': (1, None, False), 'eval_img_size': (1, None, False), 'resolutions': (16, None, False),
-    'input_size': (1, None, False), 'test_input_size': (1, None, False), 'topk': (1, None, False),
-    'heads': (1, None, False), 'query': (0, None, False), 'dpi': (10, 1200, False), 'num_classes': (0, None, False),
-    'lr': (0, None, True), 'sparsity_weight': (0, None, False), 'crop_pct': (0, 1, True), 'std': (0, None, True),
-    'mean': (None, None, False), 'scenes': (1, None, False), 'seeds': (1, None, False),
-    'train_img_sizes': (1, None, False), 'train_batch_sizes': (1, None, False), 'eval_img_sizes': (1, None, False),
-    'base_img_size': (1, None, False),
-}
+    **dict.fromkeys(('epochs', 'batch_size', 'repeats', 'threads', 'img_size', 'eval_img_size', 'input_size',
+                     'test_input_size', 'topk', 'heads', 'scenes', 'seeds', 'train_img_sizes', 'train_batch_sizes',
+                     'eval_img_sizes', 'base_img_size'), (1, None, False)),
+    **dict.fromkeys(('warmup', 'query', 'num_classes', 'sparsity_weight'), (0, None, False)),
+    'seed': (0, 2 ** 63 - 1, False), 'resolutions': (16, None, False), 'dpi': (10, 1200, False),
+    'lr': (0, None, True), 'crop_pct': (0, 1, True), 'std': (0, None, True), 'mean': (None, None, False)}
 # ``train --task``: each task's settings and job. The options whose default differs between tasks take their task's
 # (``TASK_DEFAULTS``, left unset on the command line); an option a task's settings lack is refused when given.
 TASKS = {'classify': (classify.ClassifySettings, classify.run), 'segment': (segment.SegmentSettings, segment.run)}
@@ -54,7 +52,7 @@ TASK_DEFAULTS: Dict[str, Dict[str, object]] = {
     for task, (settings, _) in TASKS.items()}
 # options naming files that must exist, and output files with the suffix they must have (unless --force)
 INPUT_FILES = ('checkpoint', 'image', 'labels', 'results', 'init_from')
-OUTPUT_FILES = {'out': {'transfer': '.safetensors', 'show-bias': '.png', 'show-keys': '.png'}}
+OUTPUT_FILES = {'transfer': '.safetensors', 'show-bias': '.png', 'show-keys': '.png'}  # --out, by command
 WEIGHT_SUFFIXES = ('.safetensors', '.pth', '.pt', '.bin')
 AFT_ONLY = ('predict', 'export', 'show-bias', 'show-keys', 'transfer')  # commands that run only AFT models
 LOADS_SOURCE = ('predict', 'export', 'show-bias', 'show-keys')  # commands that load a local-dir: / hf-hub: --model
@@ -76,37 +74,31 @@ def _check_number(dest: str, value: float) -> Optional[str]:
     return f'must be {" and ".join(b for b in (lower, upper) if b)}, got {value}'
 
 
-def _check_model(name: str, command: str, options: Dict) -> Optional[str]:
-    """None for a model ``command`` can run, else what is wrong: the name registered (and its tag), an existing
-    ``local-dir:`` folder, an AFT model where only those serve, a source whose weights read, a reachable (or cached)
-    Hub, ``--model-kwargs`` it can be built with."""
-    from ..hub import check_aft_model, check_source
-    from ..models import check_model_name
+def _fails(prefix: str, check: Callable, *args, errors=(ValueError, OSError)) -> Optional[str]:
+    """``prefix`` and what ``check(*args)`` raises (one of ``errors``), or None."""
+    try:
+        check(*args)
+    except errors as error:
+        return prefix + str(error)
+    return None
 
+
+def _check_model(name: str, command: str, options: Dict) -> None:
+    """Raise unless ``command`` can run ``name``: registered, a readable folder or reachable Hub, AFT where needed."""
     if name.startswith('local-dir:') and not Path(name.split(':', 1)[1]).is_dir():
-        return f'{name.split(":", 1)[1]} is not a folder'
-    try:
-        check_model_name(name)
-        loads_weights = command in LOADS_SOURCE and not options.get('checkpoint') or options.get('pretrained')
-        if name.startswith('hf-hub:') or (name.startswith('local-dir:') and loads_weights):
-            check_source(name)
-        if command in AFT_ONLY:
-            check_aft_model(name)
-    except (ValueError, OSError) as error:
-        return str(error)
-    return None
+        raise ValueError(f'{name.split(":", 1)[1]} is not a folder')
+    check_model_name(name)
+    loads_weights = command in LOADS_SOURCE and not options.get('checkpoint') or options.get('pretrained')
+    if name.startswith('hf-hub:') or (name.startswith('local-dir:') and loads_weights):
+        check_source(name)
+    if command in AFT_ONLY:
+        check_aft_model(name)
 
 
-def _check_model_kwargs(name: str, command: str, options: Dict) -> Optional[str]:
-    """None if a registered ``name`` builds with ``--model-kwargs`` (``train``'s digits model: over its own)."""
-    from ..hub import check_model_kwargs
-
-    digits = command == 'train' and name == 'aft_conv_test' and not options.get('data_dir')
-    try:
-        check_model_kwargs(name, options.get('model_kwargs') or {}, classify.DIGITS_MODEL if digits else None)
-    except ValueError as error:
-        return str(error)
-    return None
+def _training_kwargs(options: Dict) -> Dict:
+    """The arguments ``train`` builds its model with (the digits' ``aft_conv_test``: ``DIGITS_MODEL`` under them)."""
+    digits = options['command'] == 'train' and options['model'] == 'aft_conv_test' and not options.get('data_dir')
+    return {**(classify.DIGITS_MODEL if digits else {}), **(options.get('model_kwargs') or {})}
 
 
 def fill_task_defaults(args: argparse.Namespace) -> argparse.Namespace:
@@ -117,19 +109,10 @@ def fill_task_defaults(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-def _check_task(options: Dict) -> Optional[str]:
-    fields = {field.name for field in dataclasses.fields(TASKS[options['task']][0])}
-    for dest, value in options.items():
-        if value and dest not in fields | {'task', 'command'}:
-            return f'{_option(dest)}: not used by --task {options["task"]}'
-    return None
-
-
 def settings_from(settings: type, args: argparse.Namespace):
     """The dataclass ``settings`` filled from the parsed options of the same names (its defaults for the others)."""
-    options = vars(args)
-    return settings(**{field.name: options[field.name] for field in dataclasses.fields(settings)
-                       if field.name in options})
+    return settings(**{field.name: vars(args)[field.name] for field in dataclasses.fields(settings)
+                       if field.name in vars(args)})
 
 
 def one_line(message: str) -> str:
@@ -138,89 +121,56 @@ def one_line(message: str) -> str:
 
 
 def check_args(args: argparse.Namespace) -> Optional[str]:
-    """The first problem with a parsed command line, as one line '--option: why', or None: numbers in range, input
-    files present, output files of the right kind and not silently replaced, model names registered, devices
-    available."""
-    problem = _first_problem(args)
-    return None if problem is None else one_line(problem)
+    """The first problem with a parsed command line (numbers, files, outputs, models, devices) as '--option: why'."""
+    return next((one_line(problem) for problem in _problems(args) if problem), None)
 
 
-def _first_problem(args: argparse.Namespace) -> Optional[str]:
-    options = vars(args)
+def _problems(args: argparse.Namespace) -> Iterator[Optional[str]]:
+    # each check in turn, as a generator: none runs after the first problem
+    options, command = vars(args), args.command
     if options.get('task') is not None:
-        problem = _check_task(options)
-        if problem:
-            return problem
+        fields = {field.name for field in dataclasses.fields(TASKS[options['task']][0])} | {'task', 'command'}
+        yield next((f'{_option(dest)}: not used by --task {options["task"]}'
+                    for dest, value in options.items() if value and dest not in fields), None)
     for dest, value in options.items():
         if dest in LIMITS and value is not None:
-            for number in value if isinstance(value, list) else [value]:
-                problem = _check_number(dest, number)
-                if problem:
-                    return f'{_option(dest)}: {problem}'
+            yield from (f'{_option(dest)}: {problem}' for problem in map(
+                functools.partial(_check_number, dest), value if isinstance(value, list) else [value]) if problem)
         elif dest in INPUT_FILES and value is not None and not Path(value).is_file():
-            positional = dest == 'image' or (dest == 'checkpoint' and args.command == 'publish')
-            return f'{dest if positional else _option(dest)}: {value} not found (no such file)'
-    for dest, suffixes in OUTPUT_FILES.items():
-        value, suffix = options.get(dest), suffixes.get(args.command)
-        if value is not None and suffix and Path(value).suffix.lower() != suffix:
-            return f'{_option(dest)}: must be a {suffix} file, got {value}'
-        if value is not None and Path(value).exists() and not options.get('force'):
-            return f'{_option(dest)}: {value} exists; pass --force to overwrite it'
-        if value is not None:
-            try:
-                check_output_dir(Path(value).parent, resumes=True)  # a folder the user can write
-            except OSError as error:
-                return f'{_option(dest)}: {str(error).split(": ", 1)[1]}'
-    out_dir = options.get('out_dir')
-    writer = int(os.environ.get('RANK', 0)) == 0  # under torchrun the other ranks only read (rank 0 has begun)
-    if out_dir is not None and writer and (args.command != 'publish' or options.get('dry_run')):
+            positional = dest == 'image' or (dest == 'checkpoint' and command == 'publish')
+            yield f'{dest if positional else _option(dest)}: {value} not found (no such file)'
+    value, suffix = options.get('out'), OUTPUT_FILES.get(command)
+    if value is not None:
+        if suffix and Path(value).suffix.lower() != suffix:
+            yield f'--out: must be a {suffix} file, got {value}'
+        if Path(value).exists() and not options.get('force'):
+            yield f'--out: {value} exists; pass --force to overwrite it'
         try:
-            check_output_dir(out_dir, options.get('force', False), resumes=args.command in RESUMES)
+            check_output_dir(Path(value).parent, resumes=True)  # a folder the user can write
         except OSError as error:
-            return str(error)
+            yield f'--out: {str(error).split(": ", 1)[1]}'
+    writer = int(os.environ.get('RANK', 0)) == 0  # under torchrun the other ranks only read (rank 0 has begun)
+    if options.get('out_dir') is not None and writer and (command != 'publish' or options.get('dry_run')):
+        yield _fails('', check_output_dir, options['out_dir'], options.get('force', False), command in RESUMES)
     data_dir = options.get('data_dir')
     if data_dir is not None:
-        try:
-            check_image_folders(data_dir)
-        except (ValueError, OSError) as error:
-            return str(error)
-    if args.command == 'transfer' and not Path(args.src).is_file():
-        import timm
+        yield _fails('', check_image_folders, data_dir)
+    if command == 'transfer' and not Path(args.src).is_file():
         if Path(args.src).suffix in WEIGHT_SUFFIXES or not timm.is_model(args.src):
-            return f'--src: {args.src} not found: neither a checkpoint file nor a timm model name'
+            yield f'--src: {args.src} not found: neither a checkpoint file nor a timm model name'
     for name in [options.get('model')] + list(options.get('models') or []):
-        problem = name and _check_model(name, args.command, options)
-        if problem:
-            return f'--model{"s" if options.get("models") else ""}: {problem}'
+        yield name and _fails(f'--model{"s" if options.get("models") else ""}: ', _check_model, name, command, options)
     if options.get('model_kwargs') and ':' not in (options.get('model') or ':'):
-        problem = _check_model_kwargs(options['model'], args.command, options)
-        if problem:
-            return f'--model-kwargs: {problem}'
-    if options.get('pretrained') and args.command != 'predict':  # predict asks for more, a trained classifier
-        from ..models import check_pretrained
-        try:
-            check_pretrained(args.model)
-        except ValueError as error:
-            return f'--pretrained: {error}'
+        yield _fails('--model-kwargs: ', check_model_kwargs, options['model'], options['model_kwargs'],
+                     _training_kwargs(options))
+    if options.get('pretrained') and command != 'predict':  # predict asks for more, a trained classifier
+        yield _fails('--pretrained: ', check_pretrained, args.model)
     if options.get('init_from') and options.get('model'):
-        from ..hub import check_init_weights
-        try:
-            check_init_weights(options['init_from'], options['model'], _training_kwargs(options),
-                               len(check_image_folders(data_dir)) if data_dir else 10)
-        except ValueError as error:
-            return f'--init-from: {error}'
+        num_classes = len(check_image_folders(data_dir)) if data_dir else 10
+        yield _fails('--init-from: ', check_init_weights, options['init_from'], options['model'],
+                     _training_kwargs(options), num_classes)
     if options.get('device') is not None:
-        try:
-            parse_device(options['device'])
-        except ValueError as error:
-            return f'--device: {error}'
-    return None
-
-
-def _training_kwargs(options: Dict) -> Dict:
-    """The arguments ``train`` builds its model with (the digits' ``aft_conv_test``: ``DIGITS_MODEL`` under them)."""
-    digits = options.get('model') == 'aft_conv_test' and not options.get('data_dir')
-    return {**(classify.DIGITS_MODEL if digits else {}), **(options.get('model_kwargs') or {})}
+        yield _fails('--device: ', parse_device, options['device'])
 
 
 class ModelKwargs(ParseKwargs):
@@ -235,13 +185,7 @@ class ModelKwargs(ParseKwargs):
 
 
 class Parser(argparse.ArgumentParser):
-    """Usage errors as one line on stderr, exit code 2, like every other user error of the command; ``--model-kwargs``
-    values checked as they are parsed (``ModelKwargs``)."""
-
-    def add_argument(self, *args, **kwargs):
-        if kwargs.get('action') is ParseKwargs:
-            kwargs['action'] = ModelKwargs
-        return super().add_argument(*args, **kwargs)
+    """Usage errors as one line, exit code 2, like every other user error."""
 
     def error(self, message: str):
         self.exit(2, f'{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n')
@@ -249,13 +193,7 @@ class Parser(argparse.ArgumentParser):
 
 def run_command(parser: argparse.ArgumentParser, argv: Sequence[str],
                 command: Callable[[argparse.Namespace], int]) -> int:
-    """Parse ``argv`` with ``parser`` (whose subcommand sets ``args.command``), check it and run ``command(args)``.
-
-    Returns:
-        The command's exit code; 0 for ``--help`` and ``--version``; 2 for a usage error, a value ``check_args``
-        refuses (nothing has run) or an error the user caused (bad names, missing or unwritable files, bad values),
-        each reported as one line on stderr.
-    """
+    """Parse, check and run ``argv``: ``command(args)``'s exit code; 2 for any user error, said in one line."""
     try:
         args = parser.parse_args(argv)
         if getattr(args, 'task', None) is not None:

@@ -2,7 +2,6 @@
 import argparse
 import statistics
 import time
-from typing import Callable, List, Sequence
 
 import torch
 
@@ -18,25 +17,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--device', default='cpu', help='torch device (default: cpu)')
 
 
-def _median_ms(fn: Callable[[], object], repeats: int, device: torch.device, warmup: int = 2) -> float:
-    """Median wall time of ``fn()`` in milliseconds, after ``warmup`` untimed calls."""
+def _median_ms(layer: torch.nn.Module, x: torch.Tensor, repeats: int, warmup: int = 2) -> float:
+    sync = (lambda: torch.cuda.synchronize(x.device)) if x.is_cuda else (lambda: None)
     times = []
-    for i in range(warmup + repeats):
-        if device.type == 'cuda':
-            torch.cuda.synchronize(device)
+    for _ in range(warmup + repeats):
+        sync()
         start = time.perf_counter()
-        fn()
-        if device.type == 'cuda':
-            torch.cuda.synchronize(device)
-        if i >= warmup:
-            times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
-def _print_table(header: Sequence[str], rows: List[Sequence[str]]) -> None:
-    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows)]
-    for row in [header, *rows]:
-        print('  '.join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip())
+        layer(x)
+        sync()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times[warmup:])
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,14 +36,15 @@ def run(args: argparse.Namespace) -> int:
         (AFTConv2d(dim=64, num_heads=8, kernel_size=7), (2, 14, 14, 64)),  # (B, H, W, C)
         (AFTFull(dim=64, seq_len=197), (2, 197, 64)),  # (B, T, C)
     ]
-    rows = []
+    rows = [('layer', 'input', 'output', f'median ms ({args.repeats} runs)')]
     with torch.inference_mode():
         for layer, shape in cases:
             layer = layer.to(device).eval()
             x = torch.randn(shape, device=device)
-            y = layer(x)
-            ms = _median_ms(lambda: layer(x), args.repeats, device)
-            rows.append((type(layer).__name__, tuple(x.shape), tuple(y.shape), f'{ms:.3f}'))
+            ms = _median_ms(layer, x, args.repeats)
+            rows.append((type(layer).__name__, str(tuple(x.shape)), str(tuple(layer(x).shape)), f'{ms:.3f}'))
     print(f'aft-vision {__version__}, torch {torch.__version__}, device {device}, {torch.get_num_threads()} threads')
-    _print_table(('layer', 'input', 'output', f'median ms ({args.repeats} runs)'), rows)
+    widths = [max(len(cell) for cell in column) for column in zip(*rows)]
+    for row in rows:
+        print('  '.join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
     return 0

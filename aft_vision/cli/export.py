@@ -1,5 +1,4 @@
-"""``aft-vision export``: a model as ``predict`` takes it, written as an ONNX file or an OpenVINO IR, float32 or INT8,
-and checked against eager PyTorch before it is moved into place (``deploy.export``)."""
+"""``aft-vision export``: a model as ``predict`` takes it, as ONNX or OpenVINO, float32 or INT8 (``deploy.export``)."""
 import argparse
 import tempfile
 from pathlib import Path
@@ -18,13 +17,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help='onnx (a .onnx file, onnxruntime) or openvino (an IR: .xml and .bin)')
     parser.add_argument('--out', required=True, help='the .onnx or .xml file to write')
     parser.add_argument('--img-size', type=int, default=None,
-                        help='input size (default: the model\'s data config); an AFT-conv model is rebuilt for '
-                             'it, its windows following its resize_mode')
+                        help='input size (default: the data config\'s); AFT-conv is rebuilt for it (resize_mode)')
     parser.add_argument('--int8', action='store_true', help='quantize: needs --calibration')
     parser.add_argument('--calibration', default=None, metavar='DIR',
-                        help='INT8: a folder of images (20%% held out to check against), or "digits" (the main '
-                             'job\'s training digits, made as it makes them in a temporary folder; its 359 held-out '
-                             'digits are checked against, with top-1)')
+                        help='INT8: a folder of images (20%% held out to check against), or "digits": the main job\'s '
+                             'split, made in a temporary folder, its 359 held-out digits checked with top-1')
     parser.add_argument('--seed', type=int, default=0)
     parser.add_argument('--force', action='store_true', help='overwrite --out')
 
@@ -32,10 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.int8 != (args.calibration is not None):
         raise ValueError('--int8 and --calibration go together: INT8 is calibrated on your images')
-    if args.calibration not in (None, 'digits'):
-        if not Path(args.calibration).is_dir():
-            raise ValueError(f'--calibration: {args.calibration} is not a folder of images (or "digits")')
-        calibration_files(args.calibration, args.seed)  # a folder without images: refused before the model is built
+    if args.calibration not in (None, 'digits'):  # a folder without images: refused before the model is built
+        calibration_files(args.calibration, args.seed)
     model, weights = model_from_args(args)
     with tempfile.TemporaryDirectory(prefix='aft-digits-') as scratch:  # never the working directory's
         calibration, held_out = args.calibration, None

@@ -1,10 +1,6 @@
-"""The ``aft-vision`` command line (also ``python -m aft_vision.cli``).
-
-Each subcommand is a module of this package, named after it (``show-bias``: ``show_bias.py``), with ``HELP``, an
-optional ``DESCRIPTION``, ``add_arguments(parser)`` and ``run(args) -> int``. Errors the user causes (bad names,
-missing files, bad values) end as one line on stderr, exit code 2: numbers, sizes, paths and names are checked by
-``args.check_args`` before a subcommand starts, so nothing is written.
-"""
+"""The ``aft-vision`` command line (also ``python -m aft_vision.cli``): each subcommand is a module named after it
+(``show-bias``: ``show_bias.py``) with ``HELP``, an optional ``DESCRIPTION``, ``add_arguments(parser)`` and
+``run(args) -> int``, run through ``args.run_command``."""
 import argparse
 import importlib
 import sys
@@ -36,8 +32,5 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), run the subcommand and return its exit code."""
-    return run_command(build_parser(), sys.argv[1:] if argv is None else argv, _run)
-
-
-def _run(args: argparse.Namespace) -> int:
-    return _subcommand(args.command).run(args)
+    return run_command(build_parser(), sys.argv[1:] if argv is None else argv,
+                       lambda args: _subcommand(args.command).run(args))

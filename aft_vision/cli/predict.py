@@ -7,10 +7,10 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from PIL import Image, UnidentifiedImageError
 from timm.data import ImageNetInfo, create_transform, resolve_data_config
-from timm.utils import ParseKwargs
 
-from ..hub import load_model, warn_random_weights
-from ..models import AFTConvTransformer, check_pretrained
+from ..hub import check_pretrained, load_model, warn_random_weights
+from ..models import AFTConvTransformer
+from .args import ModelKwargs
 
 __all__ = ['predict', 'add_arguments', 'add_model_arguments', 'model_from_args', 'run']
 
@@ -22,10 +22,7 @@ def _label_names(model: torch.nn.Module) -> Optional[List[str]]:
     names = model.pretrained_cfg.get('label_names')
     if names:
         return list(names.values()) if isinstance(names, dict) else list(names)
-    if model.num_classes == 1000:
-        info = ImageNetInfo()
-        return [info.index_to_description(i) for i in range(1000)]
-    return None
+    return ImageNetInfo().label_descriptions() if model.num_classes == 1000 else None
 
 
 def predict(model: torch.nn.Module, paths: List[str], img_size: Optional[int] = None, topk: int = 5) -> Dict:
@@ -50,10 +47,9 @@ def predict(model: torch.nn.Module, paths: List[str], img_size: Optional[int] = 
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options that name a model and its weights (``predict``, ``export``, ``show-*``): read by
-    ``model_from_args``."""
+    """The options naming a model and its weights (``predict``, ``export``, ``show-*``; ``model_from_args``)."""
     parser.add_argument('--model', required=True, help='registered AFT model, or hf-hub:/local-dir: source')
-    parser.add_argument('--model-kwargs', nargs='*', default={}, action=ParseKwargs, metavar='KEY=VALUE',
+    parser.add_argument('--model-kwargs', nargs='*', default={}, action=ModelKwargs, metavar='KEY=VALUE',
                         help='architecture arguments the checkpoint was trained with, e.g. patch_size=4')
     source = parser.add_mutually_exclusive_group()
     source.add_argument('--checkpoint', default=None, help='AFT weights (.safetensors or weights-only .pth)')
@@ -63,10 +59,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def model_from_args(args: argparse.Namespace) -> Tuple[torch.nn.Module, str]:
-    """The model ``add_model_arguments`` names, with its weights and data config (``hub.load_model``, the one loader),
-    and which weights it holds (a checkpoint's said on stderr; random ones for ``warn_random_weights``). An AFT-conv
-    model given ``--img-size`` is rebuilt for it (``set_input_size``: its windows follow the size as its
-    ``resize_mode`` says, as the main job evaluates other sizes)."""
+    """``hub.load_model`` of ``add_model_arguments``' options; AFT-conv rebuilt for ``--img-size`` (``resize_mode``)."""
     model, weights = load_model(args.model, args.checkpoint, args.pretrained, args.use_ema, args.model_kwargs)
     if getattr(args, 'img_size', None) and isinstance(model, AFTConvTransformer):
         model.set_input_size(args.img_size)
@@ -79,8 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('images', nargs='+', help='image files')
     add_model_arguments(parser)
     parser.add_argument('--img-size', type=int, default=None,
-                        help='crop size (default: the model\'s data config); an AFT-conv model is rebuilt for '
-                             'it, its windows following its resize_mode')
+                        help='crop size (default: the data config\'s); AFT-conv is rebuilt for it (resize_mode)')
     parser.add_argument('--topk', type=int, default=5)
 
 
@@ -90,18 +82,12 @@ def _fine_tune_first(name: str) -> str:
             f'--out-dir RUN), then predict with --model local-dir:RUN/hub or --checkpoint RUN/model.safetensors')
 
 
-def _check_classifier(args: argparse.Namespace) -> None:
-    """Refuse, before anything is downloaded, a pretrained tag whose weights hold no trained classifier."""
-    if not args.pretrained or ':' in args.model:
-        return  # the given weights, or random ones (said as a warning); a folder's head is checked once loaded
-    try:
-        check_pretrained(args.model, classifier=True)
-    except ValueError as error:
-        raise ValueError(f'{error}; {_fine_tune_first(args.model)}') from None
-
-
 def run(args: argparse.Namespace) -> int:
-    _check_classifier(args)
+    if args.pretrained:  # a tag without a trained classifier, refused before anything is downloaded
+        try:
+            check_pretrained(args.model, classifier=True)
+        except ValueError as error:
+            raise ValueError(f'{error}; {_fine_tune_first(args.model)}') from None
     model, weights = model_from_args(args)
     if not model.num_classes:
         raise ValueError(f'{args.model} has no classifier (num_classes=0): {_fine_tune_first(args.model)}')

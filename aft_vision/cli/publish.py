@@ -4,17 +4,15 @@ import json
 import sys
 import warnings
 from pathlib import Path
-from typing import List, Optional
-
-from timm.utils import ParseKwargs
+from typing import List
 
 from ..hub import CROP_MODES, DATA_CONFIG_KEYS, INTERPOLATIONS, publish
+from .args import ModelKwargs
 
 HELP = 'publish an AFT checkpoint in timm\'s Hub layout (or --dry-run)'
-DESCRIPTION = ('How the weights were trained and evaluated (input size, crop, interpolation, mean, std) is read '
-               'from the run that made the checkpoint: the main job\'s results.json (--results, or beside the '
-               'checkpoint) or timm train.py\'s args.yaml beside it; the flags below override it. Without '
-               'either, the architecture\'s default config is published and a warning (and the card) says so.')
+DESCRIPTION = ('The data config (input size, crop, interpolation, mean, std) comes from the run that made the '
+               'checkpoint (the main job\'s results.json, --results or beside it; timm train.py\'s args.yaml beside '
+               'it), under the flags below; without either, the default config, with a warning (and in the card).')
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,9 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--model', default=None,
                         help='registered AFT model name the weights belong to, or a local-dir: / hf-hub: folder whose '
                              'architecture they share (default: the one the run record names)')
-    parser.add_argument('--model-kwargs', nargs='*', default={}, action=ParseKwargs, metavar='KEY=VALUE',
-                        help='architecture arguments the weights were built with, e.g. patch_size=4 (over the '
-                             'record\'s)')
+    parser.add_argument('--model-kwargs', nargs='*', default={}, action=ModelKwargs, metavar='KEY=VALUE',
+                        help='architecture arguments of the weights, e.g. patch_size=4 (over the record\'s)')
     parser.add_argument('--repo-id', required=True, help='Hub repository, org/name')
     parser.add_argument('--dry-run', action='store_true', help='write the folder locally (--out-dir); upload nothing')
     parser.add_argument('--out-dir', default=None, help='output folder for --dry-run')
@@ -38,8 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--private', action='store_true', help='create the Hub repository as private')
     parser.add_argument('--no-ema', dest='use_ema', action='store_false',
                         help='publish a training checkpoint\'s trained weights, not its EMA weights (timm\'s default)')
-    data = parser.add_argument_group(
-        'data config (how the weights were trained and evaluated; overrides the run record)')
+    data = parser.add_argument_group('data config (how the weights were evaluated; over the run record)')
     data.add_argument('--input-size', type=int, nargs='+', default=None, metavar='N',
                       help='evaluation size: N, H W or C H W (timm\'s pretrained_cfg input_size)')
     data.add_argument('--test-input-size', type=int, nargs='+', default=None, metavar='N',
@@ -51,9 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument('--std', type=float, nargs='+', default=None, help='normalisation std, 1 or C values')
 
 
-def _read_labels(path: Optional[str]) -> Optional[List[str]]:
-    if path is None:
-        return None
+def _read_labels(path: str) -> List[str]:
     text = Path(path).read_text(encoding='utf-8')
     labels = json.loads(text) if text.lstrip().startswith('[') else [line.strip() for line in text.splitlines()]
     return [str(label) for label in labels if str(label)]
@@ -65,10 +59,9 @@ def run(args: argparse.Namespace) -> int:
         warnings.simplefilter('always', UserWarning)
         result = publish(
             args.checkpoint, args.model, args.repo_id, out_dir=args.out_dir, dry_run=args.dry_run, force=args.force,
-            label_names=_read_labels(args.labels), results_file=args.results, datasets=args.dataset,
+            label_names=args.labels and _read_labels(args.labels), results_file=args.results, datasets=args.dataset,
             base_model=args.base_model, training=args.training, private=args.private,
-            model_kwargs=args.model_kwargs, data_config=overrides, use_ema=args.use_ema,
-        )
+            model_kwargs=args.model_kwargs, data_config=overrides, use_ema=args.use_ema)
     for warning in caught:
         if str(warning.message).startswith('publishing '):
             print(f'warning: {warning.message}', file=sys.stderr)

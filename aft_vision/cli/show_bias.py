@@ -1,5 +1,4 @@
-"""``aft-vision show-bias``: a model's learned position biases per layer and head, as a PNG (``tasks.visualize``);
-its options are shared with ``show-keys``."""
+"""``aft-vision show-bias``: learned position biases per layer and head as a PNG; options shared with show-keys."""
 import argparse
 
 from ..tasks.visualize import show_bias
@@ -13,11 +12,9 @@ def add_arguments(parser: argparse.ArgumentParser, keys: bool = False) -> None:
     if keys:
         parser.add_argument('image', help='image file (opened with PIL, timm\'s eval transform for the model)')
     add_model_arguments(parser)
-    parser.add_argument('--heads', type=int, default=16,
-                        help='columns: first N heads (AFT-full / simple keys: key channels) (default: 16)')
+    parser.add_argument('--heads', type=int, default=16, help='columns: first N heads or key channels (default: 16)')
     if keys:
-        parser.add_argument('--img-size', type=int, default=None,
-                            help='input size (default: the model\'s data config), e.g. the training size')
+        parser.add_argument('--img-size', type=int, default=None, help='input size (default: the data config\'s)')
     else:
         parser.add_argument('--query', type=int, nargs=2, default=None, metavar=('Y', 'X'),
                             help='AFT-full: query patch (row, column) (default: the grid centre)')
@@ -28,7 +25,12 @@ def add_arguments(parser: argparse.ArgumentParser, keys: bool = False) -> None:
     parser.add_argument('--dpi', type=int, default=110, help='PNG resolution (default: 110)')
 
 
-def run(args: argparse.Namespace) -> int:
-    options = {key: value for key, value in vars(args).items() if key != 'command'}
-    show_bias(**options)
-    return 0
+def runner(job):
+    # run(args): job (tasks.visualize.show_bias / show_keys) called with the parsed options
+    def run(args: argparse.Namespace) -> int:
+        job(**{key: value for key, value in vars(args).items() if key != 'command'})
+        return 0
+    return run
+
+
+run = runner(show_bias)

@@ -6,8 +6,7 @@ from pathlib import Path
 from ..tasks.study import PARTS, StudySettings, render_markdown, run_study
 from .args import settings_from
 
-HELP = ('families, DeiT/ViT transfer, window and heads, resolution on the digits, over seeds (resumable; tables '
-        'and plots)')
+HELP = 'families, DeiT/ViT transfer, window, heads, resolution on the digits over seeds (resumable; tables, plots)'
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -16,8 +15,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f'which comparisons: {", ".join(PARTS)} (default: all)')
     parser.add_argument('--epochs', type=int, default=defaults.epochs,
                         help='epochs of a full run; the transfer fine-tunes for a third (default: %(default)s)')
-    parser.add_argument('--seeds', type=int, default=defaults.seeds,
-                        help='seeds per configuration, 0 .. N-1 (default: %(default)s)')
+    parser.add_argument('--seeds', type=int, default=defaults.seeds, help='seeds 0 .. N-1 (default: %(default)s)')
     parser.add_argument('--img-size', type=int, default=defaults.img_size, help='default: %(default)s')
     parser.add_argument('--eval-img-size', type=int, default=defaults.eval_img_size, help='default: %(default)s')
     parser.add_argument('--eval-img-sizes', type=int, nargs='+', default=list(defaults.eval_img_sizes),
@@ -26,8 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar='SIZE', help='the resolution part\'s multi-size training (default: %(default)s)')
     parser.add_argument('--batch-size', type=int, default=defaults.batch_size, help='default: %(default)s')
     parser.add_argument('--lr', type=float, default=defaults.lr, help='default: %(default)s')
-    parser.add_argument('--baseline', default=defaults.baseline,
-                        help='timm ViT built at the AFT models\' trunk (default: %(default)s)')
+    parser.add_argument('--baseline', default=defaults.baseline, help='timm ViT at the AFT trunk (%(default)s)')
     parser.add_argument('--out-dir', default='outputs/study',
                         help='runs/, study.md, study.json, plots/ (default: %(default)s); an existing study resumes')
 

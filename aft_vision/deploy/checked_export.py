@@ -1,12 +1,7 @@
-"""A model as an ONNX file or an OpenVINO IR, float32 or INT8, checked against eager PyTorch (``aft-vision export``).
-
-The file is written into a temporary folder beside its destination, read back by its runtime and compared with the
-eager model there; only then is it moved into place, so a failed export leaves nothing behind. INT8 follows
-``runtimes``' recipe, calibrated on a folder of the user's images with the model's timm data config; the images it
-holds out are what the agreement is measured on.
-"""
+"""``aft-vision export``: a model written as ONNX or an OpenVINO IR, float32 or INT8 (calibrated on the user's
+images), read back by its runtime and compared with eager PyTorch in a temporary folder before it is moved into
+place, so a failed export leaves nothing. timm's ``onnx_export`` checks one example and writes in place."""
 import os
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -26,10 +21,6 @@ HELD_OUT = 0.2  # the share of a folder's images kept for the agreement check
 FLOAT_RTOL = 1e-3  # a float32 export's largest logit error over the largest logit: rounding is far below
 
 
-def _image_files(folder: Path) -> List[Path]:
-    return sorted(p for p in folder.rglob('*') if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
-
-
 def _load(paths: List[Path], transform) -> torch.Tensor:
     images = []
     for path in paths:
@@ -43,17 +34,7 @@ def _load(paths: List[Path], transform) -> torch.Tensor:
 
 def calibration_files(folder: os.PathLike, seed: int = 0,
                       held_out: Optional[os.PathLike] = None) -> Tuple[List[Path], List[Path]]:
-    """The image files to calibrate on (at most 300) and to hold out for the agreement check.
-
-    Args:
-        folder: A folder of images, searched recursively.
-        seed: Seed of the folder's split and of the choice of the calibration images.
-        held_out: A folder of images to check against (e.g. the main job's ``val/`` digits); by default 20% of
-            ``folder``, at random but reproducibly.
-
-    Raises:
-        ValueError: A folder does not exist or holds too few images (two without ``held_out``, else one each).
-    """
+    """Images of ``folder`` to calibrate on (at most 300), and to check (``held_out``'s or 20% of ``folder``)."""
     gen = torch.Generator().manual_seed(seed)
     files = _folder_images(folder, 1 if held_out else 2)
     if held_out:
@@ -68,8 +49,8 @@ def calibration_files(folder: os.PathLike, seed: int = 0,
 
 def _folder_images(folder: os.PathLike, at_least: int) -> List[Path]:
     if not Path(folder).is_dir():
-        raise ValueError(f'--calibration: {folder} is not a folder of images')
-    files = _image_files(Path(folder))
+        raise ValueError(f'--calibration: {folder} is not a folder of images (or "digits")')
+    files = sorted(p for p in Path(folder).rglob('*') if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
     if len(files) < at_least:
         raise ValueError(f'--calibration: {folder} holds {len(files)} images ({", ".join(IMAGE_SUFFIXES)}); '
                          'INT8 needs at least 2: some to calibrate on, some to check against')
@@ -77,8 +58,7 @@ def _folder_images(folder: os.PathLike, at_least: int) -> List[Path]:
 
 
 def _write(model: torch.nn.Module, example: torch.Tensor, fmt: str, target: Path, calibration: List[np.ndarray]):
-    """The model file(s) at ``target`` (an .onnx file, or an .xml with its .bin), INT8 where ``calibration``; ONNX
-    files take any batch, and any image size where the model does (AFT-conv)."""
+    # an .onnx file, or an .xml with its .bin; INT8 where calibrated; ONNX takes any size where the model does
     if fmt == 'onnx':
         dynamic_size = model._fixed_img_size() is None
         float_file = target.with_name('float.onnx') if calibration else target
@@ -102,22 +82,9 @@ def _outputs(out: Path, fmt: str) -> List[Path]:
 def export(model: torch.nn.Module, out: os.PathLike, fmt: str = 'onnx', img_size: Optional[int] = None,
            calibration: Optional[os.PathLike] = None, force: bool = False, seed: int = 0,
            held_out: Optional[os.PathLike] = None) -> Dict:
-    """Write ``model`` to ``out`` in ``fmt`` ('onnx' or 'openvino'), float32, or INT8 calibrated on ``calibration``
-    (a folder of images), after checking the written file against eager PyTorch.
-
-    INT8 is checked on ``held_out`` (``calibration_files``); where its images sit in class folders named by class
-    index (``0/``, ``1/``, ...), eager's and the INT8 model's top-1 are measured too.
-
-    Returns:
-        What was measured: the float32 check's largest logit error and its ratio to the largest logit, on random
-        images of another batch size; for INT8, top-1 agreement with eager on the held-out images (and eager's and
-        the INT8 model's top-1 where the images come in class folders).
-
-    Raises:
-        ValueError: Unknown format, a size the model refuses, unusable calibration images, or a written model that
-            does not match eager PyTorch (nothing is written then).
-        FileExistsError: ``out`` (or its .bin) exists and ``force`` is False.
-    """
+    """Write ``model`` to ``out`` as ``fmt`` ('onnx', 'openvino'), float32 or INT8 calibrated on the images of
+    ``calibration`` (``calibration_files``), once the written file agrees with eager (``_check``: what it returns);
+    ValueError for what it refuses, FileExistsError unless ``force``."""
     if fmt not in runtimes.FORMATS:
         raise ValueError(f"--format must be one of {', '.join(runtimes.FORMATS)}, got {fmt!r}")
     out = Path(out)
@@ -145,24 +112,20 @@ def export(model: torch.nn.Module, out: os.PathLike, fmt: str = 'onnx', img_size
         batches = [batch.numpy() for batch in _load(calibrate, transform).split(32)]
         checking = (_load(checked, transform), checked if held_out else None)
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f'.{out.name}.', dir=out.parent))
-    try:
-        staged = staging / out.name
+    with tempfile.TemporaryDirectory(prefix=f'.{out.name}.', dir=out.parent) as staging:
+        staged = Path(staging) / out.name
         _write(model, example, fmt, staged, batches)
         run = runtimes.load_runner(staged, 'int8' if calibration else 'fp32')
         report.update(_check(model, run, size, checking, seed))
         for src, dst in zip(_outputs(staged, fmt), _outputs(out, fmt)):
             os.replace(src, dst)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     report['files'] = [str(path) for path in _outputs(out, fmt)]
     return report
 
 
 def _check(model: torch.nn.Module, run, size, held_out, seed: int) -> Dict:
-    """Compare the written model with eager: logits on 3 fresh random images, and for INT8 top-1 on the held-out
-    (images, files of a given held-out folder or None). A non-finite output, or a float32 error above
-    ``FLOAT_RTOL`` of the largest logit, is refused."""
+    """The largest logit error on 3 fresh random images (float32: within ``FLOAT_RTOL`` of the largest logit); INT8:
+    top-1 agreement on ``held_out`` (images, files), both top-1s where the files sit in folders named by class index."""
     gen = torch.Generator().manual_seed(seed + 1)
     images = torch.randn(3, 3, *size, generator=gen)
     with torch.no_grad():

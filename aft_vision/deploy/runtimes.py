@@ -1,15 +1,9 @@
-"""CPU deployment: a timm model as an ONNX file or an OpenVINO model, in float32 or INT8, and a runner for either.
+"""CPU deployment: a timm model as an ONNX file or an OpenVINO model, float32 or INT8, and a runner for either.
 
-Every function takes the path a user takes: ``torch.onnx.export`` (the TorchScript-based exporter, as timm's
-``onnx_export``) or ``openvino.convert_model(model, example_input=x)`` on the model as built by timm. ONNX gets token
-rows, the form onnxruntime's INT8 kernels want; OpenVINO gets AFT-conv channel-first
-(``models.export_layout(model, 'NCHW')``), the layout its convolutions run in (docs/deployment.md).
-
-INT8 quantizes the linear layers and the patch embedding, per output channel, with activations calibrated on the
-user's own images, and keeps AFT's window convolution in float: NNCF's transformer preset on the OpenVINO model, or
-onnxruntime's ``quantize_static`` (QDQ) on the ONNX file with the matrix products and convolutions as the operator
-types to quantize and every grouped convolution excluded. ``docs/deployment.md`` gives the measurements behind that
-scope (quantizing everything that onnxruntime quantizes by default loses a third of the digits' accuracy).
+ONNX by the TorchScript-based exporter (as timm's ``onnx_export``), in token rows, the form onnxruntime's INT8 kernels
+want; OpenVINO by ``convert_model`` with AFT-conv channel-first (``export_layout``). INT8 quantizes the linear layers
+and the patch embedding and keeps AFT's window convolution in float (docs/deployment.md gives the measurements): timm
+has no INT8 or OpenVINO path.
 """
 import os
 import tempfile
@@ -32,8 +26,7 @@ OPSET = 18
 
 
 def export_onnx(model: torch.nn.Module, example: torch.Tensor, path: os.PathLike, dynamic_size: bool = True) -> None:
-    """``model`` as an ONNX file by the TorchScript-based exporter (opset 18), input ``x`` and output ``logits`` with a
-    dynamic batch axis, and dynamic height and width where ``dynamic_size`` (fully convolutional models)."""
+    """``model`` as an ONNX file (opset 18), ``x`` -> ``logits``, a dynamic batch (and size: ``dynamic_size``)."""
     axes = {0: 'batch', 2: 'height', 3: 'width'} if dynamic_size else {0: 'batch'}
     model.eval()
     with warnings.catch_warnings():
@@ -43,8 +36,7 @@ def export_onnx(model: torch.nn.Module, example: torch.Tensor, path: os.PathLike
 
 
 def convert_openvino(model: torch.nn.Module, example: torch.Tensor):
-    """``openvino.convert_model(model, example_input=example)`` with every AFT-conv model in ``model`` recorded
-    channel-first (``models.export_layout(model, 'NCHW')``): an ``openvino.Model`` (dynamic input shape)."""
+    """``openvino.convert_model`` with AFT-conv recorded channel-first: an ``openvino.Model``."""
     import openvino as ov
 
     model.eval()
@@ -59,25 +51,18 @@ def _graph(path: os.PathLike):
     return onnx.load(str(path), load_external_data=False).graph
 
 
-def _grouped_convolutions(graph) -> List[str]:
-    return [node.name for node in graph.node if node.op_type == 'Conv'
+def float_convolutions(path: os.PathLike, graph=None) -> List[str]:
+    """The grouped convolutions of an ONNX file or ``graph`` (AFT's window convolutions, kept in float)."""
+    return [node.name for node in (graph or _graph(path)).node if node.op_type == 'Conv'
             and any(attr.name == 'group' and attr.i > 1 for attr in node.attribute)]
 
 
-def float_convolutions(path: os.PathLike) -> List[str]:
-    """Names of the grouped (depthwise) convolutions of an ONNX file: AFT's window convolutions, kept in float."""
-    return _grouped_convolutions(_graph(path))
-
-
 def quantize_onnx(src: os.PathLike, dst: os.PathLike, batches: Sequence[np.ndarray]) -> None:
-    """INT8 ONNX file ``dst`` from ``src`` by onnxruntime's ``quantize_static``: QDQ, per-channel signed weights,
-    signed activations calibrated (min-max) on ``batches`` (N, 3, H, W); MatMul, Gemm and Conv quantized, the
-    grouped convolutions (``float_convolutions``) and every element-wise node left in float."""
+    """INT8 ONNX ``dst`` from ``src`` by onnxruntime's ``quantize_static`` (QDQ, per channel), calibrated on
+    ``batches`` (N, 3, H, W): MatMul, Gemm and Conv, less the grouped convolutions."""
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 
     class Reader(CalibrationDataReader):
-        """One {input name: batch} per call of ``get_next``, then None."""
-
         def __init__(self, name: str):
             self.items = iter([{name: np.ascontiguousarray(batch, dtype=np.float32)} for batch in batches])
 
@@ -89,13 +74,12 @@ def quantize_onnx(src: os.PathLike, dst: os.PathLike, batches: Sequence[np.ndarr
     name = next(value.name for value in graph.input if value.name not in weights)  # the image input
     quantize_static(str(src), str(dst), Reader(name), quant_format=QuantFormat.QDQ, per_channel=True,
                     activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
-                    op_types_to_quantize=['MatMul', 'Gemm', 'Conv'], nodes_to_exclude=_grouped_convolutions(graph))
+                    op_types_to_quantize=['MatMul', 'Gemm', 'Conv'], nodes_to_exclude=float_convolutions(src, graph))
 
 
 def quantize_openvino(ov_model, batches: Sequence[np.ndarray]):
-    """INT8 ``openvino.Model`` by ``nncf.quantize`` with the transformer preset less SmoothQuant, calibrated on
-    ``batches`` (N, 3, H, W), the grouped convolutions (AFT's window convolutions) left in float: NNCF then quantizes
-    the linear layers and the patch embedding."""
+    """INT8 ``openvino.Model`` by ``nncf.quantize`` (transformer preset less SmoothQuant, grouped convolutions in
+    float), calibrated on ``batches`` (N, 3, H, W)."""
     import nncf
     from nncf.quantization.advanced_parameters import AdvancedQuantizationParameters, AdvancedSmoothQuantParameters
 
@@ -111,8 +95,7 @@ Runner = Callable[[np.ndarray], np.ndarray]
 
 
 def onnx_runner(path: os.PathLike, threads: Optional[int] = None) -> Runner:
-    """A function of images (N, 3, H, W) float32 to logits, by onnxruntime's CPU provider with its default graph
-    optimisations and ``threads`` (torch's thread count by default)."""
+    """Images (N, 3, H, W) -> logits by onnxruntime's CPU provider (``threads``: torch's by default)."""
     import onnxruntime
 
     options = onnxruntime.SessionOptions()
@@ -124,9 +107,7 @@ def onnx_runner(path: os.PathLike, threads: Optional[int] = None) -> Runner:
 
 
 def openvino_runner(ov_model, precision: str = 'fp32', threads: Optional[int] = None) -> Runner:
-    """A function of images (N, 3, H, W) float32 to logits, by OpenVINO's CPU plugin: ``precision`` 'fp32' or 'bf16'
-    is its inference precision hint (bf16 is its default where the CPU has bfloat16 instructions), 'int8' runs a
-    quantized model with its float parts in float32."""
+    """Images (N, 3, H, W) -> logits by OpenVINO's CPU plugin; 'fp32' / 'bf16': its hint, 'int8': float parts fp32."""
     import openvino as ov
 
     if precision not in PRECISIONS:
@@ -134,15 +115,11 @@ def openvino_runner(ov_model, precision: str = 'fp32', threads: Optional[int] = 
     config = {'INFERENCE_PRECISION_HINT': 'bf16' if precision == 'bf16' else 'f32',
               'INFERENCE_NUM_THREADS': threads or torch.get_num_threads()}
     request = ov.Core().compile_model(ov_model, 'CPU', config).create_infer_request()
-
-    def run(images: np.ndarray) -> np.ndarray:
-        return request.infer({0: np.ascontiguousarray(images, dtype=np.float32)})[0].copy()
-
-    return run
+    return lambda images: request.infer({0: np.ascontiguousarray(images, dtype=np.float32)})[0].copy()
 
 
 def load_runner(path: os.PathLike, precision: str = 'fp32', threads: Optional[int] = None) -> Runner:
-    """The runner of a written file: ``.onnx`` by onnxruntime, ``.xml`` (OpenVINO IR) by OpenVINO."""
+    """The runner of an ``.onnx`` file or an ``.xml`` OpenVINO IR."""
     path = Path(path)
     if path.suffix == '.onnx':
         return onnx_runner(path, threads)
@@ -154,7 +131,7 @@ def load_runner(path: os.PathLike, precision: str = 'fp32', threads: Optional[in
 
 
 def temporary_onnx(model: torch.nn.Module, example: torch.Tensor, dynamic_size: bool = True) -> str:
-    """``export_onnx`` into a new temporary folder; returns the file's path (the caller removes the folder)."""
+    """``export_onnx`` into a new temporary folder (the caller removes it); the file's path."""
     folder = tempfile.mkdtemp(prefix='aft-onnx-')
     path = os.path.join(folder, 'model.onnx')
     export_onnx(model, example, path, dynamic_size)

@@ -1,10 +1,5 @@
-"""Resolving and checking the preprocessing an AFT model is published with (its ``pretrained_cfg`` data config).
-
-``resolve_publish_data_config`` merges the run's record (``hub_records.read_training_record``) with the publish
-flags, which win; every entry is checked against the model (sizes as ``(C, H, W)`` of its channel count, ``crop_pct``
-in (0, 1], known crop modes and interpolations, positive std). The entries themselves, ``DATA_CONFIG_KEYS``, are
-defined in ``hub_records``, whose records hold them.
-"""
+"""The preprocessing an AFT model is published with: the run's record with the publish flags over it, each entry
+checked against the model (timm's ``resolve_data_config`` fills gaps but checks nothing)."""
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -19,7 +14,6 @@ CROP_MODES = ('center', 'squash', 'border')
 
 
 def _spatial(value: Any, in_chans: int, name: str) -> Tuple[int, int, int]:
-    """``N``, ``(N,)``, ``(H, W)`` or ``(C, H, W)`` as ``(C, H, W)``; C must be the model's channel count."""
     size = [value] if isinstance(value, int) else list(value) if isinstance(value, (list, tuple)) else None
     if not size or len(size) not in (1, 2, 3) or not all(isinstance(n, int) and n > 0 for n in size):
         raise ValueError(f'{name} must be N, (H, W) or (C, H, W) of positive integers, got {value!r}')
@@ -30,7 +24,7 @@ def _spatial(value: Any, in_chans: int, name: str) -> Tuple[int, int, int]:
 
 
 def _check_data_config(config: Dict[str, Any], in_chans: int) -> Dict[str, Any]:
-    """Normalise and check a data config: sizes as (C, H, W), 0 < crop_pct <= 1, known modes, positive std."""
+    # sizes as (C, H, W) of the model's channels, 0 < crop_pct <= 1, known modes, positive std
     checked = {}
     for key, value in config.items():
         if value is None:
@@ -58,23 +52,10 @@ def _check_data_config(config: Dict[str, Any], in_chans: int) -> Dict[str, Any]:
     return checked
 
 
-def resolve_publish_data_config(
-        model: torch.nn.Module,
-        record: Optional[TrainingRecord] = None,
-        overrides: Optional[Dict[str, Any]] = None,
-) -> Tuple[Optional[Dict[str, Any]], str]:
-    """The preprocessing to publish ``model`` with, and a sentence saying where it came from.
-
-    ``overrides`` (the publish flags) win over the run's ``record``. A timm ``train.py`` record is resolved the way
-    ``train.py`` resolved its own evaluation (``resolve_data_config(vars(args), model=model)``).
-
-    Returns:
-        ``(data_config, source)``; ``data_config`` is None when neither a record nor an override says anything:
-        the architecture's default config is published then, and ``source`` says so.
-
-    Raises:
-        ValueError: An entry is malformed or does not fit the model (e.g. another channel count).
-    """
+def resolve_publish_data_config(model: torch.nn.Module, record: Optional[TrainingRecord] = None,
+                                overrides: Optional[Dict[str, Any]] = None) -> Tuple[Optional[Dict[str, Any]], str]:
+    """``(data_config or None: the default config, where it came from)``: ``overrides`` over the run's ``record`` (a
+    timm ``train.py`` one resolved as ``train.py`` did); ValueError for an entry that does not fit the model."""
     in_chans = getattr(model, 'in_chans', 3)
     overrides = _check_data_config(dict(overrides or {}), in_chans)
     if record is None:
@@ -84,10 +65,8 @@ def resolve_publish_data_config(
         unset = [key for key in DATA_CONFIG_KEYS if key not in overrides and key != 'test_input_size']
         return overrides, (f'{", ".join(overrides)} from the command line; '
                            f'{", ".join(unset) or "nothing"} from the architecture\'s default config')
-    if record.timm_args is not None:
-        resolved = resolve_data_config(dict(record.timm_args), model=model)
-    else:
-        resolved = dict(record.data_config)
-    config = {**_check_data_config(resolved, in_chans), **overrides}
+    timm_args = record.timm_args
+    resolved = record.data_config if timm_args is None else resolve_data_config(dict(timm_args), model=model)
+    config = {**_check_data_config(dict(resolved), in_chans), **overrides}
     source = record.source + (f'; {", ".join(overrides)} from the command line' if overrides else '')
     return config, source

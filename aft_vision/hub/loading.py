@@ -1,12 +1,10 @@
-"""One loader for every command that runs a model: what a user names (a registered name, its pretrained tag, a
-checkpoint file with the run record beside it, a ``local-dir:`` folder or an ``hf-hub:`` repository) becomes the model
-with its weights and the preprocessing they were evaluated with, the same on every path.
+"""The one loader every command runs a model through (``load_model``), and the checks a command line makes before it.
 
-A checkpoint's run record (``read_training_record``, as ``publish`` reads it) gives the architecture arguments and
-the data config, so ``--checkpoint RUN/model.safetensors`` and ``local-dir:RUN/hub`` answer alike. Every failure is
-one ValueError line naming the file, the model or the key: damaged weights, a non-AFT model, arguments that do not
-build, an unreachable Hub.
+A registered name (with its tag), a checkpoint with the run record beside it, a ``local-dir:`` folder or an
+``hf-hub:`` repository all become the model, its weights and the preprocessing they were evaluated with. Every
+failure is one ValueError line naming the file, the model or the key.
 """
+import difflib
 import os
 import socket
 import sys
@@ -20,15 +18,13 @@ from safetensors import SafetensorError
 from timm.models import parse_model_name
 
 from ..checkpoints.files import load_weights
-from ..checkpoints.transfer import is_vit_state_dict, unwrap_state_dict
-from ..models import check_model_name
+from ..checkpoints.transfer import is_vit_state_dict, select_weights, unwrap_state_dict
 from ..models.aft_conv import AFTConvTransformer, checkpoint_filter_fn as aft_conv_filter
 from .data_config import resolve_publish_data_config
-from .publishing import model_from_checkpoint
 from .records import read_training_record, source_architecture
 
-__all__ = ['load_model', 'check_aft_model', 'check_init_weights', 'check_model_kwargs', 'check_source',
-           'warn_random_weights', 'RANDOM_WEIGHTS']
+__all__ = ['load_model', 'create_aft_model', 'check_model_name', 'check_pretrained', 'check_aft_model',
+           'check_init_weights', 'check_model_kwargs', 'check_source', 'warn_random_weights', 'RANDOM_WEIGHTS']
 
 HUB_TIMEOUT_S = 3.0  # how long a connection to the Hub may take before it counts as offline
 WEIGHT_FILES = ('model.safetensors', 'pytorch_model.bin', 'open_clip_pytorch_model.bin')  # timm's order
@@ -41,6 +37,41 @@ def _first_line(error: BaseException) -> str:
     return (lines[0] if lines else type(error).__name__) + (' ...' if len(lines) > 1 else '')
 
 
+def check_model_name(name: str) -> None:
+    """ValueError unless ``name`` is a ``:`` source or registered with a known tag (the closest names or tags said)."""
+    if ':' in name:
+        return
+    architecture = name.split('.')[0]
+    if not timm.is_model(architecture):
+        close = difflib.get_close_matches(architecture, timm.list_models('aft_*'), n=3, cutoff=0.5)
+        hint = f'did you mean {", ".join(close)}?' if close else f'AFT models: {", ".join(timm.list_models("aft_*"))}'
+        raise ValueError(f'unknown model {name!r}; {hint}')
+    try:
+        timm.models.get_pretrained_cfg(name)
+    except RuntimeError as error:  # an unknown tag
+        raise ValueError(f'{error} Tags: {", ".join(timm.list_models(architecture, include_tags=True))}') from None
+
+
+def create_aft_model(name: str, pretrained: bool = False, **kwargs) -> torch.nn.Module:
+    """``timm.create_model`` with a clear error for unknown names and tags (``check_model_name``)."""
+    check_model_name(name)
+    return timm.create_model(name, pretrained=pretrained, **kwargs)
+
+
+def check_pretrained(name: str, classifier: bool = False) -> None:
+    """ValueError unless ``name``'s tag has weights (``classifier``: a trained head), before any download."""
+    if ':' in name:
+        return
+    check_model_name(name)
+    cfg = timm.models.get_pretrained_cfg(name)
+    if not cfg.has_weights:
+        tagged = ', '.join(timm.list_pretrained(f'{name.split(".")[0]}.*')) or 'none'
+        raise ValueError(f'{name} has no pretrained weights (tag .{cfg.tag}); tags with weights: {tagged}')
+    if classifier and not cfg.num_classes:
+        raise ValueError(f'{name} has no trained classifier: its weights are a backbone to fine-tune from '
+                         f'(num_classes=0)')
+
+
 def check_aft_model(name: str) -> None:
     """Raise ValueError unless the registered ``name`` (or the architecture its folder names) is an AFT model."""
     architecture = name if ':' not in name else source_architecture(name)[0]
@@ -50,11 +81,7 @@ def check_aft_model(name: str) -> None:
 
 
 def check_model_kwargs(name: str, model_kwargs: Dict[str, Any], defaults: Optional[Dict[str, Any]] = None) -> None:
-    """Build ``name`` with ``model_kwargs`` (over ``defaults``) on the meta device (no memory, no weights).
-
-    Raises:
-        ValueError: The model cannot be built with them, as one line naming the arguments and the error.
-    """
+    """ValueError in one line unless ``name`` builds with ``model_kwargs`` (over ``defaults``), on the meta device."""
     if not model_kwargs:
         return
     try:
@@ -66,28 +93,17 @@ def check_model_kwargs(name: str, model_kwargs: Dict[str, Any], defaults: Option
                          ) from None
 
 
-def _hub_reachable() -> bool:
-    """False when huggingface_hub is offline (HF_HUB_OFFLINE) or its endpoint answers no connection within
-    ``HUB_TIMEOUT_S`` (no retries: an offline machine is told in seconds, not after a minute of backoff)."""
-    from huggingface_hub import constants
-
-    if constants.HF_HUB_OFFLINE:
-        return False
-    endpoint = urlparse(constants.ENDPOINT)
-    try:
-        socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=HUB_TIMEOUT_S).close()
-    except OSError:
-        return False
-    return True
-
-
 def _check_hub(repo_id: str) -> None:
-    """An ``hf-hub:`` repository: loaded from the Hub, or (offline) from the cache, else one line. Offline, the
-    process goes on in huggingface_hub's offline mode so that nothing retries."""
+    """Reachable within ``HUB_TIMEOUT_S`` (no retries), or cached, the process then in huggingface_hub offline mode."""
     from huggingface_hub import constants, try_to_load_from_cache
 
-    if _hub_reachable():
-        return
+    if not constants.HF_HUB_OFFLINE:
+        endpoint = urlparse(constants.ENDPOINT)
+        try:
+            socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=HUB_TIMEOUT_S).close()
+            return
+        except OSError:
+            pass
     os.environ['HF_HUB_OFFLINE'] = '1'
     constants.HF_HUB_OFFLINE = True
     repo, _, revision = repo_id.partition('@')
@@ -97,8 +113,7 @@ def _check_hub(repo_id: str) -> None:
 
 
 def check_source(name: str) -> None:
-    """For a ``local-dir:`` / ``hf-hub:`` source: the folder's config.json and weights readable, the Hub reachable or
-    the repository cached; ValueError (one line naming the file) otherwise. Registered names pass."""
+    """ValueError unless a ``local-dir:`` folder's files read, or an ``hf-hub:`` repository is reachable or cached."""
     source, model_id = parse_model_name(name)
     if source == 'hf-hub':
         _check_hub(model_id)
@@ -111,13 +126,20 @@ def check_source(name: str) -> None:
         load_weights(weights)  # damaged, empty or hostile: one line naming the file
 
 
-def check_init_weights(path: str, name: str, model_kwargs: Dict[str, Any], num_classes: int) -> None:
-    """Weights a training run starts from (``--init-from``) fit ``name`` built with ``model_kwargs`` and a head of
-    ``num_classes``: the model's own, every key and shape, or a ViT / DeiT's (``transfer_vit_weights`` maps them).
+def _check_fits(state_dict: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor], what: str) -> None:
+    """ValueError naming the first missing / unexpected keys, or the first tensor of another shape."""
+    missing, unexpected = sorted(set(expected) - set(state_dict)), sorted(set(state_dict) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f'{what}: {len(missing)} keys missing {missing[:4]}, {len(unexpected)} unexpected '
+                         f'{unexpected[:4]}')
+    for key, tensor in state_dict.items():
+        if tensor.shape != expected[key].shape:
+            raise ValueError(f'{what}: {key!r} has shape {list(tensor.shape)}, the model expects '
+                             f'{list(expected[key].shape)}')
 
-    Raises:
-        ValueError: The file is unreadable, or the first missing or unexpected key, or mismatched shape, named.
-    """
+
+def check_init_weights(path: str, name: str, model_kwargs: Dict[str, Any], num_classes: int) -> None:
+    """ValueError unless ``--init-from`` weights fit the model: its own (every key and shape) or a ViT / DeiT's."""
     weights = unwrap_state_dict(load_weights(path))
     with torch.device('meta'):
         model = timm.create_model(name, num_classes=num_classes, **model_kwargs)
@@ -126,75 +148,48 @@ def check_init_weights(path: str, name: str, model_kwargs: Dict[str, Any], num_c
         return
     if isinstance(model, AFTConvTransformer):  # windows and patch resampled to the model's, as the trainer loads them
         weights = aft_conv_filter(weights, model)
-    missing, unexpected = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
-    if missing or unexpected:
-        raise ValueError(f'{path} does not fit {name}: {len(missing)} keys missing {missing[:3]}, '
-                         f'{len(unexpected)} unexpected {unexpected[:3]}')
-    for key, tensor in weights.items():
-        if tensor.shape != expected[key].shape:
-            raise ValueError(f'{path} does not fit {name}: {key!r} has shape {list(tensor.shape)}, the model (with '
-                             f'{num_classes} classes) expects {list(expected[key].shape)}')
+    _check_fits(weights, expected, f'{path} does not fit {name} (with {num_classes} classes)')
 
 
 def warn_random_weights(name: str, weights: str) -> None:
-    """The one rule for a bare name in every command: allowed, and said on stderr once the command has succeeded
-    (a refusal stays one line)."""
+    """Say on stderr that a bare name's model has random weights (every command allows it, and says so)."""
     if weights == RANDOM_WEIGHTS:
         print(f'warning: {name} has random weights (no --checkpoint, --pretrained or local-dir: / hf-hub: source): '
               'its outputs mean nothing', file=sys.stderr)
 
 
-def _data_config_of(model: torch.nn.Module, checkpoint: str) -> str:
-    """Give ``model`` the preprocessing the run record beside ``checkpoint`` says its weights were evaluated with,
-    as ``publish`` would publish it; returns where it came from."""
-    config, source = resolve_publish_data_config(model, read_training_record(checkpoint))
+def _from_checkpoint(name: str, checkpoint: str, use_ema: bool, model_kwargs: Dict) -> Tuple[torch.nn.Module, str]:
+    # name built with its run record's arguments under model_kwargs, sized to the head; strict load; its data config
+    record = read_training_record(checkpoint)
+    architecture, kwargs = name, {**(record.model_kwargs if record else {}), **model_kwargs}
+    if ':' in name:  # a published folder or Hub repo: its architecture and saved arguments
+        architecture, kwargs = source_architecture(name, kwargs)
+    check_model_kwargs(architecture, kwargs)
+    state_dict, weights = select_weights(load_weights(checkpoint), use_ema)
+    if 'head.weight' in state_dict and 'num_classes' not in kwargs:
+        kwargs['num_classes'] = state_dict['head.weight'].shape[0]
+    model = timm.create_model(architecture, **kwargs)
+    _check_fits(state_dict, model.state_dict(), f'{checkpoint} does not fit {architecture}')
+    model.load_state_dict(state_dict)
+    config, source = resolve_publish_data_config(model, record)  # as ``publish`` would publish it
     if config:
         model.pretrained_cfg = {**model.pretrained_cfg, **config}
-    return source
+    return model.eval(), f'{weights}; data config: {source}'
 
 
-def load_model(
-        name: str,
-        checkpoint: Optional[str] = None,
-        pretrained: bool = False,
-        use_ema: bool = True,
-        model_kwargs: Optional[Dict[str, Any]] = None,
-        aft_only: bool = True,
-) -> Tuple[torch.nn.Module, str]:
-    """The model ``name`` names, with its weights and data config (``model.pretrained_cfg``), in eval mode.
-
-    Args:
-        name: A registered model (with a tag), or a ``local-dir:`` / ``hf-hub:`` source (its weights always load).
-        checkpoint: A weight file (safetensors, weights-only PyTorch, a timm training checkpoint): ``name`` is built
-            with the run record's arguments (``model_kwargs`` over them), sized to its head, and given the record's
-            data config, as ``publish`` would publish it.
-        pretrained: The tag's pretrained weights.
-        use_ema: A training checkpoint's EMA weights where it has them (timm's rule), else its trained ones.
-        aft_only: Refuse a model that is not an AFT model.
-
-    Returns:
-        The model and, in words, which weights it holds: ``RANDOM_WEIGHTS`` for a bare name, allowed in every
-        command, which then says so (``warn_random_weights``).
-
-    Raises:
-        ValueError: Unknown or non-AFT model, damaged weights, arguments that do not build, an unreachable Hub; one
-            line naming the file, the model or the key.
-    """
+def load_model(name: str, checkpoint: Optional[str] = None, pretrained: bool = False, use_ema: bool = True,
+               model_kwargs: Optional[Dict[str, Any]] = None, aft_only: bool = True) -> Tuple[torch.nn.Module, str]:
+    """``(model in eval mode, which weights it holds in words)`` for a registered ``name`` (random weights:
+    ``RANDOM_WEIGHTS``, or its tag's with ``pretrained``), a ``local-dir:`` / ``hf-hub:`` source, or a ``checkpoint``
+    (``_from_checkpoint``); ``model.pretrained_cfg`` holds the data config. ``use_ema``: timm's rule; ``aft_only``:
+    refuse other models. ValueError in one line naming the file, the model or the key."""
     model_kwargs = dict(model_kwargs or {})
     check_model_name(name)
     check_source(name)
     if aft_only:
         check_aft_model(name)
     if checkpoint:
-        record = read_training_record(checkpoint)
-        kwargs = {**(record.model_kwargs if record else {}), **model_kwargs}
-        architecture = name
-        if ':' in name:
-            architecture, kwargs = source_architecture(name, kwargs)
-        check_model_kwargs(architecture, kwargs)
-        model, weights = model_from_checkpoint(architecture, checkpoint, use_ema, **kwargs)
-        source = _data_config_of(model, checkpoint)
-        return model.eval(), f'{weights}; data config: {source}'
+        return _from_checkpoint(name, checkpoint, use_ema, model_kwargs)
     check_model_kwargs(name, model_kwargs)
     loads = pretrained or ':' in name
     try:

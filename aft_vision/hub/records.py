@@ -1,15 +1,13 @@
-"""Reading how a checkpoint was trained and evaluated from the run that made it, and the architecture it rebuilds.
-
-``read_training_record`` finds the run's record beside the checkpoint: the main job's ``results.json``, timm
-``train.py``'s ``args.yaml`` or the ``args`` inside its ``.pth.tar`` checkpoints. ``source_architecture`` turns a
-registered name or a published ``local-dir:`` / ``hf-hub:`` folder into the architecture and arguments that rebuild it.
-"""
+"""How a checkpoint was trained and evaluated, read from the run that made it (the main job's ``results.json``, timm
+``train.py``'s ``args.yaml`` or the ``args`` in its checkpoints), and the architecture a name or published folder
+rebuilds. timm records neither beside a checkpoint it did not publish."""
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 from timm.models import load_model_config_from_hf, parse_model_name, split_model_name_tag
+from timm.models._hub import load_model_config_from_path  # what timm's local-dir: reads (not exported)
 
 from ..checkpoints.files import load_weights
 
@@ -20,15 +18,8 @@ DATA_CONFIG_KEYS = ('input_size', 'test_input_size', 'crop_pct', 'crop_mode', 'i
 
 
 def source_architecture(name: str, model_kwargs: Optional[Dict[str, Any]] = None) -> Tuple[str, Dict[str, Any]]:
-    """The registered architecture and the arguments that rebuild ``name`` with ``model_kwargs`` applied.
-
-    For a ``local-dir:`` / ``hf-hub:`` source these are the architecture and ``model_args`` its config.json records,
-    updated by ``model_kwargs`` (the class count is left to the checkpoint's head); for a registered name, the name
-    without its pretrained tag and ``model_kwargs``. A model fine-tuned from a published folder is republished this way.
-
-    Raises:
-        FileNotFoundError: A ``local-dir:`` folder has no config.json.
-    """
+    """The architecture (no tag) and arguments that rebuild ``name``: a source's config.json ``model_args`` but
+    ``num_classes`` (the head gives it), ``model_kwargs`` over them. FileNotFoundError without config.json."""
     model_kwargs = dict(model_kwargs or {})
     source, model_id = parse_model_name(name)
     if not source:
@@ -36,32 +27,21 @@ def source_architecture(name: str, model_kwargs: Optional[Dict[str, Any]] = None
     if source == 'hf-hub':
         _, architecture, saved = load_model_config_from_hf(model_id)
     else:
-        config_file = Path(model_id) / 'config.json'
-        if not config_file.is_file():
+        if not (Path(model_id) / 'config.json').is_file():
             raise FileNotFoundError(f'{name}: no config.json in {model_id} (write one with aft-vision publish)')
-        config = json.loads(config_file.read_text())
-        architecture, saved = config['architecture'], config.get('model_args')
+        _, architecture, saved = load_model_config_from_path(model_id)
     saved = {key: value for key, value in (saved or {}).items() if key != 'num_classes'}  # older folders kept it
     return architecture, {**saved, **model_kwargs}
 
 
 @dataclass
 class TrainingRecord:
-    """How a checkpoint was trained and evaluated, read from the run that made it.
-
-    Attributes:
-        source: The file the record was read from, by name (for messages and the model card: no local paths).
-        data_config: The ``DATA_CONFIG_KEYS`` the run fixed (the main job records them all).
-        architecture: The registered architecture (or ``local-dir:`` / ``hf-hub:`` source) the run trained.
-        model_kwargs: The architecture arguments the run built it with.
-        timm_args: timm ``train.py``'s arguments: its data config is resolved from them against the model, as
-            ``train.py`` itself does (``resolve_data_config(vars(args), model=model)``).
-    """
-    source: str
-    data_config: Dict[str, Any] = field(default_factory=dict)
-    architecture: Optional[str] = None
+    """How a checkpoint was trained and evaluated, read from the run that made it."""
+    source: str  # the file, by name (for messages and the model card: no local paths)
+    data_config: Dict[str, Any] = field(default_factory=dict)  # the DATA_CONFIG_KEYS the run fixed
+    architecture: Optional[str] = None  # a registered name, or a local-dir: / hf-hub: source
     model_kwargs: Dict[str, Any] = field(default_factory=dict)
-    timm_args: Optional[Dict[str, Any]] = None
+    timm_args: Optional[Dict[str, Any]] = None  # train.py's: the data config resolves from them as train.py did
 
 
 def _read_json_object(path: Path) -> Dict[str, Any]:
@@ -75,7 +55,7 @@ def _read_json_object(path: Path) -> Dict[str, Any]:
 
 
 def _record_from_results(results: Dict[str, Any], path: Path) -> Optional[TrainingRecord]:
-    """The main job's ``results.json``: its ``data_config``, or (written before it was recorded) its sizes."""
+    # the main job's results.json: its data_config, or (written before it was recorded) its sizes
     if isinstance(results.get('data_config'), dict):
         data_config = {k: v for k, v in results['data_config'].items() if k in DATA_CONFIG_KEYS}
         source = f'{path.name} (aft_vision.train)'
@@ -88,21 +68,9 @@ def _record_from_results(results: Dict[str, Any], path: Path) -> Optional[Traini
     return TrainingRecord(source, data_config, results.get('architecture'), dict(results.get('model_kwargs') or {}))
 
 
-def _record_from_timm_args(args: Dict[str, Any], source: str) -> TrainingRecord:
-    return TrainingRecord(source, architecture=args.get('model') or None,
-                          model_kwargs=dict(args.get('model_kwargs') or {}), timm_args=args)
-
-
 def read_training_record(checkpoint: str, results_file: Optional[str] = None) -> Optional[TrainingRecord]:
-    """Find the record of the run that made ``checkpoint``, or None when there is none.
-
-    Looked for in this order: ``results_file`` if it is the main job's ``results.json``; ``results.json`` beside the
-    checkpoint (the main job writes it there); ``args.yaml`` beside the checkpoint (timm ``train.py``'s output
-    folder); the ``args`` timm ``train.py`` stores inside its ``.pth.tar`` checkpoints.
-
-    Raises:
-        ValueError: A results file or ``args.yaml`` that is there cannot be read.
-    """
+    """The record of the run that made ``checkpoint``, or None: ``results_file`` or ``results.json`` beside it (the
+    main job), ``args.yaml`` beside it or the ``args`` inside it (timm ``train.py``). ValueError if unreadable."""
     folder = Path(checkpoint).parent
     candidates = [Path(results_file)] if results_file else []
     if (folder / 'results.json').is_file() and folder / 'results.json' not in candidates:
@@ -111,7 +79,7 @@ def read_training_record(checkpoint: str, results_file: Optional[str] = None) ->
         record = _record_from_results(_read_json_object(path), path)
         if record is not None:
             return record
-    args_file = folder / 'args.yaml'
+    args_file, args = folder / 'args.yaml', None
     if args_file.is_file():
         import yaml  # a timm dependency; train.py writes args.yaml with yaml.safe_dump(vars(args))
         try:
@@ -120,10 +88,12 @@ def read_training_record(checkpoint: str, results_file: Optional[str] = None) ->
             raise ValueError(f'cannot read timm train.py arguments {args_file}: {error}') from None
         if not isinstance(args, dict):
             raise ValueError(f'{args_file} must hold train.py\'s arguments as a mapping, got {type(args).__name__}')
-        return _record_from_timm_args(args, 'args.yaml (timm train.py)')
-    if Path(checkpoint).suffix != '.safetensors' and Path(checkpoint).is_file():
-        embedded = load_weights(checkpoint).get('args')
-        if embedded is not None and hasattr(embedded, '__dict__'):  # argparse.Namespace
-            source = f'the train.py arguments inside {Path(checkpoint).name}'
-            return _record_from_timm_args(dict(vars(embedded)), source)
-    return None
+        source = 'args.yaml (timm train.py)'
+    elif Path(checkpoint).suffix != '.safetensors' and Path(checkpoint).is_file():
+        embedded = load_weights(checkpoint).get('args')  # train.py stores an argparse.Namespace
+        args = vars(embedded) if hasattr(embedded, '__dict__') else None
+        source = f'the train.py arguments inside {Path(checkpoint).name}'
+    if args is None:
+        return None
+    return TrainingRecord(source, architecture=args.get('model') or None,
+                          model_kwargs=dict(args.get('model_kwargs') or {}), timm_args=dict(args))

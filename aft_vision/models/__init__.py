@@ -11,59 +11,13 @@ from .aft_vit import *
 from .aft_conv import *
 from .pyramid import SimpleFeaturePyramid
 
-
-def check_model_name(name: str) -> None:
-    """Raise ValueError unless ``name`` is a registered AFT model with a known tag (or a ``:`` source), naming the
-    closest registered models or the tags."""
-    import difflib
-
-    import timm
-
-    if ':' in name:
-        return
-    architecture = name.split('.')[0]
-    if not timm.is_model(architecture):
-        close = difflib.get_close_matches(architecture, timm.list_models('aft_*'), n=3, cutoff=0.5)
-        known = ", ".join(timm.list_models('aft_*'))
-        hint = f'; did you mean {", ".join(close)}?' if close else f'; AFT models: {known}'
-        raise ValueError(f'unknown model {name!r}{hint}')
-    try:
-        timm.models.get_pretrained_cfg(name)
-    except RuntimeError as error:  # an unknown tag
-        tags = ', '.join(timm.list_models(architecture, include_tags=True))
-        raise ValueError(f'{error} Tags: {tags}') from None
+_MOVED_TO_HUB = ('check_model_name', 'check_pretrained', 'create_aft_model')
 
 
-def create_aft_model(name: str, pretrained: bool = False, **kwargs):
-    """``timm.create_model`` with a clear error for unknown names and tags (``check_model_name``)."""
-    import timm
+def __getattr__(name: str):
+    """The model-name checks moved to ``aft_vision.hub`` (issue 42); found here until ``tasks`` imports them there."""
+    if name in _MOVED_TO_HUB:
+        import importlib
 
-    check_model_name(name)
-    return timm.create_model(name, pretrained=pretrained, **kwargs)
-
-
-def check_pretrained(name: str, classifier: bool = False) -> None:
-    """Check that ``create_aft_model(name, pretrained=True)`` loads weights, before anything is downloaded or built.
-
-    ``hf-hub:`` / ``local-dir:`` sources pass: their weights are read when the model is created.
-
-    Args:
-        name: Model name, with or without a ``.tag``.
-        classifier: Also require a trained classifier (the ``.deit_in1k`` tags are backbones, ``num_classes=0``).
-
-    Raises:
-        ValueError: Unknown name or tag, no weights, or (``classifier``) no classifier.
-    """
-    import timm
-
-    if ':' in name:
-        return
-    check_model_name(name)
-    architecture = name.split('.')[0]
-    tagged = ', '.join(timm.list_pretrained(f'{architecture}.*')) or 'none'
-    cfg = timm.models.get_pretrained_cfg(name)
-    if not cfg.has_weights:
-        raise ValueError(f'{name} has no pretrained weights (tag .{cfg.tag}); tags with weights: {tagged}')
-    if classifier and not cfg.num_classes:
-        raise ValueError(f'{name} has no trained classifier: its weights are a backbone to fine-tune from '
-                         f'(num_classes=0)')
+        return getattr(importlib.import_module('aft_vision.hub.loading'), name)
+    raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
