@@ -4,32 +4,26 @@
 written from the paper as a dense softmax, evaluated with float64 autograd, plus the per-entry rounding bound an
 implementation is held to. No test file keeps a reference of its own.
 
-The suite follows the package: one test file per part (``test_<part>.py`` for ``aft_vision/<part>/``), plus three
-that look at the whole.
+The suite follows the package: a folder or files per part, one topic per file, plus three that look at the whole.
 
-* aft_reference.py: not a test; the float64 reference and rounding bound above, and the operator cases shared by the
-  layer and export tests.
-* floor_check.py: not a test; the script test_dependency_floors.py runs on the declared minimum dependencies.
-* triton_check.py: not a test; the Triton kernel's cases, run by Triton's interpreter in a subprocess of
-  test_layers.py, whose tests also take the cases from it.
-* test_layers.py: the operators and modules against the reference; the depthwise backward; the CUDA behaviour on the
-  CPU; property-based tests; the Triton kernel (``triton_check.py`` in Triton's interpreter); the one-hot AFT-conv.
-* test_checkpoints.py: weight files (safetensors or tensor-only pickles, atomic writes), the DeiT -> AFT transfer,
-  training checkpoints, and every entry point that reads weights refusing bad files.
-* test_models.py: the zoo against timm's model contract and the paper (Tables 7 and 8), reliability, the feature
-  pyramid and the dense clients on it (smp, torchvision), the recipes in models/.
-* test_hub.py: tags, publishing and Hub / local-dir loading, all offline; a published model as timm's data config,
-  transformers' pipeline and timm's config reader see it.
-* test_deploy.py: every export path (ONNX, TorchScript, torch.export) against the float64 model; OpenVINO IRs, the
-  INT8 recipes in NNCF and onnxruntime, ``aft-vision export``, bench in both deployment runtimes.
-* test_bench.py: ``aft-vision bench`` end to end on tiny models (JSON fields, tables, plot, ``--ops``).
-* test_tasks.py: the main job, DDP on the CPU, the ViT baseline and the transfer into a fine-tuning run; the segment
-  job; ``aft-vision study``; position-bias and key maps.
-* test_cli.py: every option of every subcommand checked before it starts; ``predict``; ``python -m aft_vision.run``;
-  timm's ``--device-modules aft_vision.timm_sparsity``.
-* test_imports.py: the package's import graph has no circles, and each part imports only the floors below it.
-* test_docs.py: README.md and docs/*.md against the code (code blocks run, commands parsed, links resolved).
-* test_dependency_floors.py: the package runs on the minimum timm, huggingface_hub and safetensors of setup.cfg.
+* aft_reference.py: not a test; the float64 reference, the rounding bound and the one input generator every operator,
+  model and export test uses. floor_check.py: the script test_dependency_floors.py runs on the minimum dependencies.
+  triton_check.py: the Triton kernel's cases, run by Triton's interpreter from layers/test_triton_kernel.py.
+* layers/: the operators against the reference (exactness, properties, device policy, dispatch, the depthwise
+  backward, capture, the one-hot mixer, the modules, the Triton kernel).
+* models/: the zoo against timm's contract and the paper's Tables 7 and 8 (models_common.PAPER_TABLES), resizing,
+  reliability, the pyramid and the dense clients on it, the recipes, and timm's own tests/test_models.py.
+* test_checkpoints.py: weight files, the DeiT -> AFT transfer, training checkpoints, bad files refused.
+* test_hub.py: tags, publishing and Hub / local-dir loading, offline, in timm, transformers and timm's config reader.
+* test_deploy.py, test_deploy_runtimes.py (cases in deploy_cases.py): every export path against the float64 model;
+  OpenVINO, the INT8 recipes, ``aft-vision export``, bench in the deployment runtimes.
+* test_bench.py: ``aft-vision bench`` end to end on tiny models.
+* test_tasks_classify.py, _segment, _study, _visualize: the main job, DDP, the transfer; the segment job; the study;
+  position-bias and key maps.
+* test_cli.py, test_cli_sweep.py: every option of every subcommand checked before it starts; ``predict``; the
+  entry points.
+* test_imports.py (the import floors), test_docs.py (README.md and docs/ against the code), test_dependency_floors.py
+  (the package on the minimum timm, huggingface_hub and safetensors).
 
 Shared fixtures: ``hostile_pickle`` (a pickle that would run code), ``offline_hub`` (an offline Hub cache),
 ``one_thread`` (one torch thread), ``trained_like`` (AFT-conv position biases as after training) and ``digits_job``
