@@ -175,8 +175,7 @@ def run(settings: SegmentSettings) -> Dict:
           f'{settings.img_size} and {settings.eval_img_size} px ({sum(len(b) for b in data["val"].boxes)} and '
           f'{sum(len(b) for b in data["val_large"].boxes)} digits)')
     model, history = train(settings, data, device)
-    counts = confusion(model, data['val'])
-    counts_large = confusion(model, data['val_large'])
+    counts, counts_large = confusion(model, data['val']), confusion(model, data['val_large'])
     out = Path(settings.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     weights = out / 'model.safetensors'

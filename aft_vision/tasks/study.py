@@ -1,10 +1,7 @@
-"""``aft-vision study``: the paper's comparisons (Tables 7-10 of Zhai et al. 2021) on scikit-learn's digits.
-
-Every configuration trains with the main job's recipe (``training.train``) over several seeds, in four parts:
-``families`` (Table 7), ``transfer`` from the ViT baseline (Table 8), ``window`` (Tables 9 and 10) and
-``resolution``; docs/results.md describes each and holds the figures. A run writes ``runs/<id>.json`` and its weights
-(an interrupted study resumes); the end writes ``study.md``, ``study.json`` and ``plots/*.png``.
-"""
+"""``aft-vision study``: the paper's comparisons (Tables 7-10 of Zhai et al. 2021) on scikit-learn's digits, every
+configuration trained with the main job's recipe over several seeds, in four parts: ``families`` (Table 7), ``transfer``
+from the ViT baseline (Table 8), ``window`` (Tables 9, 10) and ``resolution`` (docs/results.md). A run writes
+``runs/<id>.json`` and its weights (a study resumes); the end ``study.md``, ``study.json`` and ``plots/*.png``."""
 import copy
 import difflib
 import json
@@ -26,7 +23,7 @@ from ..checkpoints.transfer import transfer_vit_weights
 from ..models import create_aft_model
 from .classify import DIGITS_MODEL, ClassifySettings, at_size, check_model_and_sizes
 from .study_report import plot_study, render_markdown
-from .training import evaluate, size_scaled_batches, train, write_digits
+from .training import evaluate, size_scaled_batches, sizes_text, train, write_digits
 
 __all__ = ['Config', 'Run', 'StudySettings', 'PARTS', 'plan_runs', 'check_settings', 'run_study']
 
@@ -111,31 +108,28 @@ def configs(settings: StudySettings) -> Dict[str, Config]:
     return {config.key: config for config in found}
 
 
+def _part_runs(settings: StudySettings) -> Dict[str, List[Tuple[Config, str, int]]]:
+    """Each chosen part's (configuration, start, epochs), each once and in its table's order (a run per seed)."""
+    known, full, short = configs(settings), settings.epochs, settings.fine_tune_epochs
+    window = [f'aft_conv_k{k}_h{TRUNK["embed_dim"]}' for k in WINDOW_KERNELS]
+    window += [f'aft_conv_k{HEADS_KERNEL}_h{h}' for h in HEADS]
+    parts = {
+        'families': [(known[key], 'random', full) for key in FAMILY_KEYS],
+        'transfer': [(known['vit'], 'random', full)] + [
+            (known[key], start, epochs) for key in ('aft_conv', 'aft_full')
+            for start, epochs in (('vit', short), ('random', short), ('random', full))],
+        'window': [(known[key], 'random', full) for key in window],
+        'resolution': [(known[key + suffix], 'random', full) for key in FAMILY_KEYS for suffix in ('', '_ms')],
+    }
+    return {part: list({(c.key, start, epochs): (c, start, epochs) for c, start, epochs in parts[part]}.values())
+            for part in PARTS if part in settings.parts}
+
+
 def plan_runs(settings: StudySettings) -> List[Run]:
     """The runs the chosen parts need, each once, every ViT baseline before the transfers from it."""
-    known = configs(settings)
-    full, short = settings.epochs, settings.fine_tune_epochs
-    runs: List[Run] = []
-    for seed in range(settings.seeds):
-        if 'families' in settings.parts or 'transfer' in settings.parts:
-            runs.append(Run(known['vit'], 'random', full, seed))
-        if 'families' in settings.parts:
-            runs += [Run(known[key], 'random', full, seed) for key in ('aft_full', 'aft_simple', 'aft_conv')]
-        if 'transfer' in settings.parts:
-            for key in ('aft_conv', 'aft_full'):
-                runs += [Run(known[key], 'vit', short, seed), Run(known[key], 'random', short, seed),
-                         Run(known[key], 'random', full, seed)]
-        if 'window' in settings.parts:
-            runs += [Run(known[key], 'random', full, seed) for key in _window_keys()]
-        if 'resolution' in settings.parts:
-            runs += [Run(known[key + suffix], 'random', full, seed) for key in FAMILY_KEYS for suffix in ('', '_ms')]
+    runs = [Run(config, start, epochs, seed) for seed in range(settings.seeds)
+            for specs in _part_runs(settings).values() for config, start, epochs in specs]
     return list({run.id: run for run in runs}.values())  # first occurrence kept, in order
-
-
-def _window_keys() -> List[str]:
-    width = TRUNK['embed_dim']
-    keys = [f'aft_conv_k{k}_h{width}' for k in WINDOW_KERNELS] + [f'aft_conv_k{HEADS_KERNEL}_h{h}' for h in HEADS]
-    return list(dict.fromkeys(keys))
 
 
 def check_settings(settings: StudySettings) -> Dict[str, Dict]:
@@ -157,28 +151,22 @@ def check_settings(settings: StudySettings) -> Dict[str, Dict]:
         if config.key in kwargs:
             continue
         train_sizes = list(settings.train_img_sizes if config.multi_size else [settings.img_size])
-        try:
-            for option, sizes in (('--eval-img-size', [settings.eval_img_size]),
-                                  ('--eval-img-sizes', list(settings.eval_img_sizes))):
-                job = ClassifySettings(model=config.model, img_size=settings.img_size, eval_img_sizes=sizes,
-                                       train_img_sizes=train_sizes)
-                try:
-                    kwargs[config.key] = check_model_and_sizes(job, dict(config.kwargs))[0]
-                except ValueError as error:  # named as the study names the option
-                    raise ValueError(str(error).replace('--eval-img-sizes', option, 1)) from None
-        except ValueError as error:
-            raise ValueError(f'{error} ({config.label}: {config.model})') from None
+        for option, sizes in (('--eval-img-size', [settings.eval_img_size]),
+                              ('--eval-img-sizes', list(settings.eval_img_sizes))):
+            job = ClassifySettings(model=config.model, img_size=settings.img_size, eval_img_sizes=sizes,
+                                   train_img_sizes=train_sizes)
+            try:
+                kwargs[config.key] = check_model_and_sizes(job, dict(config.kwargs))[0]
+            except ValueError as error:  # the option as the study names it, and the configuration
+                message = str(error).replace('--eval-img-sizes', option, 1)
+                raise ValueError(f'{message} ({config.label}: {config.model})') from None
     return kwargs
 
 
-def _write_text(path: Path, text: str) -> None:  # through a temporary sibling: a record is whole or absent
+def _write(path: Path, text: str) -> None:  # through a temporary sibling: a record is whole or absent
     temp = path.with_name(f'.{path.name}.tmp')
     temp.write_text(text)
     os.replace(temp, path)
-
-
-def _write_json(path: Path, data: Dict) -> None:
-    _write_text(path, json.dumps(data, indent=2))
 
 
 def count_macs(model_name: str, model_kwargs: Dict, img_size: int, num_classes: int) -> int:
@@ -224,7 +212,7 @@ def _train_run(run: Run, model_kwargs: Dict, settings: StudySettings, data_dir: 
         record.update(init_from=source.name, transfer=report.summary())
     record['weights_sha256'] = save_weights(model.state_dict(), runs_dir / f'{run.id}.safetensors', force=True)
     record['wall_seconds'] = round(time.perf_counter() - start, 1)
-    _write_json(runs_dir / f'{run.id}.json', record)
+    _write(runs_dir / f'{run.id}.json', json.dumps(record, indent=2))
     return record
 
 
@@ -232,9 +220,8 @@ def top1_at_sizes(model: torch.nn.Module, val: Path, sizes: Sequence[int]) -> Di
     """Top-1 at each size: AFT-conv under each ``resize_mode``, the others with position parameters resampled."""
     if not hasattr(model, 'resize_mode'):
         return {'resample': {str(size): evaluate(at_size(model, size), val, size) for size in sizes}}
-    found = {}
+    found = {mode: {} for mode in AFT_CONV_MODES}
     for mode in AFT_CONV_MODES:
-        found[mode] = {}
         for size in sizes:
             resized = copy.deepcopy(model)
             try:
@@ -250,12 +237,10 @@ def _finished(path: Path, settings: StudySettings, run: Run) -> Optional[Dict]:
     if not path.is_file():
         return None
     record = json.loads(path.read_text())
-    if record.get('config') != json.loads(json.dumps(asdict(run.config))):
-        raise ValueError(f'{path} was trained as {record.get("config")}, this study asks for {asdict(run.config)}: '
-                         f'give another --out-dir')
-    if record.get('recipe') != settings.recipe():
-        raise ValueError(f'{path} was trained with {record.get("recipe")}, this study asks for {settings.recipe()}: '
-                         f'give another --out-dir')
+    for key, word, wanted in (('config', 'as', asdict(run.config)), ('recipe', 'with', settings.recipe())):
+        if record.get(key) != json.loads(json.dumps(wanted)):
+            raise ValueError(f'{path} was trained {word} {record.get(key)}, this study asks for {wanted}: give another '
+                             f'--out-dir')
     return record
 
 
@@ -290,10 +275,10 @@ def run_study(settings: StudySettings, out_dir: Path) -> Dict:
         'train_seconds': round(sum(records[i]['wall_seconds'] for i in records), 1),
         'versions': {'torch': torch.__version__, 'timm': timm.__version__, 'python': platform.python_version()},
     }
-    _write_text(out_dir / 'study.md', render_markdown(summary))
+    _write(out_dir / 'study.md', render_markdown(summary))
     summary['plots'] = plot_study(summary, records, out_dir / 'plots')
     summary['wall_seconds'] = round(time.perf_counter() - start, 1)
-    _write_json(out_dir / 'study.json', summary)
+    _write(out_dir / 'study.json', json.dumps(summary, indent=2))
     return summary
 
 
@@ -318,40 +303,29 @@ def _row(settings: StudySettings, records: Dict[str, Dict], config: Config, star
 
 
 def _tables(settings: StudySettings, records: Dict[str, Dict]) -> Dict[str, List[Dict]]:
-    known = configs(settings)
-    full, short = settings.epochs, settings.fine_tune_epochs
-    tables: Dict[str, List[Dict]] = {}
-    if 'families' in settings.parts:
-        tables['families'] = [_row(settings, records, known[key], 'random', full)
-                              for key in ('vit', 'aft_full', 'aft_simple', 'aft_conv')]
-    if 'transfer' in settings.parts:
-        starts = list(dict.fromkeys((('vit', short), ('random', short), ('random', full))))  # one row if short == full
-        tables['transfer'] = [_row(settings, records, known['vit'], 'random', full)] + [
-            _row(settings, records, known[key], start, epochs) for key in ('aft_conv', 'aft_full')
-            for start, epochs in starts]
-    if 'window' in settings.parts:
-        tables['window'] = [_row(settings, records, known[key], 'random', full) for key in _window_keys()]
-    if 'resolution' in settings.parts:
-        tables['resolution'] = _resolution_rows(settings, records, known)
+    tables = {}
+    for part, specs in _part_runs(settings).items():
+        if part == 'resolution':
+            tables[part] = _resolution_rows(settings, records, [config for config, _, _ in specs])
+        else:
+            tables[part] = [_row(settings, records, *spec) for spec in specs]
     return tables
 
 
-def _resolution_rows(settings: StudySettings, records: Dict[str, Dict], known: Dict[str, Config]) -> List[Dict]:
+def _resolution_rows(settings: StudySettings, records: Dict[str, Dict], chosen_configs: List[Config]) -> List[Dict]:
     """A row per family, training (one size, several) and way of following the size: top-1 per size, worst drop."""
     rows = []
-    for key in FAMILY_KEYS:
-        for config in (known[key], known[f'{key}_ms']):
-            chosen = [records[Run(config, 'random', settings.epochs, seed).id]['top1_at']
-                      for seed in range(settings.seeds)]
-            for mode in chosen[0]:
-                sizes = [size for size in map(str, settings.eval_img_sizes) if all(size in r[mode] for r in chosen)]
-                top1 = {size: _stats(r[mode][size] for r in chosen) for size in sizes}
-                trained = str(settings.img_size)
-                rows.append({
-                    'family': config.family, 'key': config.key,
-                    'training': '/'.join(map(str, settings.train_img_sizes)) if config.multi_size else trained,
-                    'mode': mode, 'top1_at': top1,
-                    'worst_drop': max((top1[trained]['mean'] - v['mean'] for v in top1.values()), default=0.0)
-                    if trained in top1 else None,
-                })
+    for config in chosen_configs:
+        chosen = [records[Run(config, 'random', settings.epochs, seed).id]['top1_at'] for seed in range(settings.seeds)]
+        for mode in chosen[0]:
+            sizes = [size for size in map(str, settings.eval_img_sizes) if all(size in r[mode] for r in chosen)]
+            top1 = {size: _stats(r[mode][size] for r in chosen) for size in sizes}
+            trained = str(settings.img_size)
+            rows.append({
+                'family': config.family, 'key': config.key,
+                'training': sizes_text(settings.train_img_sizes) if config.multi_size else trained,
+                'mode': mode, 'top1_at': top1,
+                'worst_drop': max((top1[trained]['mean'] - v['mean'] for v in top1.values()), default=0.0)
+                if trained in top1 else None,
+            })
     return rows

@@ -22,8 +22,8 @@ from ..hub import load_model
 from ..models.aft_conv import AFTConvTransformer, checkpoint_filter_fn as aft_conv_filter, forward_at_size
 from .regularizers import position_bias_entropy
 
-__all__ = ['split_digits', 'write_digits', 'eval_data_config', 'evaluate', 'size_scaled_batches', 'train_loader',
-           'load_initial_weights', 'train', 'state_digest']
+__all__ = ['split_digits', 'write_digits', 'eval_data_config', 'evaluate', 'size_scaled_batches', 'sizes_text',
+           'train_loader', 'load_initial_weights', 'train', 'state_digest']
 
 
 def split_digits(targets: torch.Tensor, val_fraction: float = 0.2, seed: int = 0) -> Dict[str, torch.Tensor]:
@@ -81,18 +81,21 @@ def evaluate(model: torch.nn.Module, folder: Path, img_size: Optional[int] = Non
     model.eval()
     device = next(model.parameters()).device
     transform = create_transform(**(data_config or eval_data_config(model, img_size)))
-    loader = DataLoader(_image_folder(folder, transform), batch_size=batch_size, shuffle=False, num_workers=0)
-    correct = total = 0
-    for images, labels in loader:
+    dataset = _image_folder(folder, transform)
+    correct = 0
+    for images, labels in DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=0):
         correct += (model(images.to(device)).argmax(-1).cpu() == labels).sum().item()
-        total += len(labels)
-    return 100.0 * correct / total
+    return 100.0 * correct / len(dataset)
 
 
 def size_scaled_batches(batch_size: int, img_size: int, sizes: Sequence[int]) -> List[int]:
     """A batch size per training size: ``batch_size`` at ``img_size``, inversely proportional to the side elsewhere
     (at least 1), so that a step costs about the same at every size (docs/results.md, "Resolution")."""
     return [max(1, round(batch_size * img_size / size)) for size in sizes]
+
+
+def sizes_text(sizes: Sequence[int]) -> str:
+    return '/'.join(map(str, sizes))  # 24/32/40, as the jobs print sizes
 
 
 def train_loader(folder: Path, model: torch.nn.Module, img_sizes: Sequence[int], batch_sizes: Sequence[int],
@@ -139,20 +142,11 @@ def train(data_dir: Path, model_name: str, epochs: int, img_size: int, batch_siz
           init_weights: Optional[Mapping[str, torch.Tensor]] = None, log: Callable[[str], None] = print,
           train_img_sizes: Optional[Sequence[int]] = None, train_batch_sizes: Optional[Sequence[int]] = None,
           size_schedule: str = 'constant') -> Tuple[torch.nn.Module, List[Dict], List[str]]:
-    """Train ``model_name`` (built by ``hub.load_model``) with AdamW, a cosine schedule and label smoothing.
-
-    Under torchrun (``world_size`` > 1) DDP trains a shard per rank; rank 0 alone evaluates and logs.
-
-    Args:
-        init_weights: Weights to start from (``load_initial_weights``); tensors they leave fresh keep ``seed``'s.
-        train_img_sizes: One drawn per step (``train_loader``); None: ``img_size``, where evaluation runs.
-        train_batch_sizes: One per training size; None: ``size_scaled_batches``.
-        size_schedule: timm's choice schedule, 'constant' or 'progressive' (small to large).
-
-    Returns:
-        The unwrapped model; per epoch the loss, steps per size, the sha256 of the sizes drawn and (rank 0) the
-        held-out top-1; the class names.
-    """
+    """Train ``model_name`` (``hub.load_model``) with AdamW, a cosine schedule and label smoothing, from
+    ``init_weights`` if given (``load_initial_weights``), at ``train_img_sizes`` (one per step, ``train_loader``;
+    None: ``img_size``, where evaluation runs) with ``train_batch_sizes`` (None: ``size_scaled_batches``). Under
+    torchrun DDP trains a shard per rank; rank 0 alone evaluates and logs. Returns the unwrapped model, a record per
+    epoch (loss, steps per size, the sha256 of the sizes drawn, rank 0's held-out top-1) and the class names."""
     torch.manual_seed(seed)  # the same initial weights on every rank
     classes = ImageFolder(str(data_dir / 'train')).classes
     kwargs = dict(model_kwargs or {}, num_classes=len(classes))
