@@ -119,8 +119,8 @@ class _Case:
         return time.perf_counter() - start
 
     def peak_memory(self, method: str) -> int:
-        """Peak memory of one call of ``method`` in bytes: CUDA's ``max_memory_allocated``; on CPU the peak RSS growth
-        in a fresh process (the allocator keeps what a process has freed)."""
+        """Peak bytes of one ``method`` call: CUDA's ``max_memory_allocated``; on CPU the peak RSS growth in a fresh
+        process (an allocator keeps what its process has freed)."""
         if self.device.type == 'cuda':
             gc.collect()
             torch.cuda.empty_cache()
@@ -137,8 +137,7 @@ class _Case:
 
 def _classifier(name: str, img_size: int, batch_size: int, train_batch_size: Optional[int], device: torch.device,
                 precision: str, runtime: str = 'eager', base_img_size: Optional[int] = None) -> _Case:
-    """``name`` built at ``img_size`` with 1000 classes (AFT-conv's windows resampled from ``base_img_size``), on
-    random images and labels."""
+    """``name`` at ``img_size``, 1000 classes (AFT-conv's windows resampled from ``base_img_size``), random data."""
     model, label = timm.create_model(name, img_size=img_size, num_classes=1000), name
     if base_img_size and isinstance(model, AFTConvTransformer):  # its windows resampled for img_size
         model = timm.create_model(name, img_size=img_size, base_img_size=base_img_size, resize_mode='window',

@@ -109,24 +109,23 @@ def check_model_and_sizes(settings: ClassifySettings, model_kwargs: Dict) -> Tup
     if settings.train_size_schedule not in SIZE_SCHEDULES:
         raise ValueError(f'--train-size-schedule: choose one of {", ".join(SIZE_SCHEDULES)}, got '
                          f'{settings.train_size_schedule!r}')
-    model_name = settings.model
     try:
         with torch.device('meta'):
-            probe = create_aft_model(model_name, **model_kwargs)
+            probe = create_aft_model(settings.model, **model_kwargs)
             if hasattr(probe, 'resize_mode'):  # AFT-conv: built for img_size, following other sizes as asked
                 base = settings.base_img_size or model_kwargs.get('img_size', settings.img_size)
                 size_args = dict(img_size=settings.img_size, resize_mode=settings.resize_mode, base_img_size=base)
                 model_kwargs = dict({k: v for k, v in size_args.items() if v is not None}, **model_kwargs)
             elif settings.resize_mode is not None or settings.base_img_size is not None:
-                raise ValueError(f'--resize-mode / --base-img-size: {model_name} is not an AFT-conv model')
+                raise ValueError(f'--resize-mode / --base-img-size: {settings.model} is not an AFT-conv model')
             elif 'img_size' not in model_kwargs and getattr(probe, 'patch_embed', None) is not None and (
                     fixed_img_size(probe) is not None or getattr(probe, 'dynamic_img_size', False)):
                 # built for the training size: a position embedding for its token grid (resampled per step under
                 # dynamic_img_size=True)
                 model_kwargs = dict(model_kwargs, img_size=settings.img_size)
-            probe = create_aft_model(model_name, **model_kwargs)
+            probe = create_aft_model(settings.model, **model_kwargs)
     except TypeError as error:  # an argument the model does not take
-        raise ValueError(f'--model-kwargs: {model_name} does not take them ({error})') from None
+        raise ValueError(f'--model-kwargs: {settings.model} does not take them ({error})') from None
     fixed = fixed_img_size(probe)
     if settings.train_img_sizes is None and fixed is None and getattr(probe, 'patch_embed', None) is not None:
         patch = probe.patch_embed.patch_size[0]
@@ -137,7 +136,7 @@ def check_model_and_sizes(settings: ClassifySettings, model_kwargs: Dict) -> Tup
     if settings.train_size_schedule == 'progressive' and len(train_sizes) < 2:
         raise ValueError('--train-size-schedule progressive: give at least two --train-img-sizes')
     if len(set(train_sizes)) > 1 and fixed is not None:
-        raise ValueError(f'--train-img-sizes: {model_name} takes only {fixed[0]}x{fixed[1]} px images (position '
+        raise ValueError(f'--train-img-sizes: {settings.model} takes only {fixed[0]}x{fixed[1]} px images (position '
                          f'parameters tied to its token grid); train it at one size, or choose a model that takes '
                          f'any size (AFT-conv, a ViT with dynamic_img_size=True)')
     checks = [('--img-size', settings.img_size, probe)] + [('--train-img-sizes', size, probe) for size in train_sizes]
@@ -181,8 +180,7 @@ def _run(settings: ClassifySettings) -> Dict:
         'train_size_schedule': settings.train_size_schedule, 'rank_size_schedule_sha256': trained['schedules'],
         'top1_timm_data_config': reload['data_config'], 'top1_timm_test_data_config': reload['test_data_config'],
         'history': trained['history'], 'weights_sha256': sha256, 'world_size': trained['world_size'],
-        'rank_state_sha256': trained['digests'], 'wall_seconds': round(time.perf_counter() - start, 1),
-    })
+        'rank_state_sha256': trained['digests'], 'wall_seconds': round(time.perf_counter() - start, 1)})
     (out / 'results.json').write_text(json.dumps(results, indent=2))
     report(settings, results, data_dir, hub_dir, reload['client_config'])
     return results
@@ -222,12 +220,11 @@ def _train_on_every_rank(settings: ClassifySettings, plan: Dict) -> Dict:
             settings.seed, settings.sparsity_weight, plan['model_kwargs'], settings.pretrained, device, rank,
             world_size, plan['init_weights'], train_img_sizes=plan['train_sizes'],
             train_batch_sizes=plan['batch_sizes'], size_schedule=settings.train_size_schedule)
-        digest = state_digest(model.state_dict())
         schedule = hashlib.sha256(''.join(h['size_schedule_sha256'] for h in history).encode()).hexdigest()
-        digests, schedules = [digest] * world_size, [schedule] * world_size
+        gathered = [(state_digest(model.state_dict()), schedule)] * world_size  # each rank's weights and sizes
         if world_size > 1:
-            dist.all_gather_object(digests, digest)
-            dist.all_gather_object(schedules, schedule)
+            dist.all_gather_object(gathered, gathered[0])
+        digests, schedules = (list(column) for column in zip(*gathered))
     finally:
         if world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()

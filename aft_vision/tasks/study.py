@@ -91,13 +91,11 @@ class StudySettings:
 
 def configs(settings: StudySettings) -> Dict[str, Config]:
     """Every configuration of the study, by key."""
-    found = [
-        Config('vit', 'ViT (timm VisionTransformer, 2 heads)', 'ViT', settings.baseline, dict(TRUNK, num_heads=2)),
-        Config('aft_full', 'AFT-full', 'AFT-full', 'aft_full_test', dict(TRUNK)),
-        Config('aft_simple', 'AFT-simple', 'AFT-simple', 'aft_simple_test', dict(TRUNK)),
-        Config('aft_conv', f'AFT-conv k{DIGITS_MODEL["kernel_size"]} h{DIGITS_MODEL["num_heads"]} (the main job)',
-               'AFT-conv', 'aft_conv_test', dict(DIGITS_MODEL)),
-    ]
+    found = [Config('vit', 'ViT (timm VisionTransformer, 2 heads)', 'ViT', settings.baseline, dict(TRUNK, num_heads=2)),
+             Config('aft_full', 'AFT-full', 'AFT-full', 'aft_full_test', dict(TRUNK)),
+             Config('aft_simple', 'AFT-simple', 'AFT-simple', 'aft_simple_test', dict(TRUNK)),
+             Config('aft_conv', f'AFT-conv k{DIGITS_MODEL["kernel_size"]} h{DIGITS_MODEL["num_heads"]} (the main job)',
+                    'AFT-conv', 'aft_conv_test', dict(DIGITS_MODEL))]
     found += [  # the families at several sizes: position embeddings resampled per step, AFT-conv's windows following
         Config(f'{c.key}_ms', f'{c.label.split(" (")[0]} at several sizes', c.family, c.model,
                dict(c.kwargs, **({'resize_mode': 'window'} if c.key == 'aft_conv' else {'dynamic_img_size': True})),
@@ -113,14 +111,12 @@ def _part_runs(settings: StudySettings) -> Dict[str, List[Tuple[Config, str, int
     known, full, short = configs(settings), settings.epochs, settings.fine_tune_epochs
     window = [f'aft_conv_k{k}_h{TRUNK["embed_dim"]}' for k in WINDOW_KERNELS]
     window += [f'aft_conv_k{HEADS_KERNEL}_h{h}' for h in HEADS]
-    parts = {
-        'families': [(known[key], 'random', full) for key in FAMILY_KEYS],
-        'transfer': [(known['vit'], 'random', full)] + [
-            (known[key], start, epochs) for key in ('aft_conv', 'aft_full')
-            for start, epochs in (('vit', short), ('random', short), ('random', full))],
-        'window': [(known[key], 'random', full) for key in window],
-        'resolution': [(known[key + suffix], 'random', full) for key in FAMILY_KEYS for suffix in ('', '_ms')],
-    }
+    parts = {'families': [(known[key], 'random', full) for key in FAMILY_KEYS],
+             'transfer': [(known['vit'], 'random', full)] + [
+                 (known[key], start, epochs) for key in ('aft_conv', 'aft_full')
+                 for start, epochs in (('vit', short), ('random', short), ('random', full))],
+             'window': [(known[key], 'random', full) for key in window],
+             'resolution': [(known[key + suffix], 'random', full) for key in FAMILY_KEYS for suffix in ('', '_ms')]}
     return {part: list({(c.key, start, epochs): (c, start, epochs) for c, start, epochs in parts[part]}.values())
             for part in PARTS if part in settings.parts}
 
@@ -196,15 +192,13 @@ def _train_run(run: Run, model_kwargs: Dict, settings: StudySettings, data_dir: 
                                     log=log,
                                     train_img_sizes=settings.train_img_sizes if run.config.multi_size else None)
     val = data_dir / 'val'
-    record = {
-        'id': run.id, 'config': asdict(run.config), 'model_kwargs': model_kwargs, 'start': run.start,
-        'epochs': run.epochs, 'seed': run.seed, 'recipe': settings.recipe(),
-        'top1': evaluate(model, val, settings.img_size),
-        'top1_large': evaluate(at_size(model, settings.eval_img_size), val, settings.eval_img_size),
-        'params': sum(p.numel() for p in model.parameters()),
-        'macs': count_macs(run.config.model, model_kwargs, settings.img_size, len(classes)),
-        'history': history, 'threads': torch.get_num_threads(),
-    }
+    record = {'id': run.id, 'config': asdict(run.config), 'model_kwargs': model_kwargs, 'start': run.start,
+              'epochs': run.epochs, 'seed': run.seed, 'recipe': settings.recipe(),
+              'top1': evaluate(model, val, settings.img_size),
+              'top1_large': evaluate(at_size(model, settings.eval_img_size), val, settings.eval_img_size),
+              'params': sum(p.numel() for p in model.parameters()),
+              'macs': count_macs(run.config.model, model_kwargs, settings.img_size, len(classes)),
+              'history': history, 'threads': torch.get_num_threads()}
     if 'resolution' in settings.parts and run.config.key.removesuffix('_ms') in FAMILY_KEYS and run.start == 'random':
         record['top1_at'] = top1_at_sizes(model, val, settings.eval_img_sizes)
     if source is not None:
@@ -268,13 +262,11 @@ def run_study(settings: StudySettings, out_dir: Path) -> Dict:
         bar.write(f'{run.id}: top-1 {records[run.id]["top1"]:.2f}% at {settings.img_size} px, '
                   f'{records[run.id]["top1_large"]:.2f}% at {settings.eval_img_size} px '
                   f'({records[run.id]["wall_seconds"]:.0f} s)')
-    summary = {
-        'settings': dict(asdict(settings), fine_tune_epochs=settings.fine_tune_epochs),
-        'tables': _tables(settings, records),
-        'trained': trained, 'skipped': skipped,
-        'train_seconds': round(sum(records[i]['wall_seconds'] for i in records), 1),
-        'versions': {'torch': torch.__version__, 'timm': timm.__version__, 'python': platform.python_version()},
-    }
+    summary = {'settings': dict(asdict(settings), fine_tune_epochs=settings.fine_tune_epochs),
+               'tables': _tables(settings, records),
+               'trained': trained, 'skipped': skipped,
+               'train_seconds': round(sum(records[i]['wall_seconds'] for i in records), 1),
+               'versions': {'torch': torch.__version__, 'timm': timm.__version__, 'python': platform.python_version()}}
     _write(out_dir / 'study.md', render_markdown(summary))
     summary['plots'] = plot_study(summary, records, out_dir / 'plots')
     summary['wall_seconds'] = round(time.perf_counter() - start, 1)
@@ -290,16 +282,14 @@ def _stats(values: Sequence[float]) -> Dict:
 
 def _row(settings: StudySettings, records: Dict[str, Dict], config: Config, start: str, epochs: int) -> Dict:
     chosen = [records[Run(config, start, epochs, seed).id] for seed in range(settings.seeds)]
-    return {
-        'key': config.key, 'label': config.label, 'family': config.family, 'model': config.model,
-        'kernel': config.kwargs.get('kernel_size'), 'heads': config.kwargs.get('num_heads'),
-        'start': start, 'epochs': epochs, 'params': chosen[0]['params'], 'macs': chosen[0]['macs'],
-        'top1': _stats(r['top1'] for r in chosen), 'top1_large': _stats(r['top1_large'] for r in chosen),
-        'top1_epoch1': _stats(r['history'][0]['val_top1'] for r in chosen),
-        'curve': [_stats(r['history'][e]['val_top1'] for r in chosen)['mean'] for e in range(epochs)],
-        'curve_min': [min(r['history'][e]['val_top1'] for r in chosen) for e in range(epochs)],
-        'curve_max': [max(r['history'][e]['val_top1'] for r in chosen) for e in range(epochs)],
-    }
+    return {'key': config.key, 'label': config.label, 'family': config.family, 'model': config.model,
+            'kernel': config.kwargs.get('kernel_size'), 'heads': config.kwargs.get('num_heads'),
+            'start': start, 'epochs': epochs, 'params': chosen[0]['params'], 'macs': chosen[0]['macs'],
+            'top1': _stats(r['top1'] for r in chosen), 'top1_large': _stats(r['top1_large'] for r in chosen),
+            'top1_epoch1': _stats(r['history'][0]['val_top1'] for r in chosen),
+            'curve': [_stats(r['history'][e]['val_top1'] for r in chosen)['mean'] for e in range(epochs)],
+            'curve_min': [min(r['history'][e]['val_top1'] for r in chosen) for e in range(epochs)],
+            'curve_max': [max(r['history'][e]['val_top1'] for r in chosen) for e in range(epochs)]}
 
 
 def _tables(settings: StudySettings, records: Dict[str, Dict]) -> Dict[str, List[Dict]]:
@@ -321,11 +311,9 @@ def _resolution_rows(settings: StudySettings, records: Dict[str, Dict], chosen_c
             sizes = [size for size in map(str, settings.eval_img_sizes) if all(size in r[mode] for r in chosen)]
             top1 = {size: _stats(r[mode][size] for r in chosen) for size in sizes}
             trained = str(settings.img_size)
-            rows.append({
-                'family': config.family, 'key': config.key,
-                'training': sizes_text(settings.train_img_sizes) if config.multi_size else trained,
-                'mode': mode, 'top1_at': top1,
-                'worst_drop': max((top1[trained]['mean'] - v['mean'] for v in top1.values()), default=0.0)
-                if trained in top1 else None,
-            })
+            rows.append({'family': config.family, 'key': config.key,
+                         'training': sizes_text(settings.train_img_sizes) if config.multi_size else trained,
+                         'mode': mode, 'top1_at': top1,
+                         'worst_drop': max((top1[trained]['mean'] - v['mean'] for v in top1.values()), default=0.0)
+                         if trained in top1 else None})
     return rows

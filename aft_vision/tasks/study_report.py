@@ -41,12 +41,10 @@ def render_markdown(summary: Dict) -> str:
             lambda r: [r['family'], r['training'], r['mode'],
                        *(_pm(r['top1_at'][s]) if s in r['top1_at'] else '-' for s in sizes)]),
     }
-    lines = [
-        '# The study', '',
-        f'{settings["epochs"]} epochs (fine-tuning {settings["fine_tune_epochs"]}), seeds 0-{settings["seeds"] - 1}, '
-        f'{size} px training, batch {settings["batch_size"]}, lr {settings["lr"]}. Top-1 (%) on the held-out digits: '
-        f'mean ± sample standard deviation over the seeds. MMACs: multiply-adds of one {size} px image.', '',
-    ]
+    lines = ['# The study', '', f'{settings["epochs"]} epochs (fine-tuning {settings["fine_tune_epochs"]}), seeds '
+             f'0-{settings["seeds"] - 1}, {size} px training, batch {settings["batch_size"]}, lr {settings["lr"]}. '
+             f'Top-1 (%) on the held-out digits: mean ± sample standard deviation over the seeds. MMACs: '
+             f'multiply-adds of one {size} px image.', '']
     for part, (title, intro, columns, cells) in parts.items():
         if part in tables:
             lines += [f'## {title}', '', *intro, '| ' + ' | '.join(columns) + ' |', '|' + '---|' * len(columns)]

@@ -14,10 +14,8 @@ from torch import nn
 from ..hub import load_model as hub_load_model, warn_random_weights
 from ..layers import AFTConv2d, AFTFull, AFTSimple
 
-__all__ = [
-    'position_bias_maps', 'position_bias_for_query', 'key_maps', 'plot_position_bias', 'plot_key_maps',
-    'load_model', 'load_image', 'show_bias', 'show_keys',
-]
+__all__ = ['position_bias_maps', 'position_bias_for_query', 'key_maps', 'plot_position_bias', 'plot_key_maps',
+           'load_model', 'load_image', 'show_bias', 'show_keys']
 
 PathLike = Union[str, Path]
 MIXERS = (AFTConv2d, AFTFull, AFTSimple)
@@ -92,18 +90,9 @@ def key_maps(model: nn.Module, image: torch.Tensor, num_maps: Optional[int] = No
     if num_maps is not None and num_maps < 1:
         raise ValueError(f'num_maps must be >= 1, got {num_maps}')
     layers = _mixers(model, needed='AFT layer')
-    captured: List[torch.Tensor] = []
-
-    def keep_keys(layer: nn.Module):
-        def hook(module: nn.Module, inputs, output: torch.Tensor) -> None:
-            if isinstance(layer, AFTConv2d):  # q (C), k (h), v (C) on a (1, H, W, .) map
-                keys = output[0, ..., layer.dim:layer.dim + layer.num_heads]  # (H, W, h)
-            else:  # q, k, v (C each) on (1, T, .) tokens
-                keys = output[0, :, layer.dim:2 * layer.dim]  # (T, C)
-            captured.append(keys[..., :num_maps].float())
-        return hook
-
-    handles = [layer.qkv.register_forward_hook(keep_keys(layer)) for layer in layers]
+    captured: List[Tuple[nn.Module, torch.Tensor]] = []  # (layer, its qkv output) in the order they run
+    handles = [layer.qkv.register_forward_hook(lambda module, inputs, qkv, layer=layer: captured.append((layer, qkv)))
+               for layer in layers]
     try:
         with _eval_mode(model):
             param = next(model.parameters())
@@ -111,13 +100,14 @@ def key_maps(model: nn.Module, image: torch.Tensor, num_maps: Optional[int] = No
     finally:
         for handle in handles:
             handle.remove()
-
     maps = []
-    for keys in captured:
-        if keys.dim() == 2:  # (prefix + H * W, maps) -> (H, W, maps)
-            grid = _grid_of(model, image.shape[-2:], keys.shape[0])
-            keys = keys[keys.shape[0] - grid[0] * grid[1]:].view(grid[0], grid[1], -1)
-        maps.append(keys.permute(2, 0, 1))  # (maps, H, W)
+    for layer, qkv in captured:
+        if isinstance(layer, AFTConv2d):  # q (C), k (h), v (C) on a (1, H, W, .) map
+            keys = qkv[0, ..., layer.dim:layer.dim + layer.num_heads]  # (H, W, h)
+        else:  # q, k, v (C each) on (1, prefix + H * W, .) tokens -> (H, W, C)
+            grid = _grid_of(model, image.shape[-2:], qkv.shape[1])
+            keys = qkv[0, qkv.shape[1] - grid[0] * grid[1]:, layer.dim:2 * layer.dim].reshape(grid[0], grid[1], -1)
+        maps.append(keys[..., :num_maps].float().permute(2, 0, 1))  # (maps, H, W)
     return torch.stack(maps).cpu().numpy()
 
 
@@ -230,11 +220,9 @@ def _bias_norm(limit: float, log_scale: bool):
 def plot_position_bias(maps: np.ndarray, path: PathLike, title: Optional[str] = None,
                        query: Optional[Tuple[int, int]] = None, log_scale: bool = False, force: bool = False,
                        dpi: int = 110) -> Path:
-    """Draw position-bias maps into the .png ``path`` (refused if it exists unless ``force``); returns it.
-
-    (layers, heads, s, s) maps: layers as rows, heads as columns, one colour scale per layer centred on 0 (symmetric
-    log with ``log_scale``). (layers, H, W) maps: a panel per layer, ``query`` (row, column) marked.
-    """
+    """Draw position-bias maps into the .png ``path`` (refused if it exists unless ``force``); returns it. (layers,
+    heads, s, s) maps: layers as rows, heads as columns, one colour scale per layer centred on 0 (symmetric log with
+    ``log_scale``). (layers, H, W) maps: a panel per layer, ``query`` (row, column) marked."""
     path = _check_out(path, force)
     maps = np.asarray(maps, dtype=np.float32)
     if maps.ndim == 4:
@@ -243,10 +231,8 @@ def plot_position_bias(maps: np.ndarray, path: PathLike, title: Optional[str] = 
         panels = _draw_grid(fig, maps, 'RdBu_r',
                             lambda layer: _bias_norm(float(np.abs(layer).max()) or 1.0, log_scale),  # all 0: any
                             'head', extent=(-size / 2, size / 2, size / 2, -size / 2))
-        bottom_left = panels[-1][0]
-        radius = size // 2
-        bottom_left.set_xticks([-radius, 0, radius])
-        bottom_left.set_yticks([-radius, 0, radius])
+        bottom_left, radius = panels[-1][0], size // 2
+        bottom_left.set(xticks=[-radius, 0, radius], yticks=[-radius, 0, radius])
         bottom_left.tick_params(labelsize=6)
         bottom_left.set_xlabel('key column offset', fontsize=7)
         bottom_left.set_ylabel(f'layer {num_layers}\nkey row offset', fontsize=7)
