@@ -395,8 +395,7 @@ class BenchSettings:
 
 
 # what --quick and --readme fix, so that giving them too contradicts those options
-FIXED_BY = {'quick': ('models', 'resolutions', 'repeats', 'warmup', 'readme'),
-            'readme': tuple(README_RUN)}
+FIXED_BY = {'quick': ('models', 'resolutions', 'repeats', 'warmup', 'readme'), 'readme': tuple(README_RUN)}
 
 
 def check_settings(settings: BenchSettings) -> None:

@@ -232,8 +232,7 @@ def _train_on_every_rank(settings: ClassifySettings, plan: Dict) -> Dict:
                 classes=classes, digests=digests, schedules=schedules)
 
 
-def evaluate_sizes(model: torch.nn.Module, val: Path, img_size: int, sizes: Sequence[int]
-                   ) -> Tuple[float, Dict, set]:
+def evaluate_sizes(model: torch.nn.Module, val: Path, img_size: int, sizes: Sequence[int]) -> Tuple[float, Dict, set]:
     """Top-1 at ``img_size``, at every size ({size: %}, rebuilt by ``at_size`` where it must be), the sizes rebuilt."""
     top1 = evaluate(model, val, img_size)
     top1_at, rebuilt = {}, set()

@@ -66,9 +66,8 @@ class Run:
 class StudySettings:
     """What the study trains; the recipe's defaults are the main job's."""
     epochs: int = 24  # epochs of a full run (the main job has 30; 24 keeps the study near 30 min on one core)
-    # the transfer fine-tunes for a third of them
     seeds: int = 3  # seeds 0 .. seeds - 1 for every configuration
-    parts: Tuple[str, ...] = PARTS  # which of the three comparisons to run
+    parts: Tuple[str, ...] = PARTS  # which of the comparisons to run
     img_size: int = _DIGITS.img_size  # training and evaluation size: 32 px, an 8 x 8 token map at patch 4
     eval_img_size: int = 48  # the larger evaluation size, never trained on
     eval_img_sizes: Tuple[int, ...] = (24, 32, 40, 48, 64)  # the resolution part's evaluation sizes
@@ -179,8 +178,7 @@ def count_macs(model_name: str, model_kwargs: Dict, img_size: int, num_classes: 
     return counter.get_total_flops() // 2
 
 
-def _train_run(run: Run, model_kwargs: Dict, settings: StudySettings, data_dir: Path, runs_dir: Path,
-               log) -> Dict:
+def _train_run(run: Run, model_kwargs: Dict, settings: StudySettings, data_dir: Path, runs_dir: Path, log) -> Dict:
     """Train one run, evaluate it at both sizes, save its weights and record."""
     start = time.perf_counter()
     init_weights, source = None, None

@@ -168,8 +168,9 @@ def _check_out(path: PathLike, force: bool) -> Path:
     return path
 
 
-def _save(fig, path: Path, dpi: int) -> None:
+def _save(fig, path: Path, force: bool, dpi: int) -> None:
     """Write ``fig`` as PNG through a temporary sibling renamed into place (no partial file)."""
+    _check_out(path, force)  # again: the file may have appeared while the figure was drawn
     path.parent.mkdir(parents=True, exist_ok=True)
     temp = path.with_name(f'.{path.name}.{os.getpid()}.tmp')  # created with the umask's permissions, unlike mkstemp
     try:
@@ -258,7 +259,7 @@ def plot_position_bias(maps: np.ndarray, path: PathLike, title: Optional[str] = 
     else:
         raise ValueError(f'expected (layers, heads, s, s) or (layers, H, W) maps, got shape {list(maps.shape)}')
     fig.suptitle(title, fontsize=9)
-    _save(fig, path, dpi)
+    _save(fig, path, force, dpi)
     return path
 
 
@@ -277,7 +278,7 @@ def plot_key_maps(keys: np.ndarray, path: PathLike, image: Optional[np.ndarray] 
     _draw_grid(fig, keys, 'viridis', lambda layer: Normalize(float(layer.min()), float(layer.max())), map_label, image)
     grid = f'{keys.shape[2]} x {keys.shape[3]}'
     fig.suptitle(title or f'keys per layer (rows) and {map_label} (columns) over the {grid} patch grid', fontsize=9)
-    _save(fig, path, dpi)
+    _save(fig, path, force, dpi)
     return path
 
 
