@@ -413,14 +413,11 @@ def main(settings: BenchSettings) -> int:
     """Time what ``settings`` asks for and write ``bench.json``, ``bench.md`` and ``bench.png`` into its out_dir
     (``bench_dense.*`` for ``dense``, ``ops.*`` for ``ops``); returns 0."""
     check_settings(settings)
-    settings = dataclasses.replace(settings)  # a copy: --readme and --quick fill it in
+    settings = dataclasses.replace(settings, **(README_RUN if settings.readme else {}))  # a copy --quick fills in
     if settings.threads:
         torch.set_num_threads(settings.threads)
     if min(settings.resolutions) < 16 or settings.batch_size < 1 or settings.repeats < 1:
         raise ValueError('resolutions must be >= 16 px, --batch-size and --repeats >= 1')
-    if settings.readme:
-        for key, value in README_RUN.items():
-            setattr(settings, key, value)
     models, resolutions, baselines = settings.models, settings.resolutions, None
     pairs, batch_at = parse_pairs(settings.pairs), parse_batch_at(settings.batch_at)
     if settings.quick:

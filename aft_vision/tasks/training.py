@@ -100,9 +100,8 @@ def sizes_text(sizes: Sequence[int]) -> str:
 
 def train_loader(folder: Path, model: torch.nn.Module, img_sizes: Sequence[int], batch_sizes: Sequence[int],
                  schedule: str, epochs: int, seed: int, distributed: bool = False) -> DataLoader:
-    """timm's scheduled loader: one size of ``img_sizes`` per step (with its batch size), drawn from ``seed`` so that
-    every rank draws the same; no flips (digits), crops of 40-100% of the area (docs/training.md). Call
-    ``loader.batch_sampler.set_epoch`` each epoch."""
+    """timm's scheduled loader: a size of ``img_sizes`` per step (with its batch), drawn from ``seed`` alike on every
+    rank; no flips (digits), crops of 40-100% of the area (docs/training.md). Call ``batch_sampler.set_epoch``."""
     config = eval_data_config(model, img_sizes[0])
     loader = create_loader(
         _image_folder(folder), input_size=config['input_size'], batch_size=batch_sizes[0], is_training=True,
@@ -122,9 +121,8 @@ def train_loader(folder: Path, model: torch.nn.Module, img_sizes: Sequence[int],
 
 
 def load_initial_weights(model: torch.nn.Module, weights: Mapping[str, torch.Tensor]) -> Optional[TransferReport]:
-    """Start ``model`` from ``weights`` (a training checkpoint unwrapped as timm does): its own, strictly (AFT-conv's
-    windows and patch resampled to its own), or a ViT / DeiT's mapped by ``transfer_vit_weights`` (whose report is
-    returned; None for the model's own)."""
+    """Start ``model`` from ``weights`` (a checkpoint unwrapped as timm does): its own strictly (AFT-conv's windows
+    and patch resampled), or a ViT / DeiT's by ``transfer_vit_weights``, whose report is returned (else None)."""
     weights = unwrap_state_dict(weights)
     if is_vit_state_dict(weights) and not is_vit_state_dict(model.state_dict()):
         state_dict, report = transfer_vit_weights(weights, model)
