@@ -6,6 +6,7 @@ reported), in eager PyTorch, ``torch.compile``, onnxruntime or OpenVINO; ``--den
 """
 import contextlib
 import dataclasses
+import functools
 import gc
 import json
 import multiprocessing
@@ -66,16 +67,14 @@ class _Case:
         self.name, self.label, self.device, self.precision = name, label or name, device, precision
         self.eager = model.to(device)
         self.model = torch.compile(self.eager, fullgraph=True) if runtime == 'compile' else self.eager
-        self.images, self.labels = images, labels
-        self.train_images = images if train_images is None else train_images
+        self.images, self.labels, self.train_images = images, labels, images if train_images is None else train_images
         self.runner = _deployed(self.eager, self.images, runtime, precision) if runtime in DEPLOY_PRECISIONS else None
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-6)
         self.params = sum(p.numel() for p in self.model.parameters())
 
     def infer(self):
         if self.runner is not None:
-            self.runner(self.images.numpy())
-            return
+            return self.runner(self.images.numpy())
         self.model.eval()
         with torch.inference_mode(), _autocast(self.device, self.precision):
             self.model(self.images)
@@ -120,8 +119,8 @@ class _Case:
         return time.perf_counter() - start
 
     def peak_memory(self, method: str) -> int:
-        """Peak memory of one call of ``method`` in bytes: CUDA's ``max_memory_allocated``; on CPU the peak RSS growth
-        in a fresh process (the allocator keeps what a process has freed)."""
+        """Peak bytes of one ``method`` call: CUDA's ``max_memory_allocated``; on CPU the peak RSS growth in a fresh
+        process (an allocator keeps what its process has freed)."""
         if self.device.type == 'cuda':
             gc.collect()
             torch.cuda.empty_cache()
@@ -136,20 +135,19 @@ class _Case:
             return pool.apply(_fresh_process_rss_peak, args)
 
 
-def _classifier(name: str, img_size: int, batch_size: int, device: torch.device, precision: str,
-                runtime: str = 'eager', train_batch_size: Optional[int] = None,
-                base_img_size: Optional[int] = None) -> _Case:
-    """``name`` built at ``img_size`` with 1000 classes (AFT-conv's windows resampled from ``base_img_size``), on
-    random images and labels."""
+def _classifier(name: str, img_size: int, batch_size: int, train_batch_size: Optional[int], device: torch.device,
+                precision: str, runtime: str = 'eager', base_img_size: Optional[int] = None) -> _Case:
+    """``name`` at ``img_size``, 1000 classes (AFT-conv's windows resampled from ``base_img_size``), random data."""
     model, label = timm.create_model(name, img_size=img_size, num_classes=1000), name
     if base_img_size and isinstance(model, AFTConvTransformer):  # its windows resampled for img_size
         model = timm.create_model(name, img_size=img_size, base_img_size=base_img_size, resize_mode='window',
                                   num_classes=1000)
         label = f'{name} ({model.blocks[0].attn.kernel_size}x{model.blocks[0].attn.kernel_size} window)'
+    train_batch_size = train_batch_size or batch_size
     images = torch.randn(batch_size, 3, img_size, img_size, device=device)
-    train_images = None if (train_batch_size or batch_size) == batch_size else \
-        torch.randn(train_batch_size, 3, img_size, img_size, device=device)
-    labels = torch.randint(0, 1000, ((train_batch_size or batch_size),), device=device)
+    train_images = torch.randn(train_batch_size, 3, img_size, img_size, device=device) \
+        if train_batch_size != batch_size else None
+    labels = torch.randint(0, 1000, (train_batch_size,), device=device)
     return _Case(name, model, images, labels, device, precision, runtime, train_images, label)
 
 
@@ -161,9 +159,7 @@ def _deployed(model: torch.nn.Module, images: torch.Tensor, runtime: str, precis
     batches = [images.numpy(), torch.randn_like(images).numpy()] if precision == 'int8' else []
     if runtime == 'openvino':
         ov_model = deploy.convert_openvino(model, images)
-        if batches:
-            ov_model = deploy.quantize_openvino(ov_model, batches)
-        return deploy.openvino_runner(ov_model, precision)
+        return deploy.openvino_runner(deploy.quantize_openvino(ov_model, batches) if batches else ov_model, precision)
     path = deploy.temporary_onnx(model, images)
     try:
         if batches:
@@ -180,7 +176,7 @@ def _fresh_process_rss_peak(name: str, img_size: int, batch_size: int, precision
     import aft_vision.models  # noqa: F401  (registers the models in the spawned process)
 
     torch.set_num_threads(threads)
-    case = _classifier(name, img_size, batch_size, torch.device('cpu'), precision)
+    case = _classifier(name, img_size, batch_size, None, torch.device('cpu'), precision)
     gc.collect()
     with open('/proc/self/clear_refs', 'w') as refs:
         refs.write('5')  # Linux: the peak (VmHWM) reset to the current RSS
@@ -224,16 +220,6 @@ def parse_batch_at(entries: List[str]) -> Dict[int, Tuple[int, int]]:
     return parsed
 
 
-def _groups(cases: List[Tuple[str, str, int]]) -> Dict[Tuple[int, str], List[str]]:
-    """(model, baseline, resolution) cases -> {(resolution, baseline): models}, resolutions ascending."""
-    groups: Dict[Tuple[int, str], List[str]] = {}
-    for model, baseline, res in sorted(cases, key=lambda case: case[2]):
-        models = groups.setdefault((res, baseline), [])
-        if model not in models:
-            models.append(model)
-    return groups
-
-
 def _check_runtime(runtime: str, precision: str, device: str, train: bool, peak_memory: bool) -> None:
     if runtime not in RUNTIMES:
         raise ValueError(f"--runtime: choose one of {', '.join(RUNTIMES)}, got {runtime!r}")
@@ -251,72 +237,56 @@ def run_benchmark(models: List[str], resolutions: List[int], batch_size: int = 8
                   pairs: Optional[List[Tuple[str, str, List[int]]]] = None,
                   batch_at: Optional[Dict[int, Tuple[int, int]]] = None, peak_memory: bool = True,
                   base_img_size: Optional[int] = None) -> List[Dict]:
-    """Measure every model against its baseline at every resolution; one row per (model, resolution).
-
-    Args:
-        repeats: Timed calls per figure and model (median), round-robin over a baseline and its AFT models.
-        precision: 'fp32', the autocast dtype 'bf16' / 'fp16', or 'int8' (deployment runtimes).
-        train: Also time the training step (forward + backward + AdamW) and count its saved bytes.
-        baselines: Model -> baseline (default: the DeiT of the model's width, ``BASELINES``).
-        runtime: One of ``RUNTIMES``; the deployment runtimes time inference on the CPU only.
-        pairs: Extra (model, baseline, resolutions) cases; ``batch_at``: resolution -> (inference, training batch).
-        base_img_size: AFT-conv's windows given for this size, resampled for each resolution (None: as registered).
+    """Measure every model against its baseline (default: the DeiT of its width) at every resolution, ``repeats``
+    timed calls per figure (median), round-robin; one row per (model, resolution). ``precision``: 'fp32', the
+    autocast dtype 'bf16' / 'fp16', or 'int8' (deployment runtimes, which time inference on the CPU only); ``train``:
+    also the training step (AdamW) and its saved bytes; ``pairs``: extra (model, baseline, resolutions);
+    ``batch_at``: resolution -> (inference, training batch); ``base_img_size``: AFT-conv's windows given for this size.
     """
     _check_runtime(runtime, precision, device, train, peak_memory)
     device = torch.device(device)
     baselines = baselines or {name: _baseline_for(name) for name in models}
     cases = [(name, baselines[name], res) for res in resolutions for name in models]
     cases += [(name, baseline, res) for name, baseline, res_list in pairs or [] for res in res_list]
+    groups: Dict[Tuple[int, str], Dict[str, None]] = {}  # {(resolution, baseline): its models}, resolutions ascending
+    for name, baseline, res in sorted(cases, key=lambda case: case[2]):
+        groups.setdefault((res, baseline), {})[name] = None
     batches = {res: (batch_at or {}).get(res, (batch_size, batch_size)) for _, _, res in cases}
 
     def build(name: str, res: int) -> _Case:
-        return _classifier(name, res, batches[res][0], device, precision, runtime, batches[res][1], base_img_size)
-
-    def fields(res: int) -> Dict:
-        return {'resolution': res, 'batch_size': batches[res][0], 'train_batch_size': batches[res][1],
-                'device': str(device), 'precision': precision, 'threads': torch.get_num_threads(), 'runtime': runtime}
-    return _measure(_groups(cases), build, fields, train, warmup, repeats, peak_memory)
+        return _classifier(name, res, *batches[res], device, precision, runtime, base_img_size)
+    return _measure(groups, build, batches, train, warmup, repeats, peak_memory, device=str(device),
+                    precision=precision, threads=torch.get_num_threads(), runtime=runtime)
 
 
-def _measure(groups: Dict[Tuple[int, str], List[str]], build: Callable, fields: Callable, train: bool, warmup: int,
-             repeats: int, peak_memory: bool) -> List[Dict]:
-    """Build each group (``build(model, res)``), time it round-robin and record it: a row per AFT model, ``fields(res)``
-    followed by its figures, its baseline's and their ratios."""
+def _measure(groups: Dict[Tuple[int, str], Dict[str, None]], build: Callable, batches: Dict[int, Tuple[int, int]],
+             train: bool, warmup: int, repeats: int, peak_memory: bool, **fields) -> List[Dict]:
+    """Build each group (``build(model, res)``), time it round-robin and record it: a row per AFT model, the
+    resolution, its ``batches`` and ``fields``, followed by its figures, its baseline's and their ratios."""
     rows = []
     bar = tqdm(total=sum(len(names) for names in groups.values()), desc='bench', unit='pair')
     for (res, baseline), names in groups.items():
         bar.set_postfix_str(f'{res} px: {", ".join(names)} vs {baseline}')
         group = {who: build(who, res) for who in [baseline, *names]}
-        times = _time_round_robin(group, train, warmup, repeats)
+        times = {}  # (model, 'infer' | 'train_step'): seconds per call, each warmed up, then timed round-robin
+        for method in ('infer', 'train_step') if train else ('infer',):
+            for case in group.values():
+                for _ in range(warmup):
+                    getattr(case, method)()
+            for _ in range(repeats):  # baseline, AFT 1, AFT 2, baseline, ...
+                for who, case in group.items():
+                    times.setdefault((who, method), []).append(case.seconds(getattr(case, method)))
         records = {who: _record(case, times, train, peak_memory) for who, case in group.items()}
         for name in names:
-            rows.append(dict(fields(res), aft=records[name], deit=records[baseline],
-                             ratio=_ratios(records[name], records[baseline])))
+            aft, deit = records[name], records[baseline]  # the ratios of every figure but the name and the size
+            ratio = {key: aft[key] / deit[key] for key in aft if key not in ('model', 'params', 'gmacs') and deit[key]}
+            rows.append(dict(resolution=res, batch_size=batches[res][0], train_batch_size=batches[res][1], **fields,
+                             aft=aft, deit=deit, ratio=ratio))
             bar.update()
         del group
         gc.collect()
     bar.close()
     return rows
-
-
-def _time_round_robin(group: Dict[str, _Case], train: bool, warmup: int, repeats: int) -> Dict:
-    """{(model, 'infer' | 'train'): seconds per call}, each figure warmed up, then timed round-robin over the group
-    (baseline, AFT 1, AFT 2, baseline, ...)."""
-    tasks = {'infer': 'infer', 'train': 'train_step'} if train else {'infer': 'infer'}
-    times = {(who, task): [] for who in group for task in tasks}
-    for task, method in tasks.items():
-        for case in group.values():
-            for _ in range(warmup):
-                getattr(case, method)()
-        for _ in range(repeats):
-            for who, case in group.items():
-                times[who, task].append(case.seconds(getattr(case, method)))
-    return times
-
-
-def _ratios(aft: Dict, deit: Dict) -> Dict:
-    """AFT / baseline for every measured figure but the model's name and size."""
-    return {key: aft[key] / deit[key] for key in aft if key not in ('model', 'params', 'gmacs') and deit[key]}
 
 
 def _record(case: _Case, times: Dict, train: bool, peak_memory: bool) -> Dict:
@@ -329,7 +299,7 @@ def _record(case: _Case, times: Dict, train: bool, peak_memory: bool) -> Dict:
     if peak_memory:
         record['infer_peak_mb'] = case.peak_memory('infer') / 2 ** 20
     if train:
-        record['train_img_s'] = train_batch / statistics.median(times[case.name, 'train'])
+        record['train_img_s'] = train_batch / statistics.median(times[case.name, 'train_step'])
         if peak_memory:
             record['train_peak_mb'] = case.peak_memory('train_step') / 2 ** 20
         record['train_saved_mb'] = case.saved_bytes() / 2 ** 20
@@ -425,8 +395,7 @@ class BenchSettings:
 
 
 # what --quick and --readme fix, so that giving them too contradicts those options
-FIXED_BY = {'quick': ('models', 'resolutions', 'repeats', 'warmup', 'readme'),
-            'readme': tuple(README_RUN)}
+FIXED_BY = {'quick': ('models', 'resolutions', 'repeats', 'warmup', 'readme'), 'readme': tuple(README_RUN)}
 
 
 def check_settings(settings: BenchSettings) -> None:
@@ -444,19 +413,15 @@ def main(settings: BenchSettings) -> int:
     """Time what ``settings`` asks for and write ``bench.json``, ``bench.md`` and ``bench.png`` into its out_dir
     (``bench_dense.*`` for ``dense``, ``ops.*`` for ``ops``); returns 0."""
     check_settings(settings)
-    settings = dataclasses.replace(settings)  # a copy: --readme and --quick fill it in
+    settings = dataclasses.replace(settings, **(README_RUN if settings.readme else {}))  # a copy --quick fills in
     if settings.threads:
         torch.set_num_threads(settings.threads)
     if min(settings.resolutions) < 16 or settings.batch_size < 1 or settings.repeats < 1:
         raise ValueError('resolutions must be >= 16 px, --batch-size and --repeats >= 1')
-    if settings.readme:
-        for key, value in README_RUN.items():
-            setattr(settings, key, value)
-    models, baselines, resolutions = settings.models, None, settings.resolutions
+    models, resolutions, baselines = settings.models, settings.resolutions, None
     pairs, batch_at = parse_pairs(settings.pairs), parse_batch_at(settings.batch_at)
     if settings.quick:
-        models, resolutions = ['aft_conv_test'], [64]
-        baselines = {'aft_conv_test': 'test_vit'}
+        models, resolutions, baselines = ['aft_conv_test'], [64], {'aft_conv_test': 'test_vit'}
         settings.repeats, settings.warmup = 1, 1
     for name in models + [model for pair in pairs for model in pair[:2]]:
         if not timm.is_model(name):
@@ -469,7 +434,7 @@ def main(settings: BenchSettings) -> int:
         settings.no_train, settings.no_peak_memory = True, True
     torch.manual_seed(0)
     if settings.dense:
-        return dense_main(settings)
+        return dense_main(settings, runtime)
     if settings.ops:
         from .ops import main as ops_main
         return ops_main(settings, models, resolutions)
@@ -516,26 +481,21 @@ def _dense(name: str, img_size: int, device: torch.device, precision: str, runti
     return _Case(name, model, images, labels, device, precision, runtime)
 
 
-def dense_main(settings: BenchSettings) -> int:
+def dense_main(settings: BenchSettings, runtime: str) -> int:
     """``aft-vision bench --dense``: DPT on AFT-conv small against DPT on DeiT-S, inference and training step,
     round-robin at each resolution (batch 1, no peak memory); ``bench_dense.json`` and ``bench_dense.md``."""
-    if settings.runtime == 'compile' or settings.compile:
+    if runtime == 'compile':
         raise ValueError('--dense times eager PyTorch, onnxruntime or openvino: leave out --compile')
-    train = settings.runtime == 'eager' and not settings.no_train
     aft, deit = ('aft_conv_test', 'test_vit') if settings.quick else DENSE_PAIR
     given = settings.resolutions != DEFAULT_RESOLUTIONS  # not the classification default
     resolutions = [64] if settings.quick else settings.resolutions if given else DENSE_RESOLUTIONS
     if any(res % 32 for res in resolutions):
         raise ValueError(f'--resolutions {resolutions}: DPT needs multiples of 32')
-    repeats, warmup = (1, 1) if settings.quick else (settings.repeats, settings.warmup)
-    device = torch.device(settings.device)
-
-    def fields(res: int) -> Dict:
-        return {'resolution': res, 'batch_size': 1, 'train_batch_size': 1, 'device': str(device),
-                'precision': settings.precision, 'threads': torch.get_num_threads(), 'runtime': settings.runtime,
-                'network': 'smp.DPT'}
-    rows = _measure({(res, deit): [aft] for res in resolutions},
-                    lambda who, res: _dense(who, res, device, settings.precision, settings.runtime), fields, train,
-                    warmup, repeats, peak_memory=False)
+    device, precision = torch.device(settings.device), settings.precision
+    build = functools.partial(_dense, device=device, precision=precision, runtime=runtime)
+    rows = _measure({(res, deit): [aft] for res in resolutions}, build, dict.fromkeys(resolutions, (1, 1)),
+                    runtime == 'eager' and not settings.no_train, settings.warmup, settings.repeats, False,
+                    device=str(device), precision=precision, threads=torch.get_num_threads(), runtime=runtime,
+                    network='smp.DPT')
     _write(settings, 'bench_dense', rows, markdown_table(rows))
     return 0

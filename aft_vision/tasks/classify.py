@@ -1,9 +1,6 @@
-"""The main job: train an AFT-conv model on scikit-learn's digits (or any ImageFolder), evaluate it at several sizes,
-save and publish it as a Hub folder, reload it through timm and check every figure, plot its curves.
-
-``run(ClassifySettings(...))``; from the command line ``aft-vision train`` (``bash scripts/run.sh``), also under
-``torchrun`` (rank 0 evaluates, saves and publishes). The recipe lives in ``training``; docs/training.md explains it.
-"""
+"""The main job (``aft-vision train``, ``run(ClassifySettings(...))``): train an AFT-conv model on scikit-learn's digits
+(or any ImageFolder), also under torchrun, evaluate it at several sizes, publish it as a Hub folder, reload it through
+timm and check every figure, plot its curves. The recipe lives in ``training``; docs/training.md explains it."""
 import copy
 import hashlib
 import json
@@ -25,7 +22,7 @@ from ..checkpoints.files import load_weights, output_dir, save_weights
 from ..hub import publish, source_architecture
 from ..models import check_pretrained, create_aft_model
 from .image_folders import check_image_folders
-from .training import eval_data_config, evaluate, size_scaled_batches, state_digest, train, write_digits
+from .training import eval_data_config, evaluate, size_scaled_batches, sizes_text, state_digest, train, write_digits
 
 # A small AFT-conv for 32 x 32 digits: patch 4 -> an 8 x 8 token grid, a 15 x 15 window (the whole grid), 8 heads.
 DIGITS_MODEL = dict(patch_size=4, embed_dim=64, depth=4, num_heads=8, kernel_size=15, mlp_ratio=2.)
@@ -100,18 +97,10 @@ def check_input_size(model: torch.nn.Module, img_size: int) -> None:
 
 
 def check_model_and_sizes(settings: ClassifySettings, model_kwargs: Dict) -> Tuple[Dict, List[int]]:
-    """Check the model and every size of ``settings`` on a meta-device copy, before anything is written.
-
-    A model tied to one size (a ViT, AFT-full) is built for ``img_size`` and trains there alone; AFT-conv is built
-    for ``img_size`` with the settings' ``resize_mode`` / ``base_img_size``.
-
-    Returns:
-        ``model_kwargs`` with those arguments added, and the training sizes (``train_img_sizes``, else the recipe's:
-        ``TRAIN_SIZE_RATIOS`` of ``img_size`` in whole patches for a model that takes any size).
-
-    Raises:
-        ValueError: An unknown model, arguments it does not take, or a size it cannot take, as one line.
-    """
+    """Check the model and every size of ``settings`` on a meta-device copy, before anything is written (ValueError,
+    one line). Returns ``model_kwargs`` with the size arguments added (a model tied to one size built for ``img_size``,
+    AFT-conv also given ``resize_mode`` / ``base_img_size``) and the training sizes: ``train_img_sizes``, else the
+    recipe's ``TRAIN_SIZE_RATIOS`` of ``img_size`` in whole patches for a model that takes any size."""
     train_sizes = list(settings.train_img_sizes or [settings.img_size])  # the recipe's, once the model is known
     if settings.train_img_sizes is not None and not settings.train_img_sizes:
         raise ValueError('--train-img-sizes: give at least one size')
@@ -120,24 +109,23 @@ def check_model_and_sizes(settings: ClassifySettings, model_kwargs: Dict) -> Tup
     if settings.train_size_schedule not in SIZE_SCHEDULES:
         raise ValueError(f'--train-size-schedule: choose one of {", ".join(SIZE_SCHEDULES)}, got '
                          f'{settings.train_size_schedule!r}')
-    model_name = settings.model
     try:
         with torch.device('meta'):
-            probe = create_aft_model(model_name, **model_kwargs)
+            probe = create_aft_model(settings.model, **model_kwargs)
             if hasattr(probe, 'resize_mode'):  # AFT-conv: built for img_size, following other sizes as asked
                 base = settings.base_img_size or model_kwargs.get('img_size', settings.img_size)
                 size_args = dict(img_size=settings.img_size, resize_mode=settings.resize_mode, base_img_size=base)
                 model_kwargs = dict({k: v for k, v in size_args.items() if v is not None}, **model_kwargs)
             elif settings.resize_mode is not None or settings.base_img_size is not None:
-                raise ValueError(f'--resize-mode / --base-img-size: {model_name} is not an AFT-conv model')
+                raise ValueError(f'--resize-mode / --base-img-size: {settings.model} is not an AFT-conv model')
             elif 'img_size' not in model_kwargs and getattr(probe, 'patch_embed', None) is not None and (
                     fixed_img_size(probe) is not None or getattr(probe, 'dynamic_img_size', False)):
                 # built for the training size: a position embedding for its token grid (resampled per step under
                 # dynamic_img_size=True)
                 model_kwargs = dict(model_kwargs, img_size=settings.img_size)
-            probe = create_aft_model(model_name, **model_kwargs)
+            probe = create_aft_model(settings.model, **model_kwargs)
     except TypeError as error:  # an argument the model does not take
-        raise ValueError(f'--model-kwargs: {model_name} does not take them ({error})') from None
+        raise ValueError(f'--model-kwargs: {settings.model} does not take them ({error})') from None
     fixed = fixed_img_size(probe)
     if settings.train_img_sizes is None and fixed is None and getattr(probe, 'patch_embed', None) is not None:
         patch = probe.patch_embed.patch_size[0]
@@ -148,7 +136,7 @@ def check_model_and_sizes(settings: ClassifySettings, model_kwargs: Dict) -> Tup
     if settings.train_size_schedule == 'progressive' and len(train_sizes) < 2:
         raise ValueError('--train-size-schedule progressive: give at least two --train-img-sizes')
     if len(set(train_sizes)) > 1 and fixed is not None:
-        raise ValueError(f'--train-img-sizes: {model_name} takes only {fixed[0]}x{fixed[1]} px images (position '
+        raise ValueError(f'--train-img-sizes: {settings.model} takes only {fixed[0]}x{fixed[1]} px images (position '
                          f'parameters tied to its token grid); train it at one size, or choose a model that takes '
                          f'any size (AFT-conv, a ViT with dynamic_img_size=True)')
     checks = [('--img-size', settings.img_size, probe)] + [('--train-img-sizes', size, probe) for size in train_sizes]
@@ -160,10 +148,6 @@ def check_model_and_sizes(settings: ClassifySettings, model_kwargs: Dict) -> Tup
         except ValueError as error:
             raise ValueError(f'{option} {size}: {error}') from None
     return model_kwargs, train_sizes
-
-
-def _sizes_text(sizes: Sequence[int]) -> str:
-    return '/'.join(str(size) for size in sizes)
 
 
 def run(settings: ClassifySettings) -> Dict:
@@ -196,16 +180,14 @@ def _run(settings: ClassifySettings) -> Dict:
         'train_size_schedule': settings.train_size_schedule, 'rank_size_schedule_sha256': trained['schedules'],
         'top1_timm_data_config': reload['data_config'], 'top1_timm_test_data_config': reload['test_data_config'],
         'history': trained['history'], 'weights_sha256': sha256, 'world_size': trained['world_size'],
-        'rank_state_sha256': trained['digests'], 'wall_seconds': round(time.perf_counter() - start, 1),
-    })
+        'rank_state_sha256': trained['digests'], 'wall_seconds': round(time.perf_counter() - start, 1)})
     (out / 'results.json').write_text(json.dumps(results, indent=2))
     report(settings, results, data_dir, hub_dir, reload['client_config'])
     return results
 
 
 def _plan(settings: ClassifySettings) -> Dict:
-    """Everything checked before the data set is written or a model built: model arguments, sizes, batches, the
-    weights to start from."""
+    """Everything checked before the data set is written: model arguments, sizes, batches, the starting weights."""
     if settings.pretrained:
         check_pretrained(settings.model)
     model_kwargs = dict(settings.model_kwargs or {})
@@ -238,12 +220,11 @@ def _train_on_every_rank(settings: ClassifySettings, plan: Dict) -> Dict:
             settings.seed, settings.sparsity_weight, plan['model_kwargs'], settings.pretrained, device, rank,
             world_size, plan['init_weights'], train_img_sizes=plan['train_sizes'],
             train_batch_sizes=plan['batch_sizes'], size_schedule=settings.train_size_schedule)
-        digest = state_digest(model.state_dict())
         schedule = hashlib.sha256(''.join(h['size_schedule_sha256'] for h in history).encode()).hexdigest()
-        digests, schedules = [digest] * world_size, [schedule] * world_size
+        gathered = [(state_digest(model.state_dict()), schedule)] * world_size  # each rank's weights and sizes
         if world_size > 1:
-            dist.all_gather_object(digests, digest)
-            dist.all_gather_object(schedules, schedule)
+            dist.all_gather_object(gathered, gathered[0])
+        digests, schedules = (list(column) for column in zip(*gathered))
     finally:
         if world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
@@ -251,8 +232,7 @@ def _train_on_every_rank(settings: ClassifySettings, plan: Dict) -> Dict:
                 classes=classes, digests=digests, schedules=schedules)
 
 
-def evaluate_sizes(model: torch.nn.Module, val: Path, img_size: int, sizes: Sequence[int]
-                   ) -> Tuple[float, Dict, set]:
+def evaluate_sizes(model: torch.nn.Module, val: Path, img_size: int, sizes: Sequence[int]) -> Tuple[float, Dict, set]:
     """Top-1 at ``img_size``, at every size ({size: %}, rebuilt by ``at_size`` where it must be), the sizes rebuilt."""
     top1 = evaluate(model, val, img_size)
     top1_at, rebuilt = {}, set()
@@ -266,12 +246,9 @@ def evaluate_sizes(model: torch.nn.Module, val: Path, img_size: int, sizes: Sequ
 
 def save(model: torch.nn.Module, settings: ClassifySettings, plan: Dict, top1: float, top1_at: Dict, rebuilt: set
          ) -> Tuple[Dict, str]:
-    """Write ``model.safetensors`` and ``results.json`` (the figures and the data config to publish); returns the
-    results and the weights' sha256.
-
-    timm's ``test_input_size`` (the size validate.py evaluates at) is recorded only for a larger size the model runs
-    as built and that scores at least as well as ``img_size``.
-    """
+    """Write ``model.safetensors`` and ``results.json`` (the figures, the data config to publish: timm's
+    ``test_input_size`` is the best larger size the model runs as built, if it scores at least as well as
+    ``img_size``); returns the results and the weights' sha256."""
     out = Path(settings.out_dir)
     sha256 = save_weights({k: v.cpu() for k, v in model.state_dict().items()}, out / 'model.safetensors', force=True)
     architecture, architecture_kwargs = source_architecture(settings.model, plan['model_kwargs'])
@@ -291,11 +268,9 @@ def publish_run(settings: ClassifySettings, plan: Dict, classes: List[str], resu
     """Publish the saved weights as a Hub folder (``out_dir/hub``, a dry run: nothing is uploaded)."""
     out = Path(settings.out_dir)
     start_from = 'its pretrained weights' if settings.pretrained else 'scratch'
-    if settings.pretrained and ':' in settings.model:
-        start_from = settings.model
-    if settings.init_from:
-        start_from = Path(settings.init_from).name
-    sizes, batches = _sizes_text(plan['train_sizes']), _sizes_text(plan['batch_sizes'])
+    start_from = settings.model if settings.pretrained and ':' in settings.model else start_from
+    start_from = Path(settings.init_from).name if settings.init_from else start_from
+    sizes, batches = sizes_text(plan['train_sizes']), sizes_text(plan['batch_sizes'])
     publish(str(out / 'model.safetensors'), results['architecture'], 'aft-vision/digits-demo',
             out_dir=str(out / 'hub'), dry_run=True, force=True, label_names=classes,
             results_file=str(out / 'results.json'), datasets=[] if settings.data_dir else ['sklearn-digits'],
@@ -308,33 +283,29 @@ def publish_run(settings: ClassifySettings, plan: Dict, classes: List[str], resu
 def check_reload(hub_dir: Path, val: Path, img_size: int, top1: float, top1_at: Dict, data_config: Dict,
                  device: torch.device) -> Dict:
     """Reload the folder as every timm client does (``timm.create_model('local-dir:...')``, as published and rebuilt
-    for the largest size; evaluated with timm's data config and its test size) and require the job's figures.
-
-    Raises:
-        RuntimeError: A reloaded figure differs, or the published data config does not say how it was evaluated.
+    for the largest size; with timm's data config and its test size): RuntimeError unless each gives the job's figure.
     """
+    def require(found: float, expected: float, what: str) -> float:
+        if found != expected:
+            raise RuntimeError(f'{what} scores {found:.2f}%, the trained model {expected:.2f}%')
+        return found
+
     reloaded = timm.create_model(f'local-dir:{hub_dir}', pretrained=True).to(device)
-    found = {'top1': evaluate(reloaded, val, img_size)}
-    if found['top1'] != top1:
-        raise RuntimeError(f'reloaded model scores {found["top1"]:.2f}%, the trained one {top1:.2f}%')
+    found = {'top1': require(evaluate(reloaded, val, img_size), top1, f'{hub_dir} reloaded')}
     largest = max(top1_at)
     resized = timm.create_model(f'local-dir:{hub_dir}', pretrained=True, img_size=largest).to(device)
-    found['top1_at'] = {str(largest): evaluate(resized, val, largest)}
-    if found['top1_at'][str(largest)] != top1_at[largest]:
-        raise RuntimeError(f'{hub_dir} rebuilt for {largest} px scores {found["top1_at"][str(largest)]:.2f}%, the '
-                           f'trained model at that size {top1_at[largest]:.2f}%')
+    found['top1_at'] = {str(largest): require(evaluate(resized, val, largest), top1_at[largest],
+                                              f'{hub_dir} rebuilt for {largest} px')}
     found['client_config'] = client_config = resolve_data_config({}, model=reloaded)
-    found['data_config'] = evaluate(reloaded, val, data_config=client_config)
-    if found['data_config'] != top1:
-        raise RuntimeError(f'timm\'s data config for {hub_dir} ({client_config}) gives {found["data_config"]:.2f}%, '
-                           f'the job {top1:.2f}%: the published pretrained_cfg does not say how it was evaluated')
+    found['data_config'] = require(evaluate(reloaded, val, data_config=client_config), top1,
+                                   f'timm\'s data config for {hub_dir} ({client_config}; the published pretrained_cfg '
+                                   f'does not say how it was evaluated)')
     test_config = resolve_data_config({}, model=reloaded, use_test_size=True)
-    found['test_data_config'] = found['data_config'] if test_config == client_config else evaluate(
+    test_top1 = found['data_config'] if test_config == client_config else evaluate(
         reloaded, val, data_config=test_config)  # no test size recorded: the same config
     expected = top1_at[data_config['test_input_size'][-1]] if 'test_input_size' in data_config else top1
-    if found['test_data_config'] != expected:
-        raise RuntimeError(f'timm\'s test-size data config for {hub_dir} ({test_config}) gives '
-                           f'{found["test_data_config"]:.2f}%, the job {expected:.2f}% at that size')
+    found['test_data_config'] = require(test_top1, expected, f'timm\'s test-size data config for {hub_dir} '
+                                                             f'({test_config})')
     return found
 
 
@@ -370,18 +341,16 @@ def report(settings: ClassifySettings, results: Dict, data_dir: Path, hub_dir: P
         print(f'top-1 at {size:3d} px: {value:6.2f}%  ({value - top1:+.2f} against {img_size} px)')
     others = [size for size in top1_at if size != img_size]
     (largest, at_largest), = results['top1_reloaded_at'].items()
-    print(f'\n{settings.model} on {data_dir}, trained at {_sizes_text(results["train_img_sizes"])} px: top-1 '
+    print(f'\n{settings.model} on {data_dir}, trained at {sizes_text(results["train_img_sizes"])} px: top-1 '
           f'{top1:.2f}% at {img_size}px; {"/".join(f"{top1_at[size]:.2f}" for size in others)}% at '
-          f'{_sizes_text(others)}px; reloaded from {hub_dir}: {results["top1_reloaded"]:.2f}% (identical; at '
+          f'{sizes_text(others)}px; reloaded from {hub_dir}: {results["top1_reloaded"]:.2f}% (identical; at '
           f'{largest}px: {at_largest:.2f}%), with timm\'s data config {results["top1_timm_data_config"]:.2f}% '
           f'({client_config["input_size"][-1]}px, crop_pct {client_config["crop_pct"]}; test size: '
           f'{results["top1_timm_test_data_config"]:.2f}%)')
-    world_size, digests, schedules = results['world_size'], results['rank_state_sha256'], \
-        results['rank_size_schedule_sha256']
-    if world_size > 1:
-        agree = 'identical on every rank' if len(set(digests)) == 1 else 'DIFFER between ranks'
-        same_sizes = 'the same' if len(set(schedules)) == 1 else 'DIFFERENT'
-        print(f'{world_size} processes: final weights {agree}; {same_sizes} size at every step on every rank')
+    if results['world_size'] > 1:
+        agree = 'identical on every rank' if len(set(results['rank_state_sha256'])) == 1 else 'DIFFER between ranks'
+        same = 'the same' if len(set(results['rank_size_schedule_sha256'])) == 1 else 'DIFFERENT'
+        print(f'{results["world_size"]} processes: final weights {agree}; {same} size at every step on every rank')
     out = Path(settings.out_dir)
     print(f'wrote {out / "model.safetensors"} (sha256 {results["weights_sha256"][:16]}...), {hub_dir}/, '
           f'{out / "results.json"}, {out / "training_curve.png"}; {results["wall_seconds"]:.0f} s')

@@ -14,15 +14,12 @@ __all__ = ['position_bias_entropy', 'add_to_timm_tasks']
 def position_bias_entropy(model: nn.Module) -> torch.Tensor:
     """Sum over every AFTConv2d layer and head of the entropy of ``softmax(w)`` over its bias (Eq. 8's ``w``; a
     one-hot layer's logits); 0 without AFT-conv layers. Works on wrapped models (DDP, ``torch.compile``)."""
-    total = None
+    entropies = []
     for module in model.modules():
         if isinstance(module, AFTConv2d):
             logits = module.dense_bias().flatten(1).float()  # (h, s*s); the logits of a one-hot layer
-            entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum()
-            total = entropy if total is None else total + entropy
-    if total is None:
-        return torch.zeros((), device=next(model.parameters()).device)
-    return total
+            entropies.append(-(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum())
+    return sum(entropies) if entropies else torch.zeros((), device=next(model.parameters()).device)
 
 
 _timm_forward: Optional[Callable] = None  # ClassificationTask.forward before add_to_timm_tasks replaced it

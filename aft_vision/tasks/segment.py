@@ -166,17 +166,14 @@ def run(settings: SegmentSettings) -> Dict:
     device = torch.device(settings.device)
     digits = digit_split(seed=settings.seed)
     val_scenes = max(1, settings.scenes // 4)
-    data = {
-        'train': make_scenes(digits['train'], settings.scenes, settings.img_size, seed=settings.seed),
-        'val': make_scenes(digits['val'], val_scenes, settings.img_size, seed=settings.seed + 1),
-        'val_large': make_scenes(digits['val'], val_scenes, settings.eval_img_size, seed=settings.seed + 2),
-    }
+    data = {'train': make_scenes(digits['train'], settings.scenes, settings.img_size, seed=settings.seed),
+            'val': make_scenes(digits['val'], val_scenes, settings.img_size, seed=settings.seed + 1),
+            'val_large': make_scenes(digits['val'], val_scenes, settings.eval_img_size, seed=settings.seed + 2)}
     print(f'{settings.scenes} training scenes at {settings.img_size} px; {val_scenes} held-out scenes at '
           f'{settings.img_size} and {settings.eval_img_size} px ({sum(len(b) for b in data["val"].boxes)} and '
           f'{sum(len(b) for b in data["val_large"].boxes)} digits)')
     model, history = train(settings, data, device)
-    counts = confusion(model, data['val'])
-    counts_large = confusion(model, data['val_large'])
+    counts, counts_large = confusion(model, data['val']), confusion(model, data['val_large'])
     out = Path(settings.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     weights = out / 'model.safetensors'
@@ -189,8 +186,7 @@ def run(settings: SegmentSettings) -> Dict:
         'img_size': settings.img_size, 'eval_img_size': settings.eval_img_size, 'epochs': settings.epochs,
         'train_scenes': settings.scenes, 'val_scenes': val_scenes, 'batch_size': settings.batch_size, 'lr': settings.lr,
         'seed': settings.seed, 'threads': torch.get_num_threads(), 'history': history, 'weights_sha256': sha256,
-        'wall_seconds': round(time.perf_counter() - start, 1),
-    }
+        'wall_seconds': round(time.perf_counter() - start, 1)}
     (out / 'results.json').write_text(json.dumps(results, indent=2))
     try:
         plot(history, model, data['val_large'], out / 'training_curve.png')

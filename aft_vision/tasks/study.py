@@ -1,10 +1,7 @@
-"""``aft-vision study``: the paper's comparisons (Tables 7-10 of Zhai et al. 2021) on scikit-learn's digits.
-
-Every configuration trains with the main job's recipe (``training.train``) over several seeds, in four parts:
-``families`` (Table 7), ``transfer`` from the ViT baseline (Table 8), ``window`` (Tables 9 and 10) and
-``resolution``; docs/results.md describes each and holds the figures. A run writes ``runs/<id>.json`` and its weights
-(an interrupted study resumes); the end writes ``study.md``, ``study.json`` and ``plots/*.png``.
-"""
+"""``aft-vision study``: the paper's comparisons (Tables 7-10 of Zhai et al. 2021) on scikit-learn's digits, every
+configuration trained with the main job's recipe over several seeds, in four parts: ``families`` (Table 7), ``transfer``
+from the ViT baseline (Table 8), ``window`` (Tables 9, 10) and ``resolution`` (docs/results.md). A run writes
+``runs/<id>.json`` and its weights (a study resumes); the end ``study.md``, ``study.json`` and ``plots/*.png``."""
 import copy
 import difflib
 import json
@@ -26,7 +23,7 @@ from ..checkpoints.transfer import transfer_vit_weights
 from ..models import create_aft_model
 from .classify import DIGITS_MODEL, ClassifySettings, at_size, check_model_and_sizes
 from .study_report import plot_study, render_markdown
-from .training import evaluate, size_scaled_batches, train, write_digits
+from .training import evaluate, size_scaled_batches, sizes_text, train, write_digits
 
 __all__ = ['Config', 'Run', 'StudySettings', 'PARTS', 'plan_runs', 'check_settings', 'run_study']
 
@@ -69,9 +66,8 @@ class Run:
 class StudySettings:
     """What the study trains; the recipe's defaults are the main job's."""
     epochs: int = 24  # epochs of a full run (the main job has 30; 24 keeps the study near 30 min on one core)
-    # the transfer fine-tunes for a third of them
     seeds: int = 3  # seeds 0 .. seeds - 1 for every configuration
-    parts: Tuple[str, ...] = PARTS  # which of the three comparisons to run
+    parts: Tuple[str, ...] = PARTS  # which of the comparisons to run
     img_size: int = _DIGITS.img_size  # training and evaluation size: 32 px, an 8 x 8 token map at patch 4
     eval_img_size: int = 48  # the larger evaluation size, never trained on
     eval_img_sizes: Tuple[int, ...] = (24, 32, 40, 48, 64)  # the resolution part's evaluation sizes
@@ -94,13 +90,11 @@ class StudySettings:
 
 def configs(settings: StudySettings) -> Dict[str, Config]:
     """Every configuration of the study, by key."""
-    found = [
-        Config('vit', 'ViT (timm VisionTransformer, 2 heads)', 'ViT', settings.baseline, dict(TRUNK, num_heads=2)),
-        Config('aft_full', 'AFT-full', 'AFT-full', 'aft_full_test', dict(TRUNK)),
-        Config('aft_simple', 'AFT-simple', 'AFT-simple', 'aft_simple_test', dict(TRUNK)),
-        Config('aft_conv', f'AFT-conv k{DIGITS_MODEL["kernel_size"]} h{DIGITS_MODEL["num_heads"]} (the main job)',
-               'AFT-conv', 'aft_conv_test', dict(DIGITS_MODEL)),
-    ]
+    found = [Config('vit', 'ViT (timm VisionTransformer, 2 heads)', 'ViT', settings.baseline, dict(TRUNK, num_heads=2)),
+             Config('aft_full', 'AFT-full', 'AFT-full', 'aft_full_test', dict(TRUNK)),
+             Config('aft_simple', 'AFT-simple', 'AFT-simple', 'aft_simple_test', dict(TRUNK)),
+             Config('aft_conv', f'AFT-conv k{DIGITS_MODEL["kernel_size"]} h{DIGITS_MODEL["num_heads"]} (the main job)',
+                    'AFT-conv', 'aft_conv_test', dict(DIGITS_MODEL))]
     found += [  # the families at several sizes: position embeddings resampled per step, AFT-conv's windows following
         Config(f'{c.key}_ms', f'{c.label.split(" (")[0]} at several sizes', c.family, c.model,
                dict(c.kwargs, **({'resize_mode': 'window'} if c.key == 'aft_conv' else {'dynamic_img_size': True})),
@@ -111,31 +105,26 @@ def configs(settings: StudySettings) -> Dict[str, Config]:
     return {config.key: config for config in found}
 
 
+def _part_runs(settings: StudySettings) -> Dict[str, List[Tuple[Config, str, int]]]:
+    """Each chosen part's (configuration, start, epochs), each once and in its table's order (a run per seed)."""
+    known, full, short = configs(settings), settings.epochs, settings.fine_tune_epochs
+    window = [f'aft_conv_k{k}_h{TRUNK["embed_dim"]}' for k in WINDOW_KERNELS]
+    window += [f'aft_conv_k{HEADS_KERNEL}_h{h}' for h in HEADS]
+    parts = {'families': [(known[key], 'random', full) for key in FAMILY_KEYS],
+             'transfer': [(known['vit'], 'random', full)] + [
+                 (known[key], start, epochs) for key in ('aft_conv', 'aft_full')
+                 for start, epochs in (('vit', short), ('random', short), ('random', full))],
+             'window': [(known[key], 'random', full) for key in window],
+             'resolution': [(known[key + suffix], 'random', full) for key in FAMILY_KEYS for suffix in ('', '_ms')]}
+    return {part: list({(c.key, start, epochs): (c, start, epochs) for c, start, epochs in parts[part]}.values())
+            for part in PARTS if part in settings.parts}
+
+
 def plan_runs(settings: StudySettings) -> List[Run]:
     """The runs the chosen parts need, each once, every ViT baseline before the transfers from it."""
-    known = configs(settings)
-    full, short = settings.epochs, settings.fine_tune_epochs
-    runs: List[Run] = []
-    for seed in range(settings.seeds):
-        if 'families' in settings.parts or 'transfer' in settings.parts:
-            runs.append(Run(known['vit'], 'random', full, seed))
-        if 'families' in settings.parts:
-            runs += [Run(known[key], 'random', full, seed) for key in ('aft_full', 'aft_simple', 'aft_conv')]
-        if 'transfer' in settings.parts:
-            for key in ('aft_conv', 'aft_full'):
-                runs += [Run(known[key], 'vit', short, seed), Run(known[key], 'random', short, seed),
-                         Run(known[key], 'random', full, seed)]
-        if 'window' in settings.parts:
-            runs += [Run(known[key], 'random', full, seed) for key in _window_keys()]
-        if 'resolution' in settings.parts:
-            runs += [Run(known[key + suffix], 'random', full, seed) for key in FAMILY_KEYS for suffix in ('', '_ms')]
+    runs = [Run(config, start, epochs, seed) for seed in range(settings.seeds)
+            for specs in _part_runs(settings).values() for config, start, epochs in specs]
     return list({run.id: run for run in runs}.values())  # first occurrence kept, in order
-
-
-def _window_keys() -> List[str]:
-    width = TRUNK['embed_dim']
-    keys = [f'aft_conv_k{k}_h{width}' for k in WINDOW_KERNELS] + [f'aft_conv_k{HEADS_KERNEL}_h{h}' for h in HEADS]
-    return list(dict.fromkeys(keys))
 
 
 def check_settings(settings: StudySettings) -> Dict[str, Dict]:
@@ -157,28 +146,22 @@ def check_settings(settings: StudySettings) -> Dict[str, Dict]:
         if config.key in kwargs:
             continue
         train_sizes = list(settings.train_img_sizes if config.multi_size else [settings.img_size])
-        try:
-            for option, sizes in (('--eval-img-size', [settings.eval_img_size]),
-                                  ('--eval-img-sizes', list(settings.eval_img_sizes))):
-                job = ClassifySettings(model=config.model, img_size=settings.img_size, eval_img_sizes=sizes,
-                                       train_img_sizes=train_sizes)
-                try:
-                    kwargs[config.key] = check_model_and_sizes(job, dict(config.kwargs))[0]
-                except ValueError as error:  # named as the study names the option
-                    raise ValueError(str(error).replace('--eval-img-sizes', option, 1)) from None
-        except ValueError as error:
-            raise ValueError(f'{error} ({config.label}: {config.model})') from None
+        for option, sizes in (('--eval-img-size', [settings.eval_img_size]),
+                              ('--eval-img-sizes', list(settings.eval_img_sizes))):
+            job = ClassifySettings(model=config.model, img_size=settings.img_size, eval_img_sizes=sizes,
+                                   train_img_sizes=train_sizes)
+            try:
+                kwargs[config.key] = check_model_and_sizes(job, dict(config.kwargs))[0]
+            except ValueError as error:  # the option as the study names it, and the configuration
+                message = str(error).replace('--eval-img-sizes', option, 1)
+                raise ValueError(f'{message} ({config.label}: {config.model})') from None
     return kwargs
 
 
-def _write_text(path: Path, text: str) -> None:  # through a temporary sibling: a record is whole or absent
+def _write(path: Path, text: str) -> None:  # through a temporary sibling: a record is whole or absent
     temp = path.with_name(f'.{path.name}.tmp')
     temp.write_text(text)
     os.replace(temp, path)
-
-
-def _write_json(path: Path, data: Dict) -> None:
-    _write_text(path, json.dumps(data, indent=2))
 
 
 def count_macs(model_name: str, model_kwargs: Dict, img_size: int, num_classes: int) -> int:
@@ -195,8 +178,7 @@ def count_macs(model_name: str, model_kwargs: Dict, img_size: int, num_classes: 
     return counter.get_total_flops() // 2
 
 
-def _train_run(run: Run, model_kwargs: Dict, settings: StudySettings, data_dir: Path, runs_dir: Path,
-               log) -> Dict:
+def _train_run(run: Run, model_kwargs: Dict, settings: StudySettings, data_dir: Path, runs_dir: Path, log) -> Dict:
     """Train one run, evaluate it at both sizes, save its weights and record."""
     start = time.perf_counter()
     init_weights, source = None, None
@@ -208,15 +190,13 @@ def _train_run(run: Run, model_kwargs: Dict, settings: StudySettings, data_dir: 
                                     log=log,
                                     train_img_sizes=settings.train_img_sizes if run.config.multi_size else None)
     val = data_dir / 'val'
-    record = {
-        'id': run.id, 'config': asdict(run.config), 'model_kwargs': model_kwargs, 'start': run.start,
-        'epochs': run.epochs, 'seed': run.seed, 'recipe': settings.recipe(),
-        'top1': evaluate(model, val, settings.img_size),
-        'top1_large': evaluate(at_size(model, settings.eval_img_size), val, settings.eval_img_size),
-        'params': sum(p.numel() for p in model.parameters()),
-        'macs': count_macs(run.config.model, model_kwargs, settings.img_size, len(classes)),
-        'history': history, 'threads': torch.get_num_threads(),
-    }
+    record = {'id': run.id, 'config': asdict(run.config), 'model_kwargs': model_kwargs, 'start': run.start,
+              'epochs': run.epochs, 'seed': run.seed, 'recipe': settings.recipe(),
+              'top1': evaluate(model, val, settings.img_size),
+              'top1_large': evaluate(at_size(model, settings.eval_img_size), val, settings.eval_img_size),
+              'params': sum(p.numel() for p in model.parameters()),
+              'macs': count_macs(run.config.model, model_kwargs, settings.img_size, len(classes)),
+              'history': history, 'threads': torch.get_num_threads()}
     if 'resolution' in settings.parts and run.config.key.removesuffix('_ms') in FAMILY_KEYS and run.start == 'random':
         record['top1_at'] = top1_at_sizes(model, val, settings.eval_img_sizes)
     if source is not None:
@@ -224,7 +204,7 @@ def _train_run(run: Run, model_kwargs: Dict, settings: StudySettings, data_dir: 
         record.update(init_from=source.name, transfer=report.summary())
     record['weights_sha256'] = save_weights(model.state_dict(), runs_dir / f'{run.id}.safetensors', force=True)
     record['wall_seconds'] = round(time.perf_counter() - start, 1)
-    _write_json(runs_dir / f'{run.id}.json', record)
+    _write(runs_dir / f'{run.id}.json', json.dumps(record, indent=2))
     return record
 
 
@@ -232,9 +212,8 @@ def top1_at_sizes(model: torch.nn.Module, val: Path, sizes: Sequence[int]) -> Di
     """Top-1 at each size: AFT-conv under each ``resize_mode``, the others with position parameters resampled."""
     if not hasattr(model, 'resize_mode'):
         return {'resample': {str(size): evaluate(at_size(model, size), val, size) for size in sizes}}
-    found = {}
+    found = {mode: {} for mode in AFT_CONV_MODES}
     for mode in AFT_CONV_MODES:
-        found[mode] = {}
         for size in sizes:
             resized = copy.deepcopy(model)
             try:
@@ -250,12 +229,10 @@ def _finished(path: Path, settings: StudySettings, run: Run) -> Optional[Dict]:
     if not path.is_file():
         return None
     record = json.loads(path.read_text())
-    if record.get('config') != json.loads(json.dumps(asdict(run.config))):
-        raise ValueError(f'{path} was trained as {record.get("config")}, this study asks for {asdict(run.config)}: '
-                         f'give another --out-dir')
-    if record.get('recipe') != settings.recipe():
-        raise ValueError(f'{path} was trained with {record.get("recipe")}, this study asks for {settings.recipe()}: '
-                         f'give another --out-dir')
+    for key, word, wanted in (('config', 'as', asdict(run.config)), ('recipe', 'with', settings.recipe())):
+        if record.get(key) != json.loads(json.dumps(wanted)):
+            raise ValueError(f'{path} was trained {word} {record.get(key)}, this study asks for {wanted}: give another '
+                             f'--out-dir')
     return record
 
 
@@ -283,17 +260,15 @@ def run_study(settings: StudySettings, out_dir: Path) -> Dict:
         bar.write(f'{run.id}: top-1 {records[run.id]["top1"]:.2f}% at {settings.img_size} px, '
                   f'{records[run.id]["top1_large"]:.2f}% at {settings.eval_img_size} px '
                   f'({records[run.id]["wall_seconds"]:.0f} s)')
-    summary = {
-        'settings': dict(asdict(settings), fine_tune_epochs=settings.fine_tune_epochs),
-        'tables': _tables(settings, records),
-        'trained': trained, 'skipped': skipped,
-        'train_seconds': round(sum(records[i]['wall_seconds'] for i in records), 1),
-        'versions': {'torch': torch.__version__, 'timm': timm.__version__, 'python': platform.python_version()},
-    }
-    _write_text(out_dir / 'study.md', render_markdown(summary))
+    summary = {'settings': dict(asdict(settings), fine_tune_epochs=settings.fine_tune_epochs),
+               'tables': _tables(settings, records),
+               'trained': trained, 'skipped': skipped,
+               'train_seconds': round(sum(records[i]['wall_seconds'] for i in records), 1),
+               'versions': {'torch': torch.__version__, 'timm': timm.__version__, 'python': platform.python_version()}}
+    _write(out_dir / 'study.md', render_markdown(summary))
     summary['plots'] = plot_study(summary, records, out_dir / 'plots')
     summary['wall_seconds'] = round(time.perf_counter() - start, 1)
-    _write_json(out_dir / 'study.json', summary)
+    _write(out_dir / 'study.json', json.dumps(summary, indent=2))
     return summary
 
 
@@ -305,53 +280,38 @@ def _stats(values: Sequence[float]) -> Dict:
 
 def _row(settings: StudySettings, records: Dict[str, Dict], config: Config, start: str, epochs: int) -> Dict:
     chosen = [records[Run(config, start, epochs, seed).id] for seed in range(settings.seeds)]
-    return {
-        'key': config.key, 'label': config.label, 'family': config.family, 'model': config.model,
-        'kernel': config.kwargs.get('kernel_size'), 'heads': config.kwargs.get('num_heads'),
-        'start': start, 'epochs': epochs, 'params': chosen[0]['params'], 'macs': chosen[0]['macs'],
-        'top1': _stats(r['top1'] for r in chosen), 'top1_large': _stats(r['top1_large'] for r in chosen),
-        'top1_epoch1': _stats(r['history'][0]['val_top1'] for r in chosen),
-        'curve': [_stats(r['history'][e]['val_top1'] for r in chosen)['mean'] for e in range(epochs)],
-        'curve_min': [min(r['history'][e]['val_top1'] for r in chosen) for e in range(epochs)],
-        'curve_max': [max(r['history'][e]['val_top1'] for r in chosen) for e in range(epochs)],
-    }
+    return {'key': config.key, 'label': config.label, 'family': config.family, 'model': config.model,
+            'kernel': config.kwargs.get('kernel_size'), 'heads': config.kwargs.get('num_heads'),
+            'start': start, 'epochs': epochs, 'params': chosen[0]['params'], 'macs': chosen[0]['macs'],
+            'top1': _stats(r['top1'] for r in chosen), 'top1_large': _stats(r['top1_large'] for r in chosen),
+            'top1_epoch1': _stats(r['history'][0]['val_top1'] for r in chosen),
+            'curve': [_stats(r['history'][e]['val_top1'] for r in chosen)['mean'] for e in range(epochs)],
+            'curve_min': [min(r['history'][e]['val_top1'] for r in chosen) for e in range(epochs)],
+            'curve_max': [max(r['history'][e]['val_top1'] for r in chosen) for e in range(epochs)]}
 
 
 def _tables(settings: StudySettings, records: Dict[str, Dict]) -> Dict[str, List[Dict]]:
-    known = configs(settings)
-    full, short = settings.epochs, settings.fine_tune_epochs
-    tables: Dict[str, List[Dict]] = {}
-    if 'families' in settings.parts:
-        tables['families'] = [_row(settings, records, known[key], 'random', full)
-                              for key in ('vit', 'aft_full', 'aft_simple', 'aft_conv')]
-    if 'transfer' in settings.parts:
-        starts = list(dict.fromkeys((('vit', short), ('random', short), ('random', full))))  # one row if short == full
-        tables['transfer'] = [_row(settings, records, known['vit'], 'random', full)] + [
-            _row(settings, records, known[key], start, epochs) for key in ('aft_conv', 'aft_full')
-            for start, epochs in starts]
-    if 'window' in settings.parts:
-        tables['window'] = [_row(settings, records, known[key], 'random', full) for key in _window_keys()]
-    if 'resolution' in settings.parts:
-        tables['resolution'] = _resolution_rows(settings, records, known)
+    tables = {}
+    for part, specs in _part_runs(settings).items():
+        if part == 'resolution':
+            tables[part] = _resolution_rows(settings, records, [config for config, _, _ in specs])
+        else:
+            tables[part] = [_row(settings, records, *spec) for spec in specs]
     return tables
 
 
-def _resolution_rows(settings: StudySettings, records: Dict[str, Dict], known: Dict[str, Config]) -> List[Dict]:
+def _resolution_rows(settings: StudySettings, records: Dict[str, Dict], chosen_configs: List[Config]) -> List[Dict]:
     """A row per family, training (one size, several) and way of following the size: top-1 per size, worst drop."""
     rows = []
-    for key in FAMILY_KEYS:
-        for config in (known[key], known[f'{key}_ms']):
-            chosen = [records[Run(config, 'random', settings.epochs, seed).id]['top1_at']
-                      for seed in range(settings.seeds)]
-            for mode in chosen[0]:
-                sizes = [size for size in map(str, settings.eval_img_sizes) if all(size in r[mode] for r in chosen)]
-                top1 = {size: _stats(r[mode][size] for r in chosen) for size in sizes}
-                trained = str(settings.img_size)
-                rows.append({
-                    'family': config.family, 'key': config.key,
-                    'training': '/'.join(map(str, settings.train_img_sizes)) if config.multi_size else trained,
-                    'mode': mode, 'top1_at': top1,
-                    'worst_drop': max((top1[trained]['mean'] - v['mean'] for v in top1.values()), default=0.0)
-                    if trained in top1 else None,
-                })
+    for config in chosen_configs:
+        chosen = [records[Run(config, 'random', settings.epochs, seed).id]['top1_at'] for seed in range(settings.seeds)]
+        for mode in chosen[0]:
+            sizes = [size for size in map(str, settings.eval_img_sizes) if all(size in r[mode] for r in chosen)]
+            top1 = {size: _stats(r[mode][size] for r in chosen) for size in sizes}
+            trained = str(settings.img_size)
+            rows.append({'family': config.family, 'key': config.key,
+                         'training': sizes_text(settings.train_img_sizes) if config.multi_size else trained,
+                         'mode': mode, 'top1_at': top1,
+                         'worst_drop': max((top1[trained]['mean'] - v['mean'] for v in top1.values()), default=0.0)
+                         if trained in top1 else None})
     return rows

@@ -1,16 +1,12 @@
 """The study's report: its tables as markdown (``study.md``) and one plot per part (``plots/*.png``), from the rows
 ``study.run_study`` aggregates over the seeds."""
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Dict, List
 
 from ..checkpoints import save_figure
-from .training import size_scaled_batches
+from .training import size_scaled_batches, sizes_text
 
 __all__ = ['render_markdown', 'plot_study']
-
-
-def _sizes_text(sizes: Sequence[int]) -> str:
-    return '/'.join(map(str, sizes))
 
 
 def _pm(stats: Dict) -> str:
@@ -19,50 +15,40 @@ def _pm(stats: Dict) -> str:
 
 def render_markdown(summary: Dict) -> str:
     """The study's tables as markdown: mean ± sample standard deviation over the seeds."""
-    settings = summary['settings']
+    settings, tables = summary['settings'], summary['tables']
     size, large = settings['img_size'], settings['eval_img_size']
-    lines = [
-        '# The study', '',
-        f'{settings["epochs"]} epochs (fine-tuning {settings["fine_tune_epochs"]}), seeds 0-{settings["seeds"] - 1}, '
-        f'{size} px training, batch {settings["batch_size"]}, lr {settings["lr"]}. Top-1 (%) on the held-out digits: '
-        f'mean ± sample standard deviation over the seeds. MMACs: multiply-adds of one {size} px image.', '',
-    ]
-    head = f'top-1 at {size} px | top-1 at {large} px'
-    tables = summary['tables']
-    if 'families' in tables:
-        lines += ['## Families at equal size', '', f'| model | params (k) | MMACs | {head} |', '|---|---|---|---|---|']
-        lines += [f'| {r["label"]} | {r["params"] / 1e3:.1f} | {r["macs"] / 1e6:.2f} | {_pm(r["top1"])} | '
-                  f'{_pm(r["top1_large"])} |' for r in tables['families']]
-        lines.append('')
-    if 'transfer' in tables:
-        lines += ['## Transfer from the ViT baseline', '',
-                  f'| model | start | epochs | top-1 after epoch 1 | {head} |', '|---|---|---|---|---|---|']
-        starts = {'vit': 'ViT baseline (transfer_vit_weights)', 'random': 'random'}
-        lines += [f'| {r["label"]} | {starts[r["start"]]} | {r["epochs"]} | {_pm(r["top1_epoch1"])} | '
-                  f'{_pm(r["top1"])} | {_pm(r["top1_large"])} |' for r in tables['transfer']]
-        lines.append('')
-    if 'window' in tables:
-        lines += ['## AFT-conv: window and heads', '', f'| kernel | heads | params (k) | MMACs | {head} |',
-                  '|---|---|---|---|---|---|']
-        lines += [f'| {r["kernel"]} | {r["heads"]} | {r["params"] / 1e3:.1f} | {r["macs"] / 1e6:.2f} | '
-                  f'{_pm(r["top1"])} | {_pm(r["top1_large"])} |' for r in tables['window']]
-        lines.append('')
-    if 'resolution' in tables:
-        sizes = [str(size) for size in settings['eval_img_sizes']]
-        batches = size_scaled_batches(settings['batch_size'], settings['img_size'], settings['train_img_sizes'])
-        lines += ['## Resolution: one set of weights at every size', '',
-                  f'Patch kept at every size (the token grid grows). Training at several sizes: one of '
-                  f'{_sizes_text(settings["train_img_sizes"])} px per step, batches of '
-                  f'{_sizes_text(batches)} '
-                  'images (inversely proportional to the side). Following the size: the position '
-                  'parameters resampled (resample), AFT-conv\'s windows kept (keep), resampled by the size ratio '
-                  '(window) or its patch resized so that the token grid stays (patch).', '',
-                  f'| family | trained at (px) | following the size | {" | ".join(f"{s} px" for s in sizes)} |',
-                  '|---|---|---|' + '---|' * len(sizes)]
-        lines += [f'| {r["family"]} | {r["training"]} | {r["mode"]} | '
-                  + ' | '.join(_pm(r['top1_at'][s]) if s in r['top1_at'] else '-' for s in sizes) + ' |'
-                  for r in tables['resolution']]
-        lines.append('')
+    top1, sizes = [f'top-1 at {size} px', f'top-1 at {large} px'], [str(s) for s in settings['eval_img_sizes']]
+    batches = size_scaled_batches(settings['batch_size'], size, settings['train_img_sizes'])
+    starts = {'vit': 'ViT baseline (transfer_vit_weights)', 'random': 'random'}
+    parts = {  # the part's title, the lines before its table, its columns and a row's cells
+        'families': ('Families at equal size', [], ['model', 'params (k)', 'MMACs', *top1],
+                     lambda r: [r['label'], f'{r["params"] / 1e3:.1f}', f'{r["macs"] / 1e6:.2f}', _pm(r['top1']),
+                                _pm(r['top1_large'])]),
+        'transfer': ('Transfer from the ViT baseline', [], ['model', 'start', 'epochs', 'top-1 after epoch 1', *top1],
+                     lambda r: [r['label'], starts[r['start']], str(r['epochs']), _pm(r['top1_epoch1']),
+                                _pm(r['top1']), _pm(r['top1_large'])]),
+        'window': ('AFT-conv: window and heads', [], ['kernel', 'heads', 'params (k)', 'MMACs', *top1],
+                   lambda r: [str(r['kernel']), str(r['heads']), f'{r["params"] / 1e3:.1f}', f'{r["macs"] / 1e6:.2f}',
+                              _pm(r['top1']), _pm(r['top1_large'])]),
+        'resolution': (
+            'Resolution: one set of weights at every size',
+            [f'Patch kept at every size (the token grid grows). Training at several sizes: one of '
+             f'{sizes_text(settings["train_img_sizes"])} px per step, batches of {sizes_text(batches)} images '
+             '(inversely proportional to the side). Following the size: the position parameters resampled '
+             '(resample), AFT-conv\'s windows kept (keep), resampled by the size ratio (window) or its patch resized '
+             'so that the token grid stays (patch).', ''],
+            ['family', 'trained at (px)', 'following the size', *(f'{s} px' for s in sizes)],
+            lambda r: [r['family'], r['training'], r['mode'],
+                       *(_pm(r['top1_at'][s]) if s in r['top1_at'] else '-' for s in sizes)]),
+    }
+    lines = ['# The study', '', f'{settings["epochs"]} epochs (fine-tuning {settings["fine_tune_epochs"]}), seeds '
+             f'0-{settings["seeds"] - 1}, {size} px training, batch {settings["batch_size"]}, lr {settings["lr"]}. '
+             f'Top-1 (%) on the held-out digits: mean ± sample standard deviation over the seeds. MMACs: '
+             f'multiply-adds of one {size} px image.', '']
+    for part, (title, intro, columns, cells) in parts.items():
+        if part in tables:
+            lines += [f'## {title}', '', *intro, '| ' + ' | '.join(columns) + ' |', '|' + '---|' * len(columns)]
+            lines += ['| ' + ' | '.join(cells(r)) + ' |' for r in tables[part]] + ['']
     return '\n'.join(lines)
 
 

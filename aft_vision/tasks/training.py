@@ -22,8 +22,8 @@ from ..hub import load_model
 from ..models.aft_conv import AFTConvTransformer, checkpoint_filter_fn as aft_conv_filter, forward_at_size
 from .regularizers import position_bias_entropy
 
-__all__ = ['split_digits', 'write_digits', 'eval_data_config', 'evaluate', 'size_scaled_batches', 'train_loader',
-           'load_initial_weights', 'train', 'state_digest']
+__all__ = ['split_digits', 'write_digits', 'eval_data_config', 'evaluate', 'size_scaled_batches', 'sizes_text',
+           'train_loader', 'load_initial_weights', 'train', 'state_digest']
 
 
 def split_digits(targets: torch.Tensor, val_fraction: float = 0.2, seed: int = 0) -> Dict[str, torch.Tensor]:
@@ -81,12 +81,11 @@ def evaluate(model: torch.nn.Module, folder: Path, img_size: Optional[int] = Non
     model.eval()
     device = next(model.parameters()).device
     transform = create_transform(**(data_config or eval_data_config(model, img_size)))
-    loader = DataLoader(_image_folder(folder, transform), batch_size=batch_size, shuffle=False, num_workers=0)
-    correct = total = 0
-    for images, labels in loader:
+    dataset = _image_folder(folder, transform)
+    correct = 0
+    for images, labels in DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=0):
         correct += (model(images.to(device)).argmax(-1).cpu() == labels).sum().item()
-        total += len(labels)
-    return 100.0 * correct / total
+    return 100.0 * correct / len(dataset)
 
 
 def size_scaled_batches(batch_size: int, img_size: int, sizes: Sequence[int]) -> List[int]:
@@ -95,11 +94,14 @@ def size_scaled_batches(batch_size: int, img_size: int, sizes: Sequence[int]) ->
     return [max(1, round(batch_size * img_size / size)) for size in sizes]
 
 
+def sizes_text(sizes: Sequence[int]) -> str:
+    return '/'.join(map(str, sizes))  # 24/32/40, as the jobs print sizes
+
+
 def train_loader(folder: Path, model: torch.nn.Module, img_sizes: Sequence[int], batch_sizes: Sequence[int],
                  schedule: str, epochs: int, seed: int, distributed: bool = False) -> DataLoader:
-    """timm's scheduled loader: one size of ``img_sizes`` per step (with its batch size), drawn from ``seed`` so that
-    every rank draws the same; no flips (digits), crops of 40-100% of the area (docs/training.md). Call
-    ``loader.batch_sampler.set_epoch`` each epoch."""
+    """timm's scheduled loader: a size of ``img_sizes`` per step (with its batch), drawn from ``seed`` alike on every
+    rank; no flips (digits), crops of 40-100% of the area (docs/training.md). Call ``batch_sampler.set_epoch``."""
     config = eval_data_config(model, img_sizes[0])
     loader = create_loader(
         _image_folder(folder), input_size=config['input_size'], batch_size=batch_sizes[0], is_training=True,
@@ -119,9 +121,8 @@ def train_loader(folder: Path, model: torch.nn.Module, img_sizes: Sequence[int],
 
 
 def load_initial_weights(model: torch.nn.Module, weights: Mapping[str, torch.Tensor]) -> Optional[TransferReport]:
-    """Start ``model`` from ``weights`` (a training checkpoint unwrapped as timm does): its own, strictly (AFT-conv's
-    windows and patch resampled to its own), or a ViT / DeiT's mapped by ``transfer_vit_weights`` (whose report is
-    returned; None for the model's own)."""
+    """Start ``model`` from ``weights`` (a checkpoint unwrapped as timm does): its own strictly (AFT-conv's windows
+    and patch resampled), or a ViT / DeiT's by ``transfer_vit_weights``, whose report is returned (else None)."""
     weights = unwrap_state_dict(weights)
     if is_vit_state_dict(weights) and not is_vit_state_dict(model.state_dict()):
         state_dict, report = transfer_vit_weights(weights, model)
@@ -139,20 +140,11 @@ def train(data_dir: Path, model_name: str, epochs: int, img_size: int, batch_siz
           init_weights: Optional[Mapping[str, torch.Tensor]] = None, log: Callable[[str], None] = print,
           train_img_sizes: Optional[Sequence[int]] = None, train_batch_sizes: Optional[Sequence[int]] = None,
           size_schedule: str = 'constant') -> Tuple[torch.nn.Module, List[Dict], List[str]]:
-    """Train ``model_name`` (built by ``hub.load_model``) with AdamW, a cosine schedule and label smoothing.
-
-    Under torchrun (``world_size`` > 1) DDP trains a shard per rank; rank 0 alone evaluates and logs.
-
-    Args:
-        init_weights: Weights to start from (``load_initial_weights``); tensors they leave fresh keep ``seed``'s.
-        train_img_sizes: One drawn per step (``train_loader``); None: ``img_size``, where evaluation runs.
-        train_batch_sizes: One per training size; None: ``size_scaled_batches``.
-        size_schedule: timm's choice schedule, 'constant' or 'progressive' (small to large).
-
-    Returns:
-        The unwrapped model; per epoch the loss, steps per size, the sha256 of the sizes drawn and (rank 0) the
-        held-out top-1; the class names.
-    """
+    """Train ``model_name`` (``hub.load_model``) with AdamW, a cosine schedule and label smoothing, from
+    ``init_weights`` if given (``load_initial_weights``), at ``train_img_sizes`` (one per step, ``train_loader``;
+    None: ``img_size``, where evaluation runs) with ``train_batch_sizes`` (None: ``size_scaled_batches``). Under
+    torchrun DDP trains a shard per rank; rank 0 alone evaluates and logs. Returns the unwrapped model, a record per
+    epoch (loss, steps per size, the sha256 of the sizes drawn, rank 0's held-out top-1) and the class names."""
     torch.manual_seed(seed)  # the same initial weights on every rank
     classes = ImageFolder(str(data_dir / 'train')).classes
     kwargs = dict(model_kwargs or {}, num_classes=len(classes))

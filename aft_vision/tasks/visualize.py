@@ -1,10 +1,8 @@
-"""Seeing inside AFT models: learned position biases (Figures 1, 3, 6-8) and key maps (Figures 9-12).
-
-Array functions (``position_bias_maps``, ``position_bias_for_query``, ``key_maps``) return NumPy arrays; ``plot_*``
-draw them with matplotlib (the ``demo`` extra) into a PNG written atomically; ``show_bias`` / ``show_keys`` are
-``aft-vision show-bias`` / ``show-keys``.
-"""
+"""Seeing inside AFT models: learned position biases (Figures 1, 3, 6-8) and key maps (Figures 9-12) as NumPy arrays
+(``position_bias_maps``, ``position_bias_for_query``, ``key_maps``), drawn by ``plot_*`` with matplotlib (the ``demo``
+extra) into a PNG written atomically; ``show_bias`` / ``show_keys`` are ``aft-vision show-bias`` / ``show-keys``."""
 import contextlib
+import os
 import time
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
@@ -13,46 +11,42 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..hub import load_model as hub_load_model, warn_random_weights
 from ..layers import AFTConv2d, AFTFull, AFTSimple
 
-__all__ = [
-    'position_bias_maps', 'position_bias_for_query', 'key_maps', 'plot_position_bias', 'plot_key_maps',
-    'load_model', 'load_image', 'show_bias', 'show_keys',
-]
+__all__ = ['position_bias_maps', 'position_bias_for_query', 'key_maps', 'plot_position_bias', 'plot_key_maps',
+           'load_model', 'load_image', 'show_bias', 'show_keys']
 
 PathLike = Union[str, Path]
 MIXERS = (AFTConv2d, AFTFull, AFTSimple)
 
 
 @contextlib.contextmanager
-def _eval_mode(model: nn.Module) -> Iterator[None]:
+def _eval_mode(model: nn.Module) -> Iterator[nn.Module]:
     """Eval mode and no autograd inside, the model's mode restored after."""
     was_training = model.training
-    model.eval()
     try:
         with torch.no_grad():
-            yield
+            yield model.eval()
     finally:
         model.train(was_training)
 
 
-def _mixers(model: nn.Module, kind: Tuple[type, ...] = MIXERS) -> List[nn.Module]:
-    return [m for m in model.modules() if isinstance(m, kind)]
-
-
-def _describe(model: nn.Module) -> str:
-    kinds = sorted({type(m).__name__ for m in _mixers(model)})
-    return f'{type(model).__name__} (AFT mixers: {", ".join(kinds) or "none"})'
+def _mixers(model: nn.Module, kind: Tuple[type, ...] = MIXERS, needed: str = '') -> List[nn.Module]:
+    """The layers of ``kind`` in ``model``; ValueError (naming the model's AFT mixers and ``needed``) if none."""
+    found = [m for m in model.modules() if isinstance(m, kind)]
+    if needed and not found:
+        kinds = sorted({type(m).__name__ for m in _mixers(model)})
+        raise ValueError(f'{type(model).__name__} (AFT mixers: {", ".join(kinds) or "none"}) has no {needed}')
+    return found
 
 
 def position_bias_maps(model: nn.Module, num_heads: Optional[int] = None) -> np.ndarray:
     """``exp(w) - 1`` of every AFT-conv layer's effective bias (Eq. 8), the kernel Eq. 6 convolves: float32
     (layers, heads, s, s), the first ``num_heads`` heads; entry ``[a, b]`` is the key ``(a - s//2, b - s//2)`` from
     the query, 0 the global weight (a fresh model), one-hot layers their argmax bias."""
-    layers = _mixers(model, (AFTConv2d,))
-    if not layers:
-        raise ValueError(f'{_describe(model)} has no AFT-conv layer: position_bias_for_query shows AFT-full biases, '
-                         f'AFT-simple has none')
+    layers = _mixers(model, (AFTConv2d,), 'AFT-conv layer: position_bias_for_query shows AFT-full biases, '
+                                          'AFT-simple has none')
     if num_heads is not None and num_heads < 1:
         raise ValueError(f'num_heads must be >= 1, got {num_heads}')
     with _eval_mode(model):
@@ -63,13 +57,10 @@ def position_bias_maps(model: nn.Module, num_heads: Optional[int] = None) -> np.
 def position_bias_for_query(model: nn.Module, query: Optional[Tuple[int, int]] = None) -> np.ndarray:
     """``exp(w[t, :])`` (Eq. 7's ``w = u @ v.T``) of every AFT-full layer for the query patch (row, column), or the
     class token's row for None, over the built patch grid without prefix columns: float32 (layers, H', W')."""
-    layers = _mixers(model, (AFTFull,))
-    if not layers:
-        raise ValueError(f'{_describe(model)} has no AFT-full layer: position_bias_maps shows AFT-conv biases, '
-                         f'AFT-simple has none')
     maps = []
     with _eval_mode(model):
-        for layer in layers:
+        for layer in _mixers(model, (AFTFull,), 'AFT-full layer: position_bias_maps shows AFT-conv biases, AFT-simple '
+                                                'has none'):
             grid = getattr(layer, 'grid_size', None)
             if grid is None:
                 raise ValueError(f'{type(layer).__name__} does not know its patch grid (no grid_size attribute)')
@@ -98,21 +89,10 @@ def key_maps(model: nn.Module, image: torch.Tensor, num_maps: Optional[int] = No
         raise ValueError(f'expected one image (C, H, W) or (1, C, H, W), got shape {list(image.shape)}')
     if num_maps is not None and num_maps < 1:
         raise ValueError(f'num_maps must be >= 1, got {num_maps}')
-    layers = _mixers(model)
-    if not layers:
-        raise ValueError(f'{_describe(model)} has no AFT layer')
-    captured: List[torch.Tensor] = []
-
-    def keep_keys(layer: nn.Module):
-        def hook(module: nn.Module, inputs, output: torch.Tensor) -> None:
-            if isinstance(layer, AFTConv2d):  # q (C), k (h), v (C) on a (1, H, W, .) map
-                keys = output[0, ..., layer.dim:layer.dim + layer.num_heads]  # (H, W, h)
-            else:  # q, k, v (C each) on (1, T, .) tokens
-                keys = output[0, :, layer.dim:2 * layer.dim]  # (T, C)
-            captured.append(keys[..., :num_maps].float())
-        return hook
-
-    handles = [layer.qkv.register_forward_hook(keep_keys(layer)) for layer in layers]
+    layers = _mixers(model, needed='AFT layer')
+    captured: List[Tuple[nn.Module, torch.Tensor]] = []  # (layer, its qkv output) in the order they run
+    handles = [layer.qkv.register_forward_hook(lambda module, inputs, qkv, layer=layer: captured.append((layer, qkv)))
+               for layer in layers]
     try:
         with _eval_mode(model):
             param = next(model.parameters())
@@ -120,13 +100,14 @@ def key_maps(model: nn.Module, image: torch.Tensor, num_maps: Optional[int] = No
     finally:
         for handle in handles:
             handle.remove()
-
     maps = []
-    for keys in captured:
-        if keys.dim() == 2:  # (prefix + H * W, maps) -> (H, W, maps)
-            grid = _grid_of(model, image.shape[-2:], keys.shape[0])
-            keys = keys[keys.shape[0] - grid[0] * grid[1]:].view(grid[0], grid[1], -1)
-        maps.append(keys.permute(2, 0, 1))  # (maps, H, W)
+    for layer, qkv in captured:
+        if isinstance(layer, AFTConv2d):  # q (C), k (h), v (C) on a (1, H, W, .) map
+            keys = qkv[0, ..., layer.dim:layer.dim + layer.num_heads]  # (H, W, h)
+        else:  # q, k, v (C each) on (1, prefix + H * W, .) tokens -> (H, W, C)
+            grid = _grid_of(model, image.shape[-2:], qkv.shape[1])
+            keys = qkv[0, qkv.shape[1] - grid[0] * grid[1]:, layer.dim:2 * layer.dim].reshape(grid[0], grid[1], -1)
+        maps.append(keys[..., :num_maps].float().permute(2, 0, 1))  # (maps, H, W)
     return torch.stack(maps).cpu().numpy()
 
 
@@ -146,7 +127,7 @@ def _grid_of(model: nn.Module, image_size: Sequence[int], num_tokens: int) -> Tu
 def load_model(name: str, checkpoint: Optional[PathLike] = None, pretrained: bool = False, use_ema: bool = True,
                **model_kwargs) -> nn.Module:
     """``hub.load_model``'s model alone (kept for the scripts in docs/inspect.md)."""
-    return _load(name, checkpoint, pretrained, use_ema, model_kwargs)[0]
+    return hub_load_model(name, None if checkpoint is None else str(checkpoint), pretrained, use_ema, model_kwargs)[0]
 
 
 def load_image(path: PathLike, model: nn.Module, img_size: Optional[int] = None) -> Tuple[torch.Tensor, np.ndarray]:
@@ -160,8 +141,7 @@ def load_image(path: PathLike, model: nn.Module, img_size: Optional[int] = None)
     transform = create_transform(**config)
     with Image.open(path) as img:
         tensor = transform(img.convert('RGB')).unsqueeze(0)  # (1, 3, H, W)
-    mean = torch.tensor(config['mean']).view(3, 1, 1)
-    std = torch.tensor(config['std']).view(3, 1, 1)
+    mean, std = (torch.tensor(config[key]).view(3, 1, 1) for key in ('mean', 'std'))
     shown = (tensor[0] * std + mean).clamp(0, 1).permute(1, 2, 0).numpy()  # (H, W, 3)
     return tensor, shown
 
@@ -179,15 +159,6 @@ def _figure(width: float, height: float):
     return Figure(figsize=(width, height), layout='constrained')
 
 
-def _check_plotting(out: PathLike, force: bool) -> None:
-    """Before a model is loaded: matplotlib present (a RuntimeError, one line), the output writable."""
-    try:
-        _figure(1, 1)
-    except ImportError as e:
-        raise RuntimeError(str(e)) from None
-    _check_out(out, force)
-
-
 def _check_out(path: PathLike, force: bool) -> Path:
     path = Path(path)
     if path.suffix.lower() != '.png':
@@ -199,9 +170,7 @@ def _check_out(path: PathLike, force: bool) -> Path:
 
 def _save(fig, path: Path, force: bool, dpi: int) -> None:
     """Write ``fig`` as PNG through a temporary sibling renamed into place (no partial file)."""
-    import os
-
-    _check_out(path, force)
+    _check_out(path, force)  # again: the file may have appeared while the figure was drawn
     path.parent.mkdir(parents=True, exist_ok=True)
     temp = path.with_name(f'.{path.name}.{os.getpid()}.tmp')  # created with the umask's permissions, unlike mkstemp
     try:
@@ -211,35 +180,33 @@ def _save(fig, path: Path, force: bool, dpi: int) -> None:
         temp.unlink(missing_ok=True)
 
 
-def _grid_panels(fig, num_rows: int, num_cols: int, top: int = 0, top_ratio: float = 0.0):
-    """Axes for a (rows x cols) panel grid, a colour-bar axis per row, and a top band if ``top``."""
-    ratios = ([top_ratio] if top else []) + [1.0] * num_rows
+def _draw_grid(fig, maps: np.ndarray, cmap: str, norm_of_row: Callable, col_label: str,
+               image: Optional[np.ndarray] = None, **imshow_kwargs) -> List[list]:
+    """``maps[layer, col]`` as a grid of panels (layer rows, ``col_label`` columns), one colour scale
+    (``norm_of_row``) and bar per row, under ``image`` in a top band if given; returns the panels."""
+    num_rows, num_cols = maps.shape[:2]
+    top = int(image is not None)
+    ratios = [2.2] * top + [1.0] * num_rows
     spec = fig.add_gridspec(len(ratios), num_cols + 1, height_ratios=ratios, width_ratios=[1.0] * num_cols + [0.08])
     fig.get_layout_engine().set(w_pad=0.01, h_pad=0.01, wspace=0.02, hspace=0.02)
     panels = [[fig.add_subplot(spec[top + r, c]) for c in range(num_cols)] for r in range(num_rows)]
     bars = [fig.add_subplot(spec[top + r, num_cols]) for r in range(num_rows)]
     band = fig.add_subplot(spec[0, :num_cols]) if top else None
-    return panels, bars, band
-
-
-def _label_grid(panels, row_label: str, col_label: str) -> None:
     for r, row in enumerate(panels):
+        norm = norm_of_row(maps[r])
         for c, ax in enumerate(row):
-            ax.set_xticks([])
-            ax.set_yticks([])
+            shown = ax.imshow(maps[r, c], cmap=cmap, norm=norm, interpolation='nearest', **imshow_kwargs)
+            ax.set(xticks=[], yticks=[])
             if c == 0:
-                ax.set_ylabel(f'{row_label} {r + 1}', fontsize=8)
+                ax.set_ylabel(f'layer {r + 1}', fontsize=8)
             if r == 0:
                 ax.set_title(f'{col_label} {c + 1}', fontsize=8)
-
-
-def _draw_rows(fig, panels, bars, maps: np.ndarray, cmap: str, norm_of_row: Callable, **imshow_kwargs) -> None:
-    """``maps[row, col]`` into ``panels[row][col]``, one colour scale (``norm_of_row``) and bar per row."""
-    for row, axes in enumerate(panels):
-        norm = norm_of_row(maps[row])
-        for col, ax in enumerate(axes):
-            shown = ax.imshow(maps[row, col], cmap=cmap, norm=norm, interpolation='nearest', **imshow_kwargs)
-        fig.colorbar(shown, cax=bars[row]).ax.tick_params(labelsize=6)
+        fig.colorbar(shown, cax=bars[r]).ax.tick_params(labelsize=6)
+    if top:
+        band.imshow(image)
+        band.set_axis_off()
+        band.set_title('input', fontsize=8)
+    return panels
 
 
 def _bias_norm(limit: float, log_scale: bool):
@@ -254,25 +221,19 @@ def _bias_norm(limit: float, log_scale: bool):
 def plot_position_bias(maps: np.ndarray, path: PathLike, title: Optional[str] = None,
                        query: Optional[Tuple[int, int]] = None, log_scale: bool = False, force: bool = False,
                        dpi: int = 110) -> Path:
-    """Draw position-bias maps into the .png ``path`` (refused if it exists unless ``force``); returns it.
-
-    (layers, heads, s, s) maps: layers as rows, heads as columns, one colour scale per layer centred on 0 (symmetric
-    log with ``log_scale``). (layers, H, W) maps: a panel per layer, ``query`` (row, column) marked.
-    """
+    """Draw position-bias maps into the .png ``path`` (refused if it exists unless ``force``); returns it. (layers,
+    heads, s, s) maps: layers as rows, heads as columns, one colour scale per layer centred on 0 (symmetric log with
+    ``log_scale``). (layers, H, W) maps: a panel per layer, ``query`` (row, column) marked."""
     path = _check_out(path, force)
     maps = np.asarray(maps, dtype=np.float32)
     if maps.ndim == 4:
         num_layers, num_heads, size = maps.shape[0], maps.shape[1], maps.shape[-1]
         fig = _figure(0.9 * num_heads + 1.2, 0.9 * num_layers + 0.8)
-        panels, bars, _ = _grid_panels(fig, num_layers, num_heads)
-        _draw_rows(fig, panels, bars, maps, 'RdBu_r',
-                   lambda layer: _bias_norm(float(np.abs(layer).max()) or 1.0, log_scale),  # all 0: any scale
-                   extent=(-size / 2, size / 2, size / 2, -size / 2))
-        _label_grid(panels, 'layer', 'head')
-        bottom_left = panels[-1][0]
-        radius = size // 2
-        bottom_left.set_xticks([-radius, 0, radius])
-        bottom_left.set_yticks([-radius, 0, radius])
+        panels = _draw_grid(fig, maps, 'RdBu_r',
+                            lambda layer: _bias_norm(float(np.abs(layer).max()) or 1.0, log_scale),  # all 0: any
+                            'head', extent=(-size / 2, size / 2, size / 2, -size / 2))
+        bottom_left, radius = panels[-1][0], size // 2
+        bottom_left.set(xticks=[-radius, 0, radius], yticks=[-radius, 0, radius])
         bottom_left.tick_params(labelsize=6)
         bottom_left.set_xlabel('key column offset', fontsize=7)
         bottom_left.set_ylabel(f'layer {num_layers}\nkey row offset', fontsize=7)
@@ -313,16 +274,8 @@ def plot_key_maps(keys: np.ndarray, path: PathLike, image: Optional[np.ndarray] 
     if keys.ndim != 4:
         raise ValueError(f'expected (layers, maps, H, W) keys, got shape {list(keys.shape)}')
     num_layers, num_maps = keys.shape[:2]
-    top = 1 if image is not None else 0
-    band = 2.0 if top else 0.0
-    fig = _figure(0.9 * num_maps + 1.2, 0.9 * num_layers + band + 0.8)
-    panels, bars, band_ax = _grid_panels(fig, num_layers, num_maps, top=top, top_ratio=2.2)
-    _draw_rows(fig, panels, bars, keys, 'viridis', lambda layer: Normalize(float(layer.min()), float(layer.max())))
-    _label_grid(panels, 'layer', map_label)
-    if band_ax is not None:
-        band_ax.imshow(image)
-        band_ax.set_axis_off()
-        band_ax.set_title('input', fontsize=8)
+    fig = _figure(0.9 * num_maps + 1.2, 0.9 * num_layers + (0.0 if image is None else 2.0) + 0.8)
+    _draw_grid(fig, keys, 'viridis', lambda layer: Normalize(float(layer.min()), float(layer.max())), map_label, image)
     grid = f'{keys.shape[2]} x {keys.shape[3]}'
     fig.suptitle(title or f'keys per layer (rows) and {map_label} (columns) over the {grid} patch grid', fontsize=9)
     _save(fig, path, force, dpi)
@@ -332,11 +285,18 @@ def plot_key_maps(keys: np.ndarray, path: PathLike, image: Optional[np.ndarray] 
 # ------------------------------------------------------------------------------------------------ the jobs
 
 
-def _load(model: str, checkpoint: Optional[PathLike], pretrained: bool, use_ema: bool,
-          model_kwargs: Optional[Dict]) -> Tuple[nn.Module, str]:
-    from ..hub import load_model as load
-
-    return load(model, None if checkpoint is None else str(checkpoint), pretrained, use_ema, model_kwargs)
+def _load(out: PathLike, force: bool, model: str, checkpoint: Optional[PathLike], pretrained: bool, use_ema: bool,
+          model_kwargs: Optional[Dict], image: Optional[PathLike] = None) -> Tuple[nn.Module, str]:
+    """Check first that matplotlib is present (a RuntimeError, one line), ``out`` writable and ``image`` there; then
+    ``hub.load_model``'s model and weights."""
+    try:
+        _figure(1, 1)
+    except ImportError as e:
+        raise RuntimeError(str(e)) from None
+    _check_out(out, force)
+    if image is not None and not Path(image).is_file():
+        raise FileNotFoundError(f'image not found: {image}')
+    return hub_load_model(model, None if checkpoint is None else str(checkpoint), pretrained, use_ema, model_kwargs)
 
 
 def show_bias(model: str, out: PathLike, checkpoint: Optional[PathLike] = None, pretrained: bool = False,
@@ -345,11 +305,8 @@ def show_bias(model: str, out: PathLike, checkpoint: Optional[PathLike] = None, 
               dpi: int = 110) -> np.ndarray:
     """``aft-vision show-bias``: load the model (``hub.load_model``), draw its position biases to ``out`` (AFT-conv:
     the first ``heads`` heads; AFT-full: for ``query``, by default the grid centre); returns the maps."""
-    from ..hub import warn_random_weights
-
     start = time.perf_counter()
-    _check_plotting(out, force)
-    name, (model, weights) = model, _load(model, checkpoint, pretrained, use_ema, model_kwargs)
+    name, (model, weights) = model, _load(out, force, model, checkpoint, pretrained, use_ema, model_kwargs)
     if _mixers(model, (AFTConv2d,)):
         maps = position_bias_maps(model, num_heads=heads)
         plot_position_bias(maps, out, log_scale=log_scale, force=force, dpi=dpi,
@@ -374,13 +331,8 @@ def show_keys(image: PathLike, model: str, out: PathLike, checkpoint: Optional[P
               img_size: Optional[int] = None, force: bool = False, dpi: int = 110) -> np.ndarray:
     """``aft-vision show-keys``: load the model and the image (at ``img_size`` if given), draw the first ``heads``
     heads' (or key channels') maps to ``out``; returns the key maps."""
-    from ..hub import warn_random_weights
-
     start = time.perf_counter()
-    _check_plotting(out, force)
-    if not Path(image).is_file():
-        raise FileNotFoundError(f'image not found: {image}')
-    name, (model, weights) = model, _load(model, checkpoint, pretrained, use_ema, model_kwargs)
+    name, (model, weights) = model, _load(out, force, model, checkpoint, pretrained, use_ema, model_kwargs, image)
     tensor, shown = load_image(image, model, img_size)
     keys = key_maps(model, tensor, num_maps=heads)
     label = 'head' if _mixers(model, (AFTConv2d,)) else 'channel'
