@@ -22,8 +22,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
 
-from ..checkpoints.files import atomic_dir, check_output_dir, save_figure
+from ..checkpoints.files import atomic_dir, check_output_dir
 from ..models.aft_conv import AFTConvTransformer
+from ..plots import save_figure
 
 __all__ = ['BenchSettings', 'run_benchmark', 'main', 'RUNTIMES', 'DEPLOY_PRECISIONS']
 

@@ -17,10 +17,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from ..plots import save_figure  # noqa: F401  moved to aft_vision.plots: here until tasks and bench import it there
 
-__all__ = ['load_weights', 'save_weights', 'atomic_dir', 'output_dir', 'check_output_dir', 'swap_in', 'save_figure',
-           'sha256sum', 'umask_mode']
+__all__ = ['load_weights', 'save_weights', 'atomic_dir', 'output_dir', 'check_output_dir', 'swap_in', 'sha256sum',
+           'umask_mode']
 
 PathLike = Union[str, os.PathLike]
 

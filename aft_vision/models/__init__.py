@@ -10,14 +10,3 @@ from ._base import AFTTransformerBase, Block
 from .aft_vit import *
 from .aft_conv import *
 from .pyramid import SimpleFeaturePyramid
-
-_MOVED_TO_HUB = ('check_model_name', 'check_pretrained', 'create_aft_model')
-
-
-def __getattr__(name: str):
-    """The model-name checks moved to ``aft_vision.hub`` (issue 42); found here until ``tasks`` imports them there."""
-    if name in _MOVED_TO_HUB:
-        import importlib
-
-        return getattr(importlib.import_module('aft_vision.hub.loading'), name)
-    raise AttributeError(f'module {__name__!r} has no attribute {name!r}')

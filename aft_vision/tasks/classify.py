@@ -17,10 +17,9 @@ from timm.data import resolve_data_config
 from timm.utils.distributed import init_distributed_device_so
 from tqdm import tqdm
 
-from ..checkpoints import save_figure
 from ..checkpoints.files import load_weights, output_dir, save_weights
-from ..hub import publish, source_architecture
-from ..models import check_pretrained, create_aft_model
+from ..hub import check_pretrained, create_aft_model, publish, source_architecture
+from ..plots import save_figure
 from .image_folders import check_image_folders
 from .training import eval_data_config, evaluate, size_scaled_batches, sizes_text, state_digest, train, write_digits
 

@@ -15,8 +15,9 @@ from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
 from tqdm import tqdm
 
-from ..checkpoints.files import check_output_dir, save_figure, save_weights
-from ..models import create_aft_model
+from ..checkpoints.files import check_output_dir, save_weights
+from ..hub import create_aft_model
+from ..plots import save_figure
 from .scenes import NUM_CLASSES, Scenes, digit_split, make_scenes
 
 __all__ = ['DPT_SIZE_MULTIPLE', 'SegmentSettings', 'build_dpt', 'confusion', 'mean_iou', 'run']

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from ..checkpoints.files import load_weights, save_weights
 from ..checkpoints.transfer import transfer_vit_weights
-from ..models import create_aft_model
+from ..hub import create_aft_model
 from .classify import DIGITS_MODEL, ClassifySettings, at_size, check_model_and_sizes
 from .study_report import plot_study, render_markdown
 from .training import evaluate, size_scaled_batches, sizes_text, train, write_digits

@@ -3,7 +3,7 @@
 from pathlib import Path
 from typing import Dict, List
 
-from ..checkpoints import save_figure
+from ..plots import save_figure
 from .training import size_scaled_batches, sizes_text
 
 __all__ = ['render_markdown', 'plot_study']
