@@ -154,12 +154,11 @@ def _upload(folder: Path, repo_id: str, private: bool) -> str:
     from huggingface_hub import HfApi
 
     api = HfApi(library_name='aft_vision', library_version=__version__)
+    step = f'creating Hub repository {repo_id}'
     try:
         repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
-    except Exception as error:  # huggingface_hub raises many types; name the step and the cause
-        raise RuntimeError(f'creating Hub repository {repo_id} failed: {type(error).__name__}: {error}') from None
-    try:
+        step = f'uploading to {repo_id}'
         commit = api.upload_folder(repo_id=repo_id, folder_path=str(folder), commit_message='Add AFT model')
-    except Exception as error:
-        raise RuntimeError(f'uploading to {repo_id} failed: {type(error).__name__}: {error}') from None
+    except Exception as error:  # huggingface_hub raises many types; name the step and the cause
+        raise RuntimeError(f'{step} failed: {type(error).__name__}: {error}') from None
     return str(getattr(commit, 'commit_url', commit))
