@@ -6,16 +6,19 @@ forward and backward separately (median of the repetitions of each, methods inte
 policy and the chosen precision; the fastest method (by forward + backward) is set beside the one ``method='auto'``
 picks. The depthwise method's variant keeps its historical name, ``conv:forward_conv`` (its backward).
 """
+import dataclasses
+import json
 import statistics
 import time
+from pathlib import Path
 from typing import Dict, List
 
 import timm
 import torch
 from tqdm import tqdm
 
+from ..checkpoints.files import atomic_dir
 from ..layers import AFTConv2d, aft_conv2d, choose_conv_method
-from .throughput import _sync, _write
 
 __all__ = ['layer_shape', 'time_methods', 'main']
 
@@ -49,6 +52,10 @@ def time_methods(shape: Dict[str, int], batch_size: int, device: torch.device, p
                     requires_grad=True)
     dtype = {'fp32': None, 'bf16': torch.bfloat16, 'fp16': torch.float16}[precision]
 
+    def sync():
+        if device.type == 'cuda':
+            torch.cuda.synchronize(device)
+
     def step(variant):
         method = variant.partition(':')[0]
         inputs = [x.to(dtype) if dtype else x for x in (q, k, v)]
@@ -56,10 +63,10 @@ def time_methods(shape: Dict[str, int], batch_size: int, device: torch.device, p
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
             out = aft_conv2d(*inputs, w, method=method)
         loss = out.float().sum()
-        _sync(device)
+        sync()
         middle = time.perf_counter()
         loss.backward()
-        _sync(device)
+        sync()
         return (middle - start) * 1e3, (time.perf_counter() - middle) * 1e3
 
     times = {variant: ([], []) for variant in variants}
@@ -101,5 +108,11 @@ def main(settings, models: List[str], resolutions: List[int]) -> int:
                      + ' | '.join(f'{value:.2f}' for value in row['ms'].values())
                      + f" | {row['fastest']} | {row['auto']} | "
                      + ' | '.join(f"{t['forward']:.2f} / {t['backward']:.2f}" for t in row['split_ms'].values()) + ' |')
-    _write(settings, 'ops', rows, '\n'.join(lines))
+    table = '\n'.join(lines)
+    out = Path(settings.out_dir)
+    with atomic_dir(out, force=True) as staging:  # the earlier files of those names replaced, nothing else
+        (staging / 'ops.json').write_text(json.dumps({'command': dataclasses.asdict(settings), 'rows': rows}, indent=2))
+        (staging / 'ops.md').write_text(table + '\n')
+    print(table)
+    print(f'wrote {out}/ops.json, ops.md')
     return 0

@@ -59,8 +59,7 @@ def _folder_images(folder: os.PathLike, at_least: int) -> List[Path]:
 
 def write_model(model: torch.nn.Module, example: torch.Tensor, fmt: str, target: Path, calibration: List[np.ndarray],
                 dynamic_size: bool = True) -> None:
-    """``model`` as an ``.onnx`` file (a dynamic batch, and size: ``dynamic_size``) or an ``.xml`` with its ``.bin``;
-    INT8 where ``calibration`` batches are given."""
+    """``model`` as an .onnx file (dynamic batch; size: ``dynamic_size``) or an .xml and .bin; INT8 where calibrated."""
     if fmt == 'onnx':
         float_file = target.with_name('float.onnx') if calibration else target
         runtimes.export_onnx(model, example, float_file, dynamic_size)
