@@ -10,9 +10,8 @@ import functools
 import gc
 import json
 import multiprocessing
-import os
-import shutil
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
@@ -153,22 +152,16 @@ def _classifier(name: str, img_size: int, batch_size: int, train_batch_size: Opt
 
 
 def _deployed(model: torch.nn.Module, images: torch.Tensor, runtime: str, precision: str):
-    """``model`` in ``runtime`` at ``precision`` as ``aft_vision.deploy`` writes it, a function of an image batch (INT8
-    calibrated on ``images`` and a batch of random images)."""
-    from .. import deploy
+    """``model`` in ``runtime`` at ``precision`` as ``aft-vision export`` writes it (``deploy.write_model``), a function
+    of an image batch (INT8 calibrated on ``images`` and a batch of random images)."""
+    from ..deploy import load_runner, write_model
 
     batches = [images.numpy(), torch.randn_like(images).numpy()] if precision == 'int8' else []
-    if runtime == 'openvino':
-        ov_model = deploy.convert_openvino(model, images)
-        return deploy.openvino_runner(deploy.quantize_openvino(ov_model, batches) if batches else ov_model, precision)
-    path = deploy.temporary_onnx(model, images)
-    try:
-        if batches:
-            deploy.quantize_onnx(path, path + '.int8', batches)
-            path += '.int8'
-        return deploy.onnx_runner(path)
-    finally:
-        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+    fmt = 'onnx' if runtime == 'onnxruntime' else 'openvino'
+    with tempfile.TemporaryDirectory(prefix='aft-bench-') as folder:
+        path = Path(folder, 'model.onnx' if fmt == 'onnx' else 'model.xml')
+        write_model(model, images, fmt, path, batches)
+        return load_runner(path, precision)
 
 
 def _fresh_process_rss_peak(name: str, img_size: int, batch_size: int, precision: str, method: str,

@@ -3,17 +3,15 @@ import argparse
 import sys
 from typing import List, Optional
 
-
 from ..models.aft_conv import RESIZE_MODES
 from ..tasks import classify
-from .args import TASKS, ModelKwargs, Parser, run_command, settings_from
+from .args import TASK_DEFAULTS, TASKS, ModelKwargs, Parser, run_command, settings_from
 
 HELP = 'the main job: train on the digits (or --data-dir), evaluate, publish'
 
 
 def _task_default(option: str) -> str:
-    return ', '.join(f'{task}: {getattr(settings(), option)}' for task, (settings, _) in TASKS.items()
-                     if hasattr(settings, option))
+    return ', '.join(f'{task}: {defaults[option]}' for task, defaults in TASK_DEFAULTS.items() if option in defaults)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

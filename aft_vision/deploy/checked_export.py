@@ -13,7 +13,7 @@ from timm.data import create_transform, resolve_data_config
 
 from . import runtimes
 
-__all__ = ['export', 'calibration_files']
+__all__ = ['export', 'calibration_files', 'write_model']
 
 IMAGE_SUFFIXES = ('.png', '.jpg', '.jpeg', '.bmp', '.webp', '.tif', '.tiff', '.gif')
 MAX_CALIBRATION = 300  # images calibrated on at most (NNCF's default subset)
@@ -57,10 +57,10 @@ def _folder_images(folder: os.PathLike, at_least: int) -> List[Path]:
     return files
 
 
-def _write(model: torch.nn.Module, example: torch.Tensor, fmt: str, target: Path, calibration: List[np.ndarray]):
-    # an .onnx file, or an .xml with its .bin; INT8 where calibrated; ONNX takes any size where the model does
+def write_model(model: torch.nn.Module, example: torch.Tensor, fmt: str, target: Path, calibration: List[np.ndarray],
+                dynamic_size: bool = True) -> None:
+    """``model`` as an .onnx file (dynamic batch; size: ``dynamic_size``) or an .xml and .bin; INT8 where calibrated."""
     if fmt == 'onnx':
-        dynamic_size = model._fixed_img_size() is None
         float_file = target.with_name('float.onnx') if calibration else target
         runtimes.export_onnx(model, example, float_file, dynamic_size)
         if calibration:
@@ -114,7 +114,7 @@ def export(model: torch.nn.Module, out: os.PathLike, fmt: str = 'onnx', img_size
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f'.{out.name}.', dir=out.parent) as staging:
         staged = Path(staging) / out.name
-        _write(model, example, fmt, staged, batches)
+        write_model(model, example, fmt, staged, batches, model._fixed_img_size() is None)  # any size it takes
         run = runtimes.load_runner(staged, 'int8' if calibration else 'fp32')
         report.update(_check(model, run, size, checking, seed))
         for src, dst in zip(_outputs(staged, fmt), _outputs(out, fmt)):

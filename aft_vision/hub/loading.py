@@ -20,8 +20,7 @@ from timm.models import parse_model_name
 from ..checkpoints.files import load_weights
 from ..checkpoints.transfer import is_vit_state_dict, select_weights, unwrap_state_dict
 from ..models.aft_conv import AFTConvTransformer, checkpoint_filter_fn as aft_conv_filter
-from .data_config import resolve_publish_data_config
-from .records import read_training_record, source_architecture
+from .records import read_training_record, resolve_publish_data_config, source_architecture
 
 __all__ = ['load_model', 'create_aft_model', 'check_model_name', 'check_pretrained', 'check_aft_model',
            'check_init_weights', 'check_model_kwargs', 'check_source', 'warn_random_weights', 'RANDOM_WEIGHTS']

@@ -1,7 +1,7 @@
 """Publishing an AFT checkpoint in timm's Hub layout: timm's ``save_for_hf`` writes ``model.safetensors`` and
 ``config.json``, timm's ``generate_readme`` the model card, huggingface_hub uploads the folder (as timm's
 ``push_to_hf_hub`` does). Written here: the client-only ``model_args`` taken out of config.json, the preprocessing
-read from the run that made the checkpoint (``records``, ``data_config``), a dry run into a local folder that is
+read from the run that made the checkpoint (``records``), a dry run into a local folder that is
 written atomically and never replaced without ``force``, and upload errors that name their step.
 """
 import inspect
@@ -18,9 +18,9 @@ from timm.models._hub import generate_readme  # push_to_hf_hub's card writer
 
 from ..checkpoints.files import atomic_dir, sha256sum
 from ..version import __version__
-from .data_config import CROP_MODES, INTERPOLATIONS, resolve_publish_data_config
 from .loading import load_model
-from .records import DATA_CONFIG_KEYS, TrainingRecord, _read_json_object, read_training_record, source_architecture
+from .records import (CROP_MODES, DATA_CONFIG_KEYS, INTERPOLATIONS, TrainingRecord, _read_json_object,
+                      read_training_record, resolve_publish_data_config, source_architecture)
 
 __all__ = ['build_hub_folder', 'publish', 'source_architecture', 'read_training_record',
            'resolve_publish_data_config', 'TrainingRecord', 'DATA_CONFIG_KEYS', 'CROP_MODES', 'INTERPOLATIONS']
@@ -154,12 +154,11 @@ def _upload(folder: Path, repo_id: str, private: bool) -> str:
     from huggingface_hub import HfApi
 
     api = HfApi(library_name='aft_vision', library_version=__version__)
+    step = f'creating Hub repository {repo_id}'
     try:
         repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
-    except Exception as error:  # huggingface_hub raises many types; name the step and the cause
-        raise RuntimeError(f'creating Hub repository {repo_id} failed: {type(error).__name__}: {error}') from None
-    try:
+        step = f'uploading to {repo_id}'
         commit = api.upload_folder(repo_id=repo_id, folder_path=str(folder), commit_message='Add AFT model')
-    except Exception as error:
-        raise RuntimeError(f'uploading to {repo_id} failed: {type(error).__name__}: {error}') from None
+    except Exception as error:  # huggingface_hub raises many types; name the step and the cause
+        raise RuntimeError(f'{step} failed: {type(error).__name__}: {error}') from None
     return str(getattr(commit, 'commit_url', commit))
