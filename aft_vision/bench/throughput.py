@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from ..checkpoints.files import atomic_dir, check_output_dir
 from ..models.aft_conv import AFTConvTransformer
-from ..plots import save_figure
+from .report import markdown_table, plot, summary_table
 
 __all__ = ['BenchSettings', 'run_benchmark', 'main', 'RUNTIMES', 'DEPLOY_PRECISIONS']
 
@@ -298,67 +298,6 @@ def _record(case: _Case, times: Dict, train: bool, peak_memory: bool) -> Dict:
             record['train_peak_mb'] = case.peak_memory('train_step') / 2 ** 20
         record['train_saved_mb'] = case.saved_bytes() / 2 ** 20
     return record
-
-
-def _figure(record: Dict, key: str, fmt: str, suffix: str = '') -> str:
-    """A formatted figure, or '-' where it was not measured (e.g. under --no-train)."""
-    value = record.get(key)
-    return '-' if value is None else f'{value:{fmt}}{suffix}'
-
-
-def markdown_table(rows: List[Dict]) -> str:
-    """The README table: one line per (resolution, model), AFT beside DeiT and their ratio."""
-    head = ('| res | model | params (M) | GMACs | infer img/s | train img/s | train peak MB | saved MB | GFLOP/s '
-            '| vs DeiT: infer | train | train mem | saved |')
-    lines = [head, '|' + '---|' * (head.count('|') - 1)]
-    for row in rows:
-        for who in ('aft', 'deit'):
-            r, ratio = row[who], row['ratio']
-            tail = ' | '.join(_figure(ratio, key, '.2f', 'x') for key in
-                              ('infer_img_s', 'train_img_s', 'train_peak_mb', 'train_saved_mb')) if who == 'aft' \
-                else ' | | | '
-            lines.append(
-                f"| {row['resolution']} | {r['model']} | {r['params'] / 1e6:.1f} | {r['gmacs']:.2f} | "
-                f"{r['infer_img_s']:.1f} | {_figure(r, 'train_img_s', '.1f')} | {_figure(r, 'train_peak_mb', '.0f')} | "
-                f"{_figure(r, 'train_saved_mb', '.0f')} | {r['infer_gflop_s']:.1f} | {tail} |")
-    return '\n'.join(lines)
-
-
-def summary_table(rows: List[Dict]) -> str:
-    """The README's table: one line per AFT model and resolution, its figures and its ratios to its baseline."""
-    head = '| res | model | params (M) | GMACs | infer img/s | train img/s | vs DeiT: infer | vs DeiT: train |'
-    lines = [head, '|' + '---|' * (head.count('|') - 1)]
-    for row in rows:
-        r, ratio = row['aft'], row['ratio']
-        lines.append(f"| {row['resolution']} | {r['model']} | {r['params'] / 1e6:.1f} | {r['gmacs']:.2f} | "
-                     f"{r['infer_img_s']:.2f} | {_figure(r, 'train_img_s', '.2f')} | "
-                     f"{_figure(ratio, 'infer_img_s', '.2f', 'x')} | {_figure(ratio, 'train_img_s', '.2f', 'x')} |")
-    return '\n'.join(lines)
-
-
-def plot(rows: List[Dict], path: Path) -> None:
-    """AFT / DeiT throughput ratios against resolution (inference, training step) and inference throughput."""
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    for pair in dict.fromkeys((row['aft']['model'], row['deit']['model']) for row in rows):
-        mine = [row for row in rows if (row['aft']['model'], row['deit']['model']) == pair]
-        res = [row['resolution'] for row in mine]
-        label = f'{pair[0]} / {pair[1]}'
-        for ax, key in zip(axes, ('infer_img_s', 'train_img_s')):
-            ax.plot(res, [row['ratio'].get(key, float('nan')) for row in mine], '-o', label=label)  # nan: --no-train
-        axes[2].plot(res, [row['aft']['infer_img_s'] for row in mine], '-o', label=pair[0])
-        axes[2].plot(res, [row['deit']['infer_img_s'] for row in mine], '--s', label=pair[1])
-    for ax, title in zip(axes, ('Inference', 'Training step')):
-        ax.axhline(1.0, color='grey', lw=0.8)
-        ax.set(xlabel='resolution (px)', ylabel='AFT / DeiT images per second', title=title)
-    axes[2].set(xlabel='resolution (px)', ylabel='inference images / s', yscale='log', title='Throughput')
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    save_figure(fig, path, dpi=110)
 
 
 @dataclasses.dataclass
