@@ -11,7 +11,7 @@ from torch.jit import Final
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import DropPath, LayerNorm, LayerScale, Mlp, calculate_drop_path_rates, get_device_dtype
-from timm.models import named_apply, register_notrace_function
+from timm.models import checkpoint, named_apply, register_notrace_function
 from timm.models._features import feature_take_indices  # as timm's own models import it (not re-exported)
 from timm.models.vision_transformer import init_weights_vit_timm
 
@@ -187,6 +187,25 @@ class AFTTransformerBase(nn.Module):
     def _fixed_img_size(self) -> Optional[Tuple[int, int]]:
         """The one input size the model takes, or None when any multiple of the patch size runs."""
         return None
+
+    def _run_blocks(self, x: torch.Tensor, feat_size: Optional[List[int]] = None,
+                    take_indices: Optional[List[int]] = None, norm: bool = False,
+                    last: Optional[int] = None) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+        """The blocks (through block ``last`` only, outside TorchScript, which cannot slice them) on x of the grid
+        ``feat_size``, and the outputs of the blocks in ``take_indices`` (through ``norm`` if asked)."""
+        intermediates: List[torch.Tensor] = []
+        if torch.jit.is_scripting() or last is None:
+            blocks = self.blocks
+        else:
+            blocks = self.blocks[:last + 1]
+        for i, blk in enumerate(blocks):
+            if self.grad_checkpointing and not torch.jit.is_scripting():
+                x = checkpoint(blk, x, feat_size)
+            else:
+                x = blk(x, feat_size)
+            if take_indices is not None and i in take_indices:
+                intermediates.append(self.norm(x) if norm else x)
+        return x, intermediates
 
     def _check_input(self, x: torch.Tensor) -> None:
         check_image(x, self.in_chans, self.patch_embed.patch_size, self._fixed_img_size(),

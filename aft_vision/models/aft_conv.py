@@ -15,7 +15,7 @@ from torch import nn
 
 from timm.layers import LayerNorm, PatchEmbed, SelectAdaptivePool2d, get_act_layer, get_norm_layer, \
     resample_patch_embed, to_2tuple
-from timm.models import build_model_with_cfg, checkpoint, checkpoint_seq, generate_default_cfgs, register_model
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 from timm.models._input import update_model_args, update_model_input_size  # what timm's ViT records on a resize
 
@@ -183,26 +183,14 @@ class AFTConvTransformer(AFTTransformerBase):
         ``output_fmt`` 'NCHW' or 'NHWC'. Returns the intermediates, or (features (B, H, W, C), intermediates)."""
         if output_fmt not in ('NCHW', 'NHWC'):
             raise ValueError(f"output_fmt must be 'NCHW' or 'NHWC', got '{output_fmt}'")
-        intermediates = []
         take_indices, max_index = feature_take_indices(len(self.blocks), indices)
-
         self._check_input(x)
-        if torch.jit.is_scripting() or not stop_early:  # can't slice blocks in torchscript
-            blocks = self.blocks
-        else:
-            blocks = self.blocks[:max_index + 1]
         if self._records_nchw():
-            return self._intermediates_nchw(x, len(blocks), take_indices, norm, output_fmt, intermediates_only)
-        x = self._embed(x)  # (B, H, W, C)
-        for i, blk in enumerate(blocks):
-            if self.grad_checkpointing and not torch.jit.is_scripting():
-                x = checkpoint(blk, x)
-            else:
-                x = blk(x)
-            if i in take_indices:
-                y = self.norm(x) if norm else x
-                intermediates.append(y.permute(0, 3, 1, 2).contiguous() if output_fmt == 'NCHW' else y)
-
+            num_blocks = max_index + 1 if stop_early else len(self.blocks)
+            return self._intermediates_nchw(x, num_blocks, take_indices, norm, output_fmt, intermediates_only)
+        x, intermediates = self._run_blocks(self._embed(x), None, take_indices, norm, max_index if stop_early else None)
+        if output_fmt == 'NCHW':  # (B, H, W, C) -> (B, C, H, W)
+            intermediates = [y.permute(0, 3, 1, 2).contiguous() for y in intermediates]
         if intermediates_only:
             return intermediates
         x = self.norm(x)
@@ -241,12 +229,7 @@ class AFTConvTransformer(AFTTransformerBase):
         self._check_input(x)
         if self._records_nchw():
             return self._features_nchw(x)
-        x = self._embed(x)  # (B, H, W, C)
-        if self.grad_checkpointing and not torch.jit.is_scripting():
-            x = checkpoint_seq(self.blocks, x)
-        else:
-            x = self.blocks(x)
-        return self.norm(x)
+        return self.norm(self._run_blocks(self._embed(x))[0])  # (B, H, W, C)
 
 
 @contextlib.contextmanager

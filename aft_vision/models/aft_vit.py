@@ -16,7 +16,7 @@ from torch.jit import Final
 
 from timm.layers import LayerNorm, PatchEmbed, get_act_layer, get_norm_layer, global_pool_nlc, resample_abs_pos_embed, \
     to_2tuple, trunc_normal_
-from timm.models import build_model_with_cfg, checkpoint, generate_default_cfgs, register_model
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 from timm.models._input import get_pretrained_grid_size, update_model_input_size  # as timm's ViT (not re-exported)
 from timm.models.vision_transformer import checkpoint_filter_fn as vit_checkpoint_filter_fn
@@ -216,26 +216,11 @@ class AFTVisionTransformer(AFTTransformerBase):
         ``output_fmt`` 'NCHW' (patch-token maps) or 'NLC', ``return_prefix_tokens`` as (map, prefix) pairs."""
         if output_fmt not in ('NCHW', 'NLC'):
             raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got '{output_fmt}'")
-        reshape = output_fmt == 'NCHW'
-        intermediates = []
         take_indices, max_index = feature_take_indices(len(self.blocks), indices)
-
         self._check_input(x)
         B, _, height, width = x.shape
-        x = self.patch_embed(x)
-        x, feat_size = self._pos_embed(x)
-
-        if torch.jit.is_scripting() or not stop_early:  # can't slice blocks in torchscript
-            blocks = self.blocks
-        else:
-            blocks = self.blocks[:max_index + 1]
-        for i, blk in enumerate(blocks):
-            if self.grad_checkpointing and not torch.jit.is_scripting():
-                x = checkpoint(blk, x, feat_size)
-            else:
-                x = blk(x, feat_size)
-            if i in take_indices:
-                intermediates.append(self.norm(x) if norm else x)
+        x, feat_size = self._pos_embed(self.patch_embed(x))
+        x, intermediates = self._run_blocks(x, feat_size, take_indices, norm, max_index if stop_early else None)
 
         # split prefix (class) tokens from the patch tokens
         if self.num_prefix_tokens:
@@ -243,7 +228,7 @@ class AFTVisionTransformer(AFTTransformerBase):
             intermediates = [y[:, self.num_prefix_tokens:] for y in intermediates]
         else:
             prefix_tokens = None
-        if reshape:
+        if output_fmt == 'NCHW':
             H, W = self.patch_embed.dynamic_feat_size((height, width))
             intermediates = [y.reshape(B, H, W, -1).permute(0, 3, 1, 2).contiguous() for y in intermediates]
         if not torch.jit.is_scripting() and return_prefix_tokens and prefix_tokens is not None:
@@ -257,14 +242,8 @@ class AFTVisionTransformer(AFTTransformerBase):
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, C, H, W) -> normalised tokens (B, prefix + H/p * W/p, C)."""
         self._check_input(x)
-        x = self.patch_embed(x)
-        x, feat_size = self._pos_embed(x)
-        for blk in self.blocks:
-            if self.grad_checkpointing and not torch.jit.is_scripting():
-                x = checkpoint(blk, x, feat_size)
-            else:
-                x = blk(x, feat_size)
-        return self.norm(x)
+        x, feat_size = self._pos_embed(self.patch_embed(x))
+        return self.norm(self._run_blocks(x, feat_size)[0])
 
     def pool(self, x: torch.Tensor, pool_type: Optional[str] = None) -> torch.Tensor:
         """Tokens (B, T, C) -> (B, C) by timm's ``global_pool_nlc`` ('' keeps x)."""
