@@ -10,7 +10,8 @@ from torch import nn
 from torch.jit import Final
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, LayerNorm, LayerScale, Mlp, calculate_drop_path_rates, get_device_dtype
+from timm.layers import DropPath, LayerNorm, LayerScale, LayerType, Mlp, calculate_drop_path_rates, get_act_layer, \
+    get_device_dtype, get_norm_layer
 from timm.models import checkpoint, named_apply, register_notrace_function
 from timm.models._features import feature_take_indices  # as timm's own models import it (not re-exported)
 from timm.models.vision_transformer import init_weights_vit_timm
@@ -119,20 +120,26 @@ class AFTTransformerBase(nn.Module):
         self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
         self.grad_checkpointing = False
 
-    def _build_trunk(self, depth: int, mixer_layer: Callable[..., nn.Module], reduction: int, block_fn: Type[nn.Module],
-                     norm_layer: Type[nn.Module], drop_rate: float, drop_path_rate: float, dd: Dict[str, Any],
-                     **block_kwargs) -> None:
-        """``depth`` blocks (stochastic depth linear over them), their ``feature_info``, final norm and head."""
+    def _build_trunk(self, depth: int, mixer_layer: Callable[..., nn.Module], block_fn: Type[nn.Module],
+                     norm_layer: Optional[LayerType], act_layer: Optional[LayerType], drop_rate: float,
+                     drop_path_rate: float, weight_init: str, dd: Dict[str, Any], **block_kwargs) -> None:
+        """``depth`` blocks (stochastic depth linear over them), their ``feature_info``, final norm and head (norm and
+        activation by name or class, None: LayerNorm, GELU), then timm's ViT init unless ``weight_init='skip'``."""
+        norm_layer = get_norm_layer(norm_layer) or LayerNorm
+        act_layer = get_act_layer(act_layer) or nn.GELU
         dpr = calculate_drop_path_rates(drop_path_rate, depth)
         self.blocks = nn.Sequential(*[
             block_fn(dim=self.embed_dim, mixer_layer=mixer_layer, drop_path=dpr[i], norm_layer=norm_layer,
-                     **block_kwargs, **dd)
+                     act_layer=act_layer, **block_kwargs, **dd)
             for i in range(depth)])
+        reduction = self.patch_embed.feat_ratio()
         self.feature_info = [
             dict(module=f'blocks.{i}', num_chs=self.embed_dim, reduction=reduction) for i in range(depth)]
         self.norm = norm_layer(self.embed_dim, **dd)
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(self.embed_dim, self.num_classes, **dd) if self.num_classes > 0 else nn.Identity()
+        if weight_init != 'skip':
+            self.init_weights()
 
     def _set_global_pool(self, global_pool: str) -> None:
         raise NotImplementedError

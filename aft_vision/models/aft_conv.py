@@ -13,8 +13,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Type, U
 import torch
 from torch import nn
 
-from timm.layers import LayerNorm, PatchEmbed, SelectAdaptivePool2d, get_act_layer, get_norm_layer, \
-    resample_patch_embed, to_2tuple
+from timm.layers import PatchEmbed, SelectAdaptivePool2d, resample_patch_embed, to_2tuple
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 from timm.models._input import update_model_args, update_model_input_size  # what timm's ViT records on a resize
@@ -70,15 +69,12 @@ class AFTConvTransformer(AFTTransformerBase):
         super().__init__(num_classes, in_chans, embed_dim, weight_init)
         dd = {'device': device, 'dtype': dtype}
         self._set_global_pool(global_pool)
-        self._check_resize_mode(resize_mode)
         self.resize_mode = resize_mode
         self.export_layout = 'NHWC'  # what a recorded graph takes (``export_layout``); eager always runs rows
         self.kernel_size = kernel_size
         self.base_img_size = to_2tuple(base_img_size or img_size)
         self.base_patch_size = to_2tuple(patch_size)
         patch_size, kernel_size = self._size_plan(to_2tuple(img_size))
-        norm_layer = get_norm_layer(norm_layer) or LayerNorm
-        act_layer = get_act_layer(act_layer) or nn.GELU
         self.output_fmt = 'NHWC'
 
         self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, output_fmt='NHWC',
@@ -90,11 +86,8 @@ class AFTConvTransformer(AFTTransformerBase):
             mixer_layer = MIXER_LAYERS[mixer_layer]
         mixer_layer = partial(mixer_layer, num_heads=num_heads, kernel_size=kernel_size, **(mixer_kwargs or {}))
         self._build_trunk(
-            depth, mixer_layer, self.patch_embed.feat_ratio(), block_fn, norm_layer, drop_rate=drop_rate,
-            drop_path_rate=drop_path_rate, dd=dd, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, proj_drop=proj_drop_rate,
-            init_values=init_values, act_layer=act_layer)
-        if weight_init != 'skip':
-            self.init_weights()
+            depth, mixer_layer, block_fn, norm_layer, act_layer, drop_rate, drop_path_rate, weight_init, dd,
+            mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, proj_drop=proj_drop_rate, init_values=init_values)
 
     def _set_global_pool(self, global_pool: str) -> None:
         if global_pool not in GLOBAL_POOLS:
@@ -102,15 +95,12 @@ class AFTConvTransformer(AFTTransformerBase):
         self.global_pool = global_pool
         self.pool = SelectAdaptivePool2d(pool_type=global_pool, flatten=bool(global_pool), input_fmt='NHWC')
 
-    @staticmethod
-    def _check_resize_mode(resize_mode: str) -> None:
-        if resize_mode not in RESIZE_MODES:
-            raise ValueError(f'unknown resize_mode {resize_mode!r}: choose one of {", ".join(RESIZE_MODES)}')
-
     def _size_plan(self, img_size: Tuple[int, int], mode: Optional[str] = None,
                    base_patch: Optional[Tuple[int, int]] = None) -> Tuple[Tuple[int, int], int]:
         """(patch, window) at ``img_size`` under ``mode`` from those at ``base_img_size``; changes nothing."""
         mode, base_patch = mode or self.resize_mode, base_patch or self.base_patch_size
+        if mode not in RESIZE_MODES:
+            raise ValueError(f'unknown resize_mode {mode!r}: choose one of {", ".join(RESIZE_MODES)}')
         ratio_h, ratio_w = (size / base for size, base in zip(img_size, self.base_img_size))
         if mode == 'window':
             return base_patch, scaled_kernel_size(self.kernel_size, math.sqrt(ratio_h * ratio_w))
@@ -136,8 +126,6 @@ class AFTConvTransformer(AFTTransformerBase):
             patch_size: New patch size at ``base_img_size`` (its kernel resampled), None keeps it.
             resize_mode: 'keep', 'window' or 'patch' from now on, None keeps the current mode.
         """
-        if resize_mode is not None:
-            self._check_resize_mode(resize_mode)
         mode = resize_mode or self.resize_mode
         if patch_size is not None and mode == 'patch':
             raise ValueError("give either patch_size or resize_mode='patch' (which sets the patch), not both")
@@ -270,12 +258,8 @@ def forward_at_size(net: nn.Module, images: torch.Tensor) -> torch.Tensor:
     return net(images)
 
 
-def checkpoint_filter_fn(
-        state_dict: Dict[str, torch.Tensor],
-        model: AFTConvTransformer,
-        interpolation: str = 'bicubic',
-        antialias: bool = True,
-) -> Dict[str, torch.Tensor]:
+def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: AFTConvTransformer, interpolation: str = 'bicubic',
+                         antialias: bool = True) -> Dict[str, torch.Tensor]:
     """Adapt a checkpoint to ``model``: a training checkpoint's weights, DeiT / ViT mapped (``adapt_vit_checkpoint``),
     the patch kernel resampled to the model's patch (timm's ``resample_patch_embed``; timm's ViT filter needs a
     ``pos_embed``), each window to the model's (``resize_window_bias``, as timm resamples a ``pos_embed``)."""

@@ -14,8 +14,7 @@ import torch
 from torch import nn
 from torch.jit import Final
 
-from timm.layers import LayerNorm, PatchEmbed, get_act_layer, get_norm_layer, global_pool_nlc, resample_abs_pos_embed, \
-    to_2tuple, trunc_normal_
+from timm.layers import PatchEmbed, global_pool_nlc, resample_abs_pos_embed, to_2tuple, trunc_normal_
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 from timm.models._input import get_pretrained_grid_size, update_model_input_size  # as timm's ViT (not re-exported)
@@ -127,14 +126,11 @@ class AFTVisionTransformer(AFTTransformerBase):
         self._set_global_pool(global_pool)
         self.mixer = mixer
         self.dynamic_img_size = dynamic_img_size
-        norm_layer = get_norm_layer(norm_layer) or LayerNorm
-        act_layer = get_act_layer(act_layer) or nn.GELU
 
         embed_args = dict(strict_img_size=False, output_fmt='NHWC') if dynamic_img_size else {}
         self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, dynamic_img_pad=dynamic_img_pad,
                                       **embed_args, **dd)
         grid_size = self.patch_embed.grid_size
-        reduction = self.patch_embed.feat_ratio()
 
         self.cls_token = nn.Parameter(torch.empty(1, 1, embed_dim, **dd)) if class_token else None
         embed_len = self.num_prefix_tokens + self.patch_embed.num_patches
@@ -147,11 +143,8 @@ class AFTVisionTransformer(AFTTransformerBase):
         else:
             mixer_layer = AFTSimple
         self._build_trunk(
-            depth, mixer_layer, reduction, block_fn, norm_layer, drop_rate=drop_rate, drop_path_rate=drop_path_rate,
-            dd=dd, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, proj_drop=proj_drop_rate, init_values=init_values,
-            act_layer=act_layer)
-        if weight_init != 'skip':
-            self.init_weights()
+            depth, mixer_layer, block_fn, norm_layer, act_layer, drop_rate, drop_path_rate, weight_init, dd,
+            mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, proj_drop=proj_drop_rate, init_values=init_values)
 
     def init_weights(self, mode: str = '') -> None:
         super().init_weights(mode)
@@ -260,37 +253,32 @@ def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: AFTVisionTr
     source_kernel = state_dict.get('patch_embed.proj.weight')  # before timm's filter resamples it
     num_prefix_tokens = model.num_prefix_tokens
     grid_size = tuple(model.patch_embed.grid_size)
-    num_tokens = num_prefix_tokens + grid_size[0] * grid_size[1]
 
     def _source_grid(name: str, rows: int) -> Optional[Tuple[int, int]]:
-        """The checkpoint grid of a per-token tensor, None when it is the model's (nothing to resample)."""
-        old_size = get_pretrained_grid_size(model, source_kernel, rows - num_prefix_tokens)
-        if rows == num_tokens and old_size in (None, grid_size):
+        """The checkpoint grid of a per-token tensor, None when it is the model's (nothing to resample); without a
+        known size the square grid ``resample_abs_pos_embed`` assumes."""
+        num_grid_tokens = rows - num_prefix_tokens
+        old_size = get_pretrained_grid_size(model, source_kernel, num_grid_tokens)
+        if num_grid_tokens == grid_size[0] * grid_size[1] and old_size in (None, grid_size):
             return None
-        return old_size or _square_grid(rows - num_prefix_tokens, name)
+        if old_size is not None:
+            return old_size
+        side = int(round(num_grid_tokens ** 0.5))
+        if side * side != num_grid_tokens:
+            raise ValueError(
+                f'cannot infer the patch grid of checkpoint tensor {name!r}: {num_grid_tokens} grid rows is not a '
+                f'square; build the model at the checkpoint image size, load it, then call set_input_size()')
+        return side, side
 
     if 'pos_embed' in state_dict:
         _source_grid('pos_embed', state_dict['pos_embed'].shape[1])  # a clear error before timm's filter fails
     state_dict = vit_checkpoint_filter_fn(state_dict, model, interpolation=interpolation, antialias=antialias)
-    out_dict = {}
     for k, v in state_dict.items():
-        if k.endswith(('.attn.pos_u', '.attn.pos_v')):
-            old_size = _source_grid(k, v.shape[0])
-            if old_size is not None:
-                v = resample_pos_rows(
-                    v, grid_size, old_size, num_prefix_tokens, interpolation=interpolation, antialias=antialias)
-        out_dict[k] = v
-    return out_dict
-
-
-def _square_grid(num_grid_tokens: int, name: str) -> Tuple[int, int]:
-    """The square grid of ``num_grid_tokens`` rows, as ``resample_abs_pos_embed`` assumes without a known size."""
-    side = int(round(num_grid_tokens ** 0.5))
-    if side * side != num_grid_tokens:
-        raise ValueError(
-            f'cannot infer the patch grid of checkpoint tensor {name!r}: {num_grid_tokens} grid rows is not a square; '
-            f'build the model at the checkpoint image size, load it, then call set_input_size()')
-    return side, side
+        old_size = _source_grid(k, v.shape[0]) if k.endswith(('.attn.pos_u', '.attn.pos_v')) else None
+        if old_size is not None:
+            state_dict[k] = resample_pos_rows(
+                v, grid_size, old_size, num_prefix_tokens, interpolation=interpolation, antialias=antialias)
+    return state_dict
 
 
 _cfg = partial(aft_cfg, pool_size=None, fixed_input_size=True)  # the grid is tied to the input size
