@@ -223,13 +223,10 @@ class _AFTConv2dTriton(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, w):
-        (batch, height, width, channels), num_heads = q.shape, k.shape[-1]
-        d, out_dtype = channels // num_heads, output_dtype(q, k, v)
+        out_dtype = output_dtype(q, k, v)
         mixed = _mix(k, v, w, _operand_dtype(out_dtype))[5]  # (B, H, W, h, d)
-        gate = torch.sigmoid(q.float()).view(batch, height, width, num_heads, d)
-        out = (gate * mixed).reshape(batch, height, width, channels)  # (B, H, W, C)
         ctx.save_for_backward(q, k, v, w)
-        return out.to(out_dtype)
+        return (torch.sigmoid(q.float()).view(mixed.shape) * mixed).reshape(q.shape).to(out_dtype)  # (B, H, W, C)
 
     @staticmethod
     def backward(ctx, grad_out):

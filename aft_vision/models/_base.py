@@ -23,7 +23,6 @@ _logger = logging.getLogger(__name__)
 
 __all__ = ['AFTTransformerBase', 'Block', 'norm_nchw']
 
-PAPER_ID = 'arXiv:2105.14103'
 # position parameters, kept out of weight decay like timm's position embeddings and relative position tables
 NO_DECAY_NAMES = ('pos_embed', 'cls_token')
 NO_DECAY_SUFFIXES = ('.attn.pos_u', '.attn.pos_v', '.attn.pos_weight')
@@ -39,13 +38,10 @@ class Block(nn.Module):
     """
     grid_aware: Final[bool]
 
-    def __init__(
-            self,
-            dim: int, mixer_layer: Callable[..., nn.Module], mlp_ratio: float = 4., qkv_bias: bool = True,
-            proj_drop: float = 0., init_values: Optional[float] = None, drop_path: float = 0.,
-            act_layer: Type[nn.Module] = nn.GELU, norm_layer: Type[nn.Module] = LayerNorm,
-            mlp_layer: Type[nn.Module] = Mlp, device=None, dtype=None,
-    ):
+    def __init__(self, dim: int, mixer_layer: Callable[..., nn.Module], mlp_ratio: float = 4., qkv_bias: bool = True,
+                 proj_drop: float = 0., init_values: Optional[float] = None, drop_path: float = 0.,
+                 act_layer: Type[nn.Module] = nn.GELU, norm_layer: Type[nn.Module] = LayerNorm,
+                 mlp_layer: Type[nn.Module] = Mlp, device=None, dtype=None):
         super().__init__()
         dd = {'device': device, 'dtype': dtype}
         self.norm1 = norm_layer(dim, **dd)
@@ -115,8 +111,7 @@ class AFTTransformerBase(nn.Module):
         super().__init__()
         if weight_init not in ('', 'skip'):
             raise ValueError(f"unknown weight_init {weight_init!r}: choose '' or 'skip'")
-        self.num_classes = num_classes
-        self.in_chans = in_chans
+        self.num_classes, self.in_chans = num_classes, in_chans
         self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
         self.grad_checkpointing = False
 
@@ -140,9 +135,6 @@ class AFTTransformerBase(nn.Module):
         self.head = nn.Linear(self.embed_dim, self.num_classes, **dd) if self.num_classes > 0 else nn.Identity()
         if weight_init != 'skip':
             self.init_weights()
-
-    def _set_global_pool(self, global_pool: str) -> None:
-        raise NotImplementedError
 
     def init_weights(self, mode: str = '') -> None:
         """timm's ViT init (only ``mode=''``)."""
@@ -219,14 +211,11 @@ class AFTTransformerBase(nn.Module):
                     self.patch_embed.dynamic_img_pad, self.patch_embed.proj.weight.dtype)
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        x = self.pool(x)
-        x = self.head_drop(x)
+        x = self.head_drop(self.pool(x))
         return x if pre_logits else self.head(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.forward_features(x)
-        x = self.forward_head(x)
-        return x
+        return self.forward_head(self.forward_features(x))
 
 
 @register_notrace_function  # an fx leaf: the checks run on real shapes, not on proxies
@@ -279,7 +268,7 @@ def aft_cfg(**kwargs) -> Dict[str, Any]:
     return {
         'url': '', 'num_classes': 1000, 'input_size': (3, 224, 224), 'crop_pct': .9, 'interpolation': 'bicubic',
         'mean': IMAGENET_DEFAULT_MEAN, 'std': IMAGENET_DEFAULT_STD, 'first_conv': 'patch_embed.proj',
-        'classifier': 'head', 'license': 'apache-2.0', 'paper_ids': PAPER_ID,
+        'classifier': 'head', 'license': 'apache-2.0', 'paper_ids': 'arXiv:2105.14103',
         'paper_name': 'An Attention Free Transformer', **kwargs,
     }
 

@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Type, U
 import torch
 from torch import nn
 
-from timm.layers import PatchEmbed, SelectAdaptivePool2d, resample_patch_embed, to_2tuple
+from timm.layers import LayerType, PatchEmbed, SelectAdaptivePool2d, resample_patch_embed, to_2tuple
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 from timm.models._input import update_model_args, update_model_input_size  # what timm's ViT records on a resize
@@ -52,19 +52,16 @@ class AFTConvTransformer(AFTTransformerBase):
     """
 
     def __init__(
-            self,
-            img_size: Union[int, Tuple[int, int]] = 224, patch_size: Union[int, Tuple[int, int]] = 16,
-            in_chans: int = 3, num_classes: int = 1000, global_pool: str = 'avg',
-            embed_dim: int = 768, depth: int = 12, num_heads: int = 32, kernel_size: int = 11,
+            self, img_size: Union[int, Tuple[int, int]] = 224, patch_size: Union[int, Tuple[int, int]] = 16,
+            in_chans: int = 3, num_classes: int = 1000, global_pool: str = 'avg', embed_dim: int = 768,
+            depth: int = 12, num_heads: int = 32, kernel_size: int = 11,
             mixer_layer: Union[str, Callable[..., nn.Module]] = 'aft_conv',
-            mixer_kwargs: Optional[Dict[str, Any]] = None,
-            mlp_ratio: float = 4., qkv_bias: bool = True, init_values: Optional[float] = None,
-            dynamic_img_pad: bool = False,
-            drop_rate: float = 0., proj_drop_rate: float = 0., drop_path_rate: float = 0., weight_init: str = '',
-            norm_layer: Optional[Union[str, Type[nn.Module]]] = None,
-            act_layer: Optional[Union[str, Type[nn.Module]]] = None, block_fn: Type[nn.Module] = Block,
-            resize_mode: str = 'window', base_img_size: Optional[Union[int, Tuple[int, int]]] = None,
-            device=None, dtype=None,
+            mixer_kwargs: Optional[Dict[str, Any]] = None, mlp_ratio: float = 4., qkv_bias: bool = True,
+            init_values: Optional[float] = None, dynamic_img_pad: bool = False, drop_rate: float = 0.,
+            proj_drop_rate: float = 0., drop_path_rate: float = 0., weight_init: str = '',
+            norm_layer: Optional[LayerType] = None, act_layer: Optional[LayerType] = None,
+            block_fn: Type[nn.Module] = Block, resize_mode: str = 'window',
+            base_img_size: Optional[Union[int, Tuple[int, int]]] = None, device=None, dtype=None,
     ):
         super().__init__(num_classes, in_chans, embed_dim, weight_init)
         dd = {'device': device, 'dtype': dtype}
@@ -282,14 +279,12 @@ def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: AFTConvTran
 _cfg = partial(aft_cfg, pool_size=(14, 14))
 _cfg_384 = partial(_cfg, input_size=(3, 384, 384), pool_size=(24, 24), crop_pct=1.0)
 
-_DEIT_TINY, _DEIT_SMALL = 'deit_tiny_patch16_224.fb_in1k', 'deit_small_patch16_224.fb_in1k'
-_DEIT_BASE = 'deit_base_patch16_384.fb_in1k'
+_TINY, _SMALL, _BASE = ((_cfg, 'deit_tiny_patch16_224.fb_in1k'), (_cfg, 'deit_small_patch16_224.fb_in1k'),
+                        (_cfg_384, 'deit_base_patch16_384.fb_in1k'))
 _INIT = {  # each model's cfg and the DeiT weights its '.deit_in1k' tag converts (Table 8)
-    'aft_conv_tiny': (_cfg, _DEIT_TINY), 'aft_conv_small': (_cfg, _DEIT_SMALL), 'aft_conv_base': (_cfg_384, _DEIT_BASE),
-    'aft_conv_tiny_11': (_cfg, _DEIT_TINY), 'aft_conv_tiny_11_h32': (_cfg, _DEIT_TINY),
-    'aft_conv_small_3': (_cfg, _DEIT_SMALL), 'aft_conv_small_7': (_cfg, _DEIT_SMALL),
-    'aft_conv_small_11': (_cfg, _DEIT_SMALL), 'aft_conv_small_15': (_cfg, _DEIT_SMALL),
-    'aft_conv_small_11_h16': (_cfg, _DEIT_SMALL), 'aft_conv_base_25_h32': (_cfg_384, _DEIT_BASE),
+    'aft_conv_tiny': _TINY, 'aft_conv_small': _SMALL, 'aft_conv_base': _BASE, 'aft_conv_tiny_11': _TINY,
+    'aft_conv_tiny_11_h32': _TINY, 'aft_conv_small_3': _SMALL, 'aft_conv_small_7': _SMALL, 'aft_conv_small_11': _SMALL,
+    'aft_conv_small_15': _SMALL, 'aft_conv_small_11_h16': _SMALL, 'aft_conv_base_25_h32': _BASE,
 }
 # '.untrained*' (no weights) is each default, listed after the tags with weights as generate_default_cfgs requires, so
 # pretrained=True needs a tag. No test_input_size: Table 7's gain at 384 is for its trained weights.

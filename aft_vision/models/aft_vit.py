@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.jit import Final
 
-from timm.layers import PatchEmbed, global_pool_nlc, resample_abs_pos_embed, to_2tuple, trunc_normal_
+from timm.layers import LayerType, PatchEmbed, global_pool_nlc, resample_abs_pos_embed, to_2tuple, trunc_normal_
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 from timm.models._input import get_pretrained_grid_size, update_model_input_size  # as timm's ViT (not re-exported)
@@ -45,9 +45,8 @@ class GridAFTFull(AFTFull):
     def __init__(self, dim: int, grid_size: Tuple[int, int], num_prefix_tokens: int = 1, pos_dim: int = 128,
                  qkv_bias: bool = True, proj_drop: float = 0., device=None, dtype=None):
         grid_size = to_2tuple(grid_size)
-        seq_len = num_prefix_tokens + grid_size[0] * grid_size[1]
-        super().__init__(
-            dim, seq_len, pos_dim=pos_dim, qkv_bias=qkv_bias, proj_drop=proj_drop, device=device, dtype=dtype)
+        super().__init__(dim, num_prefix_tokens + grid_size[0] * grid_size[1], pos_dim=pos_dim, qkv_bias=qkv_bias,
+                         proj_drop=proj_drop, device=device, dtype=dtype)  # T = prefix + H * W
         self.grid_size: Tuple[int, int] = (int(grid_size[0]), int(grid_size[1]))
         self.num_prefix_tokens = num_prefix_tokens
         self.grid_aware = True  # Block passes it the patch grid
@@ -57,9 +56,8 @@ class GridAFTFull(AFTFull):
         if feat_size[0] == self.grid_size[0] and feat_size[1] == self.grid_size[1]:
             return self.pos_u, self.pos_v
         new_size = (feat_size[0], feat_size[1])
-        pos_u = resample_pos_rows(self.pos_u, new_size, self.grid_size, self.num_prefix_tokens)
-        pos_v = resample_pos_rows(self.pos_v, new_size, self.grid_size, self.num_prefix_tokens)
-        return pos_u, pos_v
+        return (resample_pos_rows(self.pos_u, new_size, self.grid_size, self.num_prefix_tokens),
+                resample_pos_rows(self.pos_v, new_size, self.grid_size, self.num_prefix_tokens))
 
     @torch.jit.ignore
     def set_grid_size(self, grid_size: Tuple[int, int]) -> None:
@@ -104,18 +102,13 @@ class AFTVisionTransformer(AFTTransformerBase):
     dynamic_img_size: Final[bool]
 
     def __init__(
-            self,
-            img_size: Union[int, Tuple[int, int]] = 224, patch_size: Union[int, Tuple[int, int]] = 16,
-            in_chans: int = 3, num_classes: int = 1000, global_pool: str = 'token',
-            embed_dim: int = 768, depth: int = 12, mixer: str = 'full', pos_dim: int = 128,
-            mlp_ratio: float = 4., qkv_bias: bool = True, class_token: bool = True,
-            init_values: Optional[float] = None,
-            dynamic_img_size: bool = False, dynamic_img_pad: bool = False,
-            drop_rate: float = 0., pos_drop_rate: float = 0., proj_drop_rate: float = 0., drop_path_rate: float = 0.,
-            weight_init: str = '',
-            norm_layer: Optional[Union[str, Type[nn.Module]]] = None,
-            act_layer: Optional[Union[str, Type[nn.Module]]] = None, block_fn: Type[nn.Module] = Block,
-            device=None, dtype=None,
+            self, img_size: Union[int, Tuple[int, int]] = 224, patch_size: Union[int, Tuple[int, int]] = 16,
+            in_chans: int = 3, num_classes: int = 1000, global_pool: str = 'token', embed_dim: int = 768,
+            depth: int = 12, mixer: str = 'full', pos_dim: int = 128, mlp_ratio: float = 4., qkv_bias: bool = True,
+            class_token: bool = True, init_values: Optional[float] = None, dynamic_img_size: bool = False,
+            dynamic_img_pad: bool = False, drop_rate: float = 0., pos_drop_rate: float = 0., proj_drop_rate: float = 0.,
+            drop_path_rate: float = 0., weight_init: str = '', norm_layer: Optional[LayerType] = None,
+            act_layer: Optional[LayerType] = None, block_fn: Type[nn.Module] = Block, device=None, dtype=None,
     ):
         super().__init__(num_classes, in_chans, embed_dim, weight_init)
         dd = {'device': device, 'dtype': dtype}
@@ -124,8 +117,7 @@ class AFTVisionTransformer(AFTTransformerBase):
         self.num_prefix_tokens = 1 if class_token else 0
         self.has_class_token = class_token
         self._set_global_pool(global_pool)
-        self.mixer = mixer
-        self.dynamic_img_size = dynamic_img_size
+        self.mixer, self.dynamic_img_size = mixer, dynamic_img_size
 
         embed_args = dict(strict_img_size=False, output_fmt='NHWC') if dynamic_img_size else {}
         self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, dynamic_img_pad=dynamic_img_pad,
@@ -194,8 +186,7 @@ class AFTVisionTransformer(AFTTransformerBase):
             pos_embed = self.pos_embed
         if self.cls_token is not None:
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
-        x = x + pos_embed
-        return self.pos_drop(x), feat_size
+        return self.pos_drop(x + pos_embed), feat_size
 
     def _fixed_img_size(self) -> Optional[Tuple[int, int]]:
         """Without ``dynamic_img_size``, the size the position embedding and AFT-full's biases are built for."""
