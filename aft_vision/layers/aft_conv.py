@@ -79,8 +79,7 @@ class AFTConv2d(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_tokens(x, f'(B, H, W, {self.dim})', self.dim)
-        qkv = self.qkv(x)  # (B, H, W, 2C + h)
-        q, k, v = qkv.split([self.dim, self.num_heads, self.dim], dim=-1)
+        q, k, v = self.qkv(x).split([self.dim, self.num_heads, self.dim], dim=-1)  # (B, H, W, C / h / C)
         x = aft_conv2d(q, k, v, self.effective_bias(), method=self.method)  # (B, H, W, C)
         return self.proj_drop(self.proj(x))
 

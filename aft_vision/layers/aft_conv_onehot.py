@@ -36,13 +36,13 @@ def aft_conv2d_onehot(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torc
     if index.shape != (num_heads,):
         raise ValueError(f'index must be ({num_heads},), got {list(index.shape)}')
     if torch.jit.is_scripting():
-        return _aft_conv2d_onehot(q, k, v, w, index)
+        return _aft_conv2d_onehot(q, k, v, w, index, 'cpu')
     with no_autocast(q.device):
-        return _aft_conv2d_onehot(q, k, v, w, index)
+        return _aft_conv2d_onehot(q, k, v, w, index, get_device_policy(q.device))
 
 
 def _aft_conv2d_onehot(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, index: torch.Tensor,
-                       tiny: float = TINY, cancel_tol: float = CANCEL_TOL) -> torch.Tensor:
+                       policy: str, tiny: float = TINY, cancel_tol: float = CANCEL_TOL) -> torch.Tensor:
     batch, height, width, channels = q.shape
     num_heads, s, head_dim = w.shape[0], w.shape[-1], channels // w.shape[0]
     out_dtype = output_dtype(q, k, v)
@@ -86,10 +86,6 @@ def _aft_conv2d_onehot(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: tor
     sums = torch.addcmul(totals * floor, shifted, gain)  # (B, T, h, d + 1)
     numerator, denominator = sums[..., :head_dim], sums[..., head_dim:]  # (B, T, h, d), (B, T, h, 1)
     limit = (totals[..., head_dim:].detach() * floor * cancel_tol).clamp_min(tiny)  # (B, 1, h, 1)
-    if torch.jit.is_scripting():
-        policy = 'cpu'
-    else:
-        policy = get_device_policy(q.device)
     if flag_below(denominator, limit, policy) is not None:
         return aft_conv2d(q, k, v, onehot_bias(w, index)).to(out_dtype)
     mixed = (numerator / denominator).reshape(batch, height, width, channels)
@@ -107,8 +103,7 @@ class AFTConv2dOneHot(AFTConv2d):
         super().__init__(dim, num_heads, kernel_size, **kwargs)
         if tau <= 0:
             raise ValueError(f'tau must be positive, got {tau}')
-        self.tau = tau
-        self.hard = hard
+        self.tau, self.hard = tau, hard
 
     @classmethod
     def from_dense(cls, layer: AFTConv2d, tau: float = 0.5, hard: bool = True) -> 'AFTConv2dOneHot':

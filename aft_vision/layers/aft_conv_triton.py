@@ -149,21 +149,21 @@ def _build_kernels():
     return window_product_kernel, bias_grad_kernel
 
 
-def _kernels():
-    interpret = _interpret_requested()
-    if interpret not in _KERNELS:
-        _KERNELS[interpret] = _build_kernels()
-    return _KERNELS[interpret]
-
-
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _grid(height: int, width: int, num_heads: int, n_cols: int):
-    """The launch grid (tiles, heads, column blocks), the tiles per row and the column block."""
+def _launch(which: int, tensors: Tuple[torch.Tensor, ...], height: int, width: int, ksize: int, **constexprs) -> None:
+    """Run kernel ``which`` of ``_build_kernels()`` (built once per interpreter mode) on ``tensors`` (the first
+    (h, T, N)), one program per tile, head and block of columns."""
+    interpret = _interpret_requested()
+    if interpret not in _KERNELS:
+        _KERNELS[interpret] = _build_kernels()
+    num_heads, _, n_cols = tensors[0].shape
     tiles_x, block_n = -(-width // TILE_X), min(BLOCK_N_MAX, max(16, _next_pow2(n_cols)))
-    return (-(-height // TILE_Y) * tiles_x, num_heads, -(-n_cols // block_n)), tiles_x, block_n
+    grid = (-(-height // TILE_Y) * tiles_x, num_heads, -(-n_cols // block_n))
+    _KERNELS[interpret][which][grid](*tensors, height, width, n_cols, ksize, ksize // 2, tiles_x, TY=TILE_Y, TX=TILE_X,
+                                     BLOCK_N=block_n, **constexprs)
 
 
 def _operand_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -174,24 +174,16 @@ def _operand_dtype(dtype: torch.dtype) -> torch.dtype:
 def _window_product(x: torch.Tensor, kern: torch.Tensor, glob: torch.Tensor, height: int, width: int, ksize: int,
                     transpose: bool) -> torch.Tensor:
     """``glob + windowed K @ x`` per head (``K^T`` when ``transpose``) for x (h, T, N); returns float32 (h, T, N)."""
-    window_product_kernel, _ = _kernels()
-    num_heads, num_pos, n_cols = x.shape
-    out = torch.empty(num_heads, num_pos, n_cols, device=x.device, dtype=torch.float32)
-    grid, tiles_x, block_n = _grid(height, width, num_heads, n_cols)
-    window_product_kernel[grid](x, kern, glob, out, height, width, n_cols, ksize, ksize // 2, tiles_x,
-                                TRANSPOSE=transpose, TY=TILE_Y, TX=TILE_X, BLOCK_K=BLOCK_K, BLOCK_N=block_n,
-                                IEEE=x.dtype == torch.float32)
+    out = torch.empty(x.shape, device=x.device, dtype=torch.float32)
+    _launch(0, (x, kern, glob, out), height, width, ksize, TRANSPOSE=transpose, BLOCK_K=BLOCK_K,
+            IEEE=x.dtype == torch.float32)
     return out
 
 
 def _bias_grad(ds: torch.Tensor, x: torch.Tensor, height: int, width: int, ksize: int) -> torch.Tensor:
     """dK (h, s * s) float32: sum over images, channels and queries of dS[t] * X[t + offset]."""
-    _, bias_grad_kernel = _kernels()
-    num_heads, _, n_cols = x.shape
-    dk = torch.zeros(num_heads, ksize * ksize, device=x.device, dtype=torch.float32)
-    grid, tiles_x, block_n = _grid(height, width, num_heads, n_cols)
-    bias_grad_kernel[grid](ds, x, dk, height, width, n_cols, ksize, ksize // 2, tiles_x,
-                           TY=TILE_Y, TX=TILE_X, BLOCK_N=block_n, BLOCK_S=_next_pow2(ksize * ksize))
+    dk = torch.zeros(x.shape[0], ksize * ksize, device=x.device, dtype=torch.float32)
+    _launch(1, (ds, x, dk), height, width, ksize, BLOCK_S=_next_pow2(ksize * ksize))
     return dk
 
 
@@ -231,13 +223,10 @@ class _AFTConv2dTriton(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, w):
-        (batch, height, width, channels), num_heads = q.shape, k.shape[-1]
-        d, out_dtype = channels // num_heads, output_dtype(q, k, v)
+        out_dtype = output_dtype(q, k, v)
         mixed = _mix(k, v, w, _operand_dtype(out_dtype))[5]  # (B, H, W, h, d)
-        gate = torch.sigmoid(q.float()).view(batch, height, width, num_heads, d)
-        out = (gate * mixed).reshape(batch, height, width, channels)  # (B, H, W, C)
         ctx.save_for_backward(q, k, v, w)
-        return out.to(out_dtype)
+        return (torch.sigmoid(q.float()).view(mixed.shape) * mixed).reshape(q.shape).to(out_dtype)  # (B, H, W, C)
 
     @staticmethod
     def backward(ctx, grad_out):

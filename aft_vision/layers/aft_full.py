@@ -45,8 +45,7 @@ class AFTFull(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_tokens(x, f'(B, {self.seq_len}, {self.dim})', self.dim, self.seq_len)
         q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x (B, T, C)
-        x = self._mix(q, k, v)
-        return self.proj_drop(self.proj(x))
+        return self.proj_drop(self.proj(self._mix(q, k, v)))
 
     def extra_repr(self) -> str:
         return f'seq_len={self.seq_len}, pos_dim={self.pos_u.shape[1]}, causal={self.causal}'
@@ -83,5 +82,4 @@ class AFTSimple(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_tokens(x, f'(B, T, {self.dim})', self.dim)
         q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x (B, T, C)
-        x = aft_simple(q, k, v, causal=self.causal)
-        return self.proj_drop(self.proj(x))
+        return self.proj_drop(self.proj(aft_simple(q, k, v, causal=self.causal)))

@@ -13,15 +13,6 @@ from .dispatch import capturing, no_autocast
 __all__ = ['DenseMix', 'dense_mix', 'log_weights', 'dense_sums']
 
 
-def _offset_table(w: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """(h, s, s) -> (h, 2H - 1, 2W - 1): ``w[i, dy + s//2, dx + s//2]`` at ``[i, dy + H - 1, dx + W - 1]``, 0 outside
-    the window (offsets a map cannot hold are cropped)."""
-    radius = w.shape[-1] // 2
-    ry, rx = min(radius, height - 1), min(radius, width - 1)
-    crop = w[:, radius - ry:radius + ry + 1, radius - rx:radius + rx + 1]
-    return F.pad(crop, [width - 1 - rx, width - 1 - rx, height - 1 - ry, height - 1 - ry])
-
-
 def log_weights(w: torch.Tensor, grid: Optional[Tuple[int, int]], causal: bool) -> torch.Tensor:
     """Key-major log weights (G, T keys, T queries): for ``grid`` None of a (T, T) bias ``w[query, key]`` (-inf after
     the query if ``causal``); for ``grid`` (H, W) of an AFT-conv bias (h, s, s), 0 outside the window, less
@@ -32,7 +23,11 @@ def log_weights(w: torch.Tensor, grid: Optional[Tuple[int, int]], causal: bool) 
         return w.t().unsqueeze(0)  # (1, T, T)
     height, width = grid
     shift = w.detach().amax(dim=(1, 2), keepdim=True).clamp_min(0.0)  # (h, 1, 1): every column's maximum or more
-    table = _offset_table(w, height, width) - shift  # (h, 2H - 1, 2W - 1)
+    radius = w.shape[-1] // 2
+    ry, rx = min(radius, height - 1), min(radius, width - 1)  # offsets a map cannot hold are cropped
+    crop = w[:, radius - ry:radius + ry + 1, radius - rx:radius + rx + 1]
+    # (h, 2H - 1, 2W - 1): w[i, dy + s//2, dx + s//2] at [i, dy + H - 1, dx + W - 1], 0 outside the window
+    table = F.pad(crop, [width - 1 - rx, width - 1 - rx, height - 1 - ry, height - 1 - ry]) - shift
     columns = F.unfold(table.unsqueeze(0), kernel_size=(height, width))  # (1, h * T, T): [i, key, reversed query]
     return columns.view(w.shape[0], height * width, height * width)
 

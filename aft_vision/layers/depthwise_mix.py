@@ -2,7 +2,7 @@
 ``[N | D] = conv(X, exp(w - m) - exp(-m)) + exp(-m) sum X``, ``X = [exp(k - kmax) v | exp(k - kmax)]``, m = max w, 0.
 A negative kernel (w < 0) can cancel D, which the 'cpu' policy repairs. ``DepthwiseMix`` saves only q, k, v, w; its
 backward takes the convolution's gradients by forward convolutions, faster than the libraries' own on CPU and CUDA."""
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -67,41 +67,38 @@ def depthwise_conv_backward(grad: torch.Tensor, x: torch.Tensor,
     return grad_x, grad_kernel.view(kernel.shape)
 
 
-def _window_sums(rows: torch.Tensor, kernel: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """The windowed sums (B, T, n) of token rows (B, T = H * W, n) by the depthwise kernel (n, 1, s, s), zero padded."""
-    x = rows.reshape(rows.shape[0], height, width, rows.shape[-1]).permute(0, 3, 1, 2)  # (B, n, H, W), channels last
+def _window(x: torch.Tensor, kernel: torch.Tensor, height: Optional[int], width: Optional[int]) -> torch.Tensor:
+    """The windowed sums of a map x (B, n, H, W) by the depthwise kernel (n, 1, s, s), zero padded; of token rows
+    (B, T = H * W, n) given ``height`` and ``width``, as rows."""
+    if height is None or width is None:
+        return F.conv2d(x, kernel, padding=kernel.shape[-1] // 2, groups=kernel.shape[0])
+    x = x.reshape(x.shape[0], height, width, x.shape[-1]).permute(0, 3, 1, 2)  # (B, n, H, W), channels last
     return _local(x, kernel).flatten(1, 2)
 
 
-def depthwise_sums(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, height: int,
-                   width: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """N (B, T, C), D (B, T, h) and D's detached scale (B, 1, h) for token rows k (B, T, h), v (B, T, C) of an H x W
-    map in plain autograd, laid out for runtimes: element-wise nodes on rows, two convolutions, no concatenation."""
-    group = int(v.shape[-1]) // int(k.shape[-1])  # a constant of the graph: the kernel's shape must be known
-    exp_k = torch.exp(k - k.amax(dim=1, keepdim=True).detach())  # (B, T, h), max 1 per image and head
-    exp_kv = per_channel(exp_k, group) * v  # (B, T, C)
+def depthwise_sums(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, height: Optional[int] = None,
+                   width: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """N, D and D's detached scale in plain autograd, laid out for runtimes (element-wise nodes in the inputs' layout,
+    two convolutions, no concatenation): for token rows k (B, T, h), v (B, T, C) of an H x W map N (B, T, C),
+    D (B, T, h) and the scale (B, 1, h); for channel-first maps (``height`` None) the same as maps."""
+    keys, channel, shape = ([2, 3], 1, [1, -1, 1, 1]) if height is None else ([1], -1, [-1])
+    group = int(v.shape[channel]) // int(k.shape[channel])  # a constant of the graph: the kernel's shape must be known
+    exp_k = torch.exp(k - k.amax(dim=keys, keepdim=True).detach())  # (B, T, h) or (B, h, H, W), max 1 per head
+    exp_kv = per_channel(exp_k, group, dim=channel) * v  # (B, T, C) or (B, C, H, W)
     kernel, floor, _ = _head_kernel(w)  # (h, s, s), (h,)
-    scale = exp_k.sum(dim=1, keepdim=True) * floor  # (B, 1, h)
-    numerator = _window_sums(exp_kv, kernel.repeat_interleave(group, dim=0).unsqueeze(1), height, width) \
-        + exp_kv.sum(dim=1, keepdim=True) * per_channel(floor, group)
-    denominator = _window_sums(exp_k, kernel.unsqueeze(1), height, width) + scale
+    scale = exp_k.sum(dim=keys, keepdim=True) * floor.view(shape)  # (B, 1, h) or (B, h, 1, 1)
+    numerator = _window(exp_kv, kernel.repeat_interleave(group, dim=0).unsqueeze(1), height, width) \
+        + exp_kv.sum(dim=keys, keepdim=True) * per_channel(floor, group).view(shape)
+    denominator = _window(exp_k, kernel.unsqueeze(1), height, width) + scale
     return numerator, denominator, scale.detach()
 
 
 def depthwise_mix_nchw(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor,
                        tiny: float = TINY) -> torch.Tensor:
-    """``sigmoid(q) * N / D`` on channel-first maps q, v (B, C, H, W), k (B, h, H, W) in plain autograd, as
-    ``depthwise_sums``: the channel-first graph's form (``models/aft_conv.py``), D floored at ``tiny`` (no repair)."""
-    group = int(v.shape[1]) // int(k.shape[1])  # a constant of the graph: the kernel's shape must be known
-    exp_k = torch.exp(k - k.amax(dim=(2, 3), keepdim=True).detach())  # (B, h, H, W), max 1 per image and head
-    exp_kv = per_channel(exp_k, group, dim=1) * v  # (B, C, H, W)
-    kernel, floor, _ = _head_kernel(w)  # (h, s, s), (h,)
-    pad = kernel.shape[-1] // 2
-    numerator = F.conv2d(exp_kv, kernel.repeat_interleave(group, dim=0).unsqueeze(1), padding=pad,
-                         groups=exp_kv.shape[1]) + exp_kv.sum(dim=(2, 3), keepdim=True) * \
-        per_channel(floor, group).view(1, -1, 1, 1)
-    denominator = F.conv2d(exp_k, kernel.unsqueeze(1), padding=pad, groups=exp_k.shape[1]) \
-        + exp_k.sum(dim=(2, 3), keepdim=True) * floor.view(1, -1, 1, 1)  # (B, h, H, W)
+    """``sigmoid(q) * N / D`` on channel-first maps q, v (B, C, H, W), k (B, h, H, W) by ``depthwise_sums``: the
+    channel-first graph's form (``models/aft_conv.py``), D floored at ``tiny`` (no repair)."""
+    numerator, denominator, _ = depthwise_sums(k, v, w)
+    group = int(v.shape[1]) // int(k.shape[1])
     return torch.sigmoid(q) * (numerator / per_channel(denominator.clamp_min(tiny), group, dim=1))
 
 

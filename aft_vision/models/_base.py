@@ -10,8 +10,9 @@ from torch import nn
 from torch.jit import Final
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, LayerNorm, LayerScale, Mlp, calculate_drop_path_rates, get_device_dtype
-from timm.models import named_apply, register_notrace_function
+from timm.layers import DropPath, LayerNorm, LayerScale, LayerType, Mlp, calculate_drop_path_rates, get_act_layer, \
+    get_device_dtype, get_norm_layer
+from timm.models import checkpoint, named_apply, register_notrace_function
 from timm.models._features import feature_take_indices  # as timm's own models import it (not re-exported)
 from timm.models.vision_transformer import init_weights_vit_timm
 
@@ -22,7 +23,6 @@ _logger = logging.getLogger(__name__)
 
 __all__ = ['AFTTransformerBase', 'Block', 'norm_nchw']
 
-PAPER_ID = 'arXiv:2105.14103'
 # position parameters, kept out of weight decay like timm's position embeddings and relative position tables
 NO_DECAY_NAMES = ('pos_embed', 'cls_token')
 NO_DECAY_SUFFIXES = ('.attn.pos_u', '.attn.pos_v', '.attn.pos_weight')
@@ -38,13 +38,10 @@ class Block(nn.Module):
     """
     grid_aware: Final[bool]
 
-    def __init__(
-            self,
-            dim: int, mixer_layer: Callable[..., nn.Module], mlp_ratio: float = 4., qkv_bias: bool = True,
-            proj_drop: float = 0., init_values: Optional[float] = None, drop_path: float = 0.,
-            act_layer: Type[nn.Module] = nn.GELU, norm_layer: Type[nn.Module] = LayerNorm,
-            mlp_layer: Type[nn.Module] = Mlp, device=None, dtype=None,
-    ):
+    def __init__(self, dim: int, mixer_layer: Callable[..., nn.Module], mlp_ratio: float = 4., qkv_bias: bool = True,
+                 proj_drop: float = 0., init_values: Optional[float] = None, drop_path: float = 0.,
+                 act_layer: Type[nn.Module] = nn.GELU, norm_layer: Type[nn.Module] = LayerNorm,
+                 mlp_layer: Type[nn.Module] = Mlp, device=None, dtype=None):
         super().__init__()
         dd = {'device': device, 'dtype': dtype}
         self.norm1 = norm_layer(dim, **dd)
@@ -114,28 +111,30 @@ class AFTTransformerBase(nn.Module):
         super().__init__()
         if weight_init not in ('', 'skip'):
             raise ValueError(f"unknown weight_init {weight_init!r}: choose '' or 'skip'")
-        self.num_classes = num_classes
-        self.in_chans = in_chans
+        self.num_classes, self.in_chans = num_classes, in_chans
         self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
         self.grad_checkpointing = False
 
-    def _build_trunk(self, depth: int, mixer_layer: Callable[..., nn.Module], reduction: int, block_fn: Type[nn.Module],
-                     norm_layer: Type[nn.Module], drop_rate: float, drop_path_rate: float, dd: Dict[str, Any],
-                     **block_kwargs) -> None:
-        """``depth`` blocks (stochastic depth linear over them), their ``feature_info``, final norm and head."""
+    def _build_trunk(self, depth: int, mixer_layer: Callable[..., nn.Module], block_fn: Type[nn.Module],
+                     norm_layer: Optional[LayerType], act_layer: Optional[LayerType], drop_rate: float,
+                     drop_path_rate: float, weight_init: str, dd: Dict[str, Any], **block_kwargs) -> None:
+        """``depth`` blocks (stochastic depth linear over them), their ``feature_info``, final norm and head (norm and
+        activation by name or class, None: LayerNorm, GELU), then timm's ViT init unless ``weight_init='skip'``."""
+        norm_layer = get_norm_layer(norm_layer) or LayerNorm
+        act_layer = get_act_layer(act_layer) or nn.GELU
         dpr = calculate_drop_path_rates(drop_path_rate, depth)
         self.blocks = nn.Sequential(*[
             block_fn(dim=self.embed_dim, mixer_layer=mixer_layer, drop_path=dpr[i], norm_layer=norm_layer,
-                     **block_kwargs, **dd)
+                     act_layer=act_layer, **block_kwargs, **dd)
             for i in range(depth)])
+        reduction = self.patch_embed.feat_ratio()
         self.feature_info = [
             dict(module=f'blocks.{i}', num_chs=self.embed_dim, reduction=reduction) for i in range(depth)]
         self.norm = norm_layer(self.embed_dim, **dd)
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(self.embed_dim, self.num_classes, **dd) if self.num_classes > 0 else nn.Identity()
-
-    def _set_global_pool(self, global_pool: str) -> None:
-        raise NotImplementedError
+        if weight_init != 'skip':
+            self.init_weights()
 
     def init_weights(self, mode: str = '') -> None:
         """timm's ViT init (only ``mode=''``)."""
@@ -188,19 +187,35 @@ class AFTTransformerBase(nn.Module):
         """The one input size the model takes, or None when any multiple of the patch size runs."""
         return None
 
+    def _run_blocks(self, x: torch.Tensor, feat_size: Optional[List[int]] = None,
+                    take_indices: Optional[List[int]] = None, norm: bool = False,
+                    last: Optional[int] = None) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+        """The blocks (through block ``last`` only, outside TorchScript, which cannot slice them) on x of the grid
+        ``feat_size``, and the outputs of the blocks in ``take_indices`` (through ``norm`` if asked)."""
+        intermediates: List[torch.Tensor] = []
+        if torch.jit.is_scripting() or last is None:
+            blocks = self.blocks
+        else:
+            blocks = self.blocks[:last + 1]
+        for i, blk in enumerate(blocks):
+            if self.grad_checkpointing and not torch.jit.is_scripting():
+                x = checkpoint(blk, x, feat_size)
+            else:
+                x = blk(x, feat_size)
+            if take_indices is not None and i in take_indices:
+                intermediates.append(self.norm(x) if norm else x)
+        return x, intermediates
+
     def _check_input(self, x: torch.Tensor) -> None:
         check_image(x, self.in_chans, self.patch_embed.patch_size, self._fixed_img_size(),
                     self.patch_embed.dynamic_img_pad, self.patch_embed.proj.weight.dtype)
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        x = self.pool(x)
-        x = self.head_drop(x)
+        x = self.head_drop(self.pool(x))
         return x if pre_logits else self.head(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.forward_features(x)
-        x = self.forward_head(x)
-        return x
+        return self.forward_head(self.forward_features(x))
 
 
 @register_notrace_function  # an fx leaf: the checks run on real shapes, not on proxies
@@ -253,7 +268,7 @@ def aft_cfg(**kwargs) -> Dict[str, Any]:
     return {
         'url': '', 'num_classes': 1000, 'input_size': (3, 224, 224), 'crop_pct': .9, 'interpolation': 'bicubic',
         'mean': IMAGENET_DEFAULT_MEAN, 'std': IMAGENET_DEFAULT_STD, 'first_conv': 'patch_embed.proj',
-        'classifier': 'head', 'license': 'apache-2.0', 'paper_ids': PAPER_ID,
+        'classifier': 'head', 'license': 'apache-2.0', 'paper_ids': 'arXiv:2105.14103',
         'paper_name': 'An Attention Free Transformer', **kwargs,
     }
 

@@ -13,9 +13,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Type, U
 import torch
 from torch import nn
 
-from timm.layers import LayerNorm, PatchEmbed, SelectAdaptivePool2d, get_act_layer, get_norm_layer, \
-    resample_patch_embed, to_2tuple
-from timm.models import build_model_with_cfg, checkpoint, checkpoint_seq, generate_default_cfgs, register_model
+from timm.layers import LayerType, PatchEmbed, SelectAdaptivePool2d, resample_patch_embed, to_2tuple
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 from timm.models._input import update_model_args, update_model_input_size  # what timm's ViT records on a resize
 
@@ -53,32 +52,26 @@ class AFTConvTransformer(AFTTransformerBase):
     """
 
     def __init__(
-            self,
-            img_size: Union[int, Tuple[int, int]] = 224, patch_size: Union[int, Tuple[int, int]] = 16,
-            in_chans: int = 3, num_classes: int = 1000, global_pool: str = 'avg',
-            embed_dim: int = 768, depth: int = 12, num_heads: int = 32, kernel_size: int = 11,
+            self, img_size: Union[int, Tuple[int, int]] = 224, patch_size: Union[int, Tuple[int, int]] = 16,
+            in_chans: int = 3, num_classes: int = 1000, global_pool: str = 'avg', embed_dim: int = 768,
+            depth: int = 12, num_heads: int = 32, kernel_size: int = 11,
             mixer_layer: Union[str, Callable[..., nn.Module]] = 'aft_conv',
-            mixer_kwargs: Optional[Dict[str, Any]] = None,
-            mlp_ratio: float = 4., qkv_bias: bool = True, init_values: Optional[float] = None,
-            dynamic_img_pad: bool = False,
-            drop_rate: float = 0., proj_drop_rate: float = 0., drop_path_rate: float = 0., weight_init: str = '',
-            norm_layer: Optional[Union[str, Type[nn.Module]]] = None,
-            act_layer: Optional[Union[str, Type[nn.Module]]] = None, block_fn: Type[nn.Module] = Block,
-            resize_mode: str = 'window', base_img_size: Optional[Union[int, Tuple[int, int]]] = None,
-            device=None, dtype=None,
+            mixer_kwargs: Optional[Dict[str, Any]] = None, mlp_ratio: float = 4., qkv_bias: bool = True,
+            init_values: Optional[float] = None, dynamic_img_pad: bool = False, drop_rate: float = 0.,
+            proj_drop_rate: float = 0., drop_path_rate: float = 0., weight_init: str = '',
+            norm_layer: Optional[LayerType] = None, act_layer: Optional[LayerType] = None,
+            block_fn: Type[nn.Module] = Block, resize_mode: str = 'window',
+            base_img_size: Optional[Union[int, Tuple[int, int]]] = None, device=None, dtype=None,
     ):
         super().__init__(num_classes, in_chans, embed_dim, weight_init)
         dd = {'device': device, 'dtype': dtype}
         self._set_global_pool(global_pool)
-        self._check_resize_mode(resize_mode)
         self.resize_mode = resize_mode
         self.export_layout = 'NHWC'  # what a recorded graph takes (``export_layout``); eager always runs rows
         self.kernel_size = kernel_size
         self.base_img_size = to_2tuple(base_img_size or img_size)
         self.base_patch_size = to_2tuple(patch_size)
         patch_size, kernel_size = self._size_plan(to_2tuple(img_size))
-        norm_layer = get_norm_layer(norm_layer) or LayerNorm
-        act_layer = get_act_layer(act_layer) or nn.GELU
         self.output_fmt = 'NHWC'
 
         self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, output_fmt='NHWC',
@@ -90,11 +83,8 @@ class AFTConvTransformer(AFTTransformerBase):
             mixer_layer = MIXER_LAYERS[mixer_layer]
         mixer_layer = partial(mixer_layer, num_heads=num_heads, kernel_size=kernel_size, **(mixer_kwargs or {}))
         self._build_trunk(
-            depth, mixer_layer, self.patch_embed.feat_ratio(), block_fn, norm_layer, drop_rate=drop_rate,
-            drop_path_rate=drop_path_rate, dd=dd, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, proj_drop=proj_drop_rate,
-            init_values=init_values, act_layer=act_layer)
-        if weight_init != 'skip':
-            self.init_weights()
+            depth, mixer_layer, block_fn, norm_layer, act_layer, drop_rate, drop_path_rate, weight_init, dd,
+            mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, proj_drop=proj_drop_rate, init_values=init_values)
 
     def _set_global_pool(self, global_pool: str) -> None:
         if global_pool not in GLOBAL_POOLS:
@@ -102,15 +92,12 @@ class AFTConvTransformer(AFTTransformerBase):
         self.global_pool = global_pool
         self.pool = SelectAdaptivePool2d(pool_type=global_pool, flatten=bool(global_pool), input_fmt='NHWC')
 
-    @staticmethod
-    def _check_resize_mode(resize_mode: str) -> None:
-        if resize_mode not in RESIZE_MODES:
-            raise ValueError(f'unknown resize_mode {resize_mode!r}: choose one of {", ".join(RESIZE_MODES)}')
-
     def _size_plan(self, img_size: Tuple[int, int], mode: Optional[str] = None,
                    base_patch: Optional[Tuple[int, int]] = None) -> Tuple[Tuple[int, int], int]:
         """(patch, window) at ``img_size`` under ``mode`` from those at ``base_img_size``; changes nothing."""
         mode, base_patch = mode or self.resize_mode, base_patch or self.base_patch_size
+        if mode not in RESIZE_MODES:
+            raise ValueError(f'unknown resize_mode {mode!r}: choose one of {", ".join(RESIZE_MODES)}')
         ratio_h, ratio_w = (size / base for size, base in zip(img_size, self.base_img_size))
         if mode == 'window':
             return base_patch, scaled_kernel_size(self.kernel_size, math.sqrt(ratio_h * ratio_w))
@@ -136,8 +123,6 @@ class AFTConvTransformer(AFTTransformerBase):
             patch_size: New patch size at ``base_img_size`` (its kernel resampled), None keeps it.
             resize_mode: 'keep', 'window' or 'patch' from now on, None keeps the current mode.
         """
-        if resize_mode is not None:
-            self._check_resize_mode(resize_mode)
         mode = resize_mode or self.resize_mode
         if patch_size is not None and mode == 'patch':
             raise ValueError("give either patch_size or resize_mode='patch' (which sets the patch), not both")
@@ -183,26 +168,14 @@ class AFTConvTransformer(AFTTransformerBase):
         ``output_fmt`` 'NCHW' or 'NHWC'. Returns the intermediates, or (features (B, H, W, C), intermediates)."""
         if output_fmt not in ('NCHW', 'NHWC'):
             raise ValueError(f"output_fmt must be 'NCHW' or 'NHWC', got '{output_fmt}'")
-        intermediates = []
         take_indices, max_index = feature_take_indices(len(self.blocks), indices)
-
         self._check_input(x)
-        if torch.jit.is_scripting() or not stop_early:  # can't slice blocks in torchscript
-            blocks = self.blocks
-        else:
-            blocks = self.blocks[:max_index + 1]
         if self._records_nchw():
-            return self._intermediates_nchw(x, len(blocks), take_indices, norm, output_fmt, intermediates_only)
-        x = self._embed(x)  # (B, H, W, C)
-        for i, blk in enumerate(blocks):
-            if self.grad_checkpointing and not torch.jit.is_scripting():
-                x = checkpoint(blk, x)
-            else:
-                x = blk(x)
-            if i in take_indices:
-                y = self.norm(x) if norm else x
-                intermediates.append(y.permute(0, 3, 1, 2).contiguous() if output_fmt == 'NCHW' else y)
-
+            num_blocks = max_index + 1 if stop_early else len(self.blocks)
+            return self._intermediates_nchw(x, num_blocks, take_indices, norm, output_fmt, intermediates_only)
+        x, intermediates = self._run_blocks(self._embed(x), None, take_indices, norm, max_index if stop_early else None)
+        if output_fmt == 'NCHW':  # (B, H, W, C) -> (B, C, H, W)
+            intermediates = [y.permute(0, 3, 1, 2).contiguous() for y in intermediates]
         if intermediates_only:
             return intermediates
         x = self.norm(x)
@@ -241,12 +214,7 @@ class AFTConvTransformer(AFTTransformerBase):
         self._check_input(x)
         if self._records_nchw():
             return self._features_nchw(x)
-        x = self._embed(x)  # (B, H, W, C)
-        if self.grad_checkpointing and not torch.jit.is_scripting():
-            x = checkpoint_seq(self.blocks, x)
-        else:
-            x = self.blocks(x)
-        return self.norm(x)
+        return self.norm(self._run_blocks(self._embed(x))[0])  # (B, H, W, C)
 
 
 @contextlib.contextmanager
@@ -287,12 +255,8 @@ def forward_at_size(net: nn.Module, images: torch.Tensor) -> torch.Tensor:
     return net(images)
 
 
-def checkpoint_filter_fn(
-        state_dict: Dict[str, torch.Tensor],
-        model: AFTConvTransformer,
-        interpolation: str = 'bicubic',
-        antialias: bool = True,
-) -> Dict[str, torch.Tensor]:
+def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: AFTConvTransformer, interpolation: str = 'bicubic',
+                         antialias: bool = True) -> Dict[str, torch.Tensor]:
     """Adapt a checkpoint to ``model``: a training checkpoint's weights, DeiT / ViT mapped (``adapt_vit_checkpoint``),
     the patch kernel resampled to the model's patch (timm's ``resample_patch_embed``; timm's ViT filter needs a
     ``pos_embed``), each window to the model's (``resize_window_bias``, as timm resamples a ``pos_embed``)."""
@@ -315,14 +279,12 @@ def checkpoint_filter_fn(
 _cfg = partial(aft_cfg, pool_size=(14, 14))
 _cfg_384 = partial(_cfg, input_size=(3, 384, 384), pool_size=(24, 24), crop_pct=1.0)
 
-_DEIT_TINY, _DEIT_SMALL = 'deit_tiny_patch16_224.fb_in1k', 'deit_small_patch16_224.fb_in1k'
-_DEIT_BASE = 'deit_base_patch16_384.fb_in1k'
+_TINY, _SMALL, _BASE = ((_cfg, 'deit_tiny_patch16_224.fb_in1k'), (_cfg, 'deit_small_patch16_224.fb_in1k'),
+                        (_cfg_384, 'deit_base_patch16_384.fb_in1k'))
 _INIT = {  # each model's cfg and the DeiT weights its '.deit_in1k' tag converts (Table 8)
-    'aft_conv_tiny': (_cfg, _DEIT_TINY), 'aft_conv_small': (_cfg, _DEIT_SMALL), 'aft_conv_base': (_cfg_384, _DEIT_BASE),
-    'aft_conv_tiny_11': (_cfg, _DEIT_TINY), 'aft_conv_tiny_11_h32': (_cfg, _DEIT_TINY),
-    'aft_conv_small_3': (_cfg, _DEIT_SMALL), 'aft_conv_small_7': (_cfg, _DEIT_SMALL),
-    'aft_conv_small_11': (_cfg, _DEIT_SMALL), 'aft_conv_small_15': (_cfg, _DEIT_SMALL),
-    'aft_conv_small_11_h16': (_cfg, _DEIT_SMALL), 'aft_conv_base_25_h32': (_cfg_384, _DEIT_BASE),
+    'aft_conv_tiny': _TINY, 'aft_conv_small': _SMALL, 'aft_conv_base': _BASE, 'aft_conv_tiny_11': _TINY,
+    'aft_conv_tiny_11_h32': _TINY, 'aft_conv_small_3': _SMALL, 'aft_conv_small_7': _SMALL, 'aft_conv_small_11': _SMALL,
+    'aft_conv_small_15': _SMALL, 'aft_conv_small_11_h16': _SMALL, 'aft_conv_base_25_h32': _BASE,
 }
 # '.untrained*' (no weights) is each default, listed after the tags with weights as generate_default_cfgs requires, so
 # pretrained=True needs a tag. No test_input_size: Table 7's gain at 384 is for its trained weights.

@@ -14,9 +14,8 @@ import torch
 from torch import nn
 from torch.jit import Final
 
-from timm.layers import LayerNorm, PatchEmbed, get_act_layer, get_norm_layer, global_pool_nlc, resample_abs_pos_embed, \
-    to_2tuple, trunc_normal_
-from timm.models import build_model_with_cfg, checkpoint, generate_default_cfgs, register_model
+from timm.layers import LayerType, PatchEmbed, global_pool_nlc, resample_abs_pos_embed, to_2tuple, trunc_normal_
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 from timm.models._input import get_pretrained_grid_size, update_model_input_size  # as timm's ViT (not re-exported)
 from timm.models.vision_transformer import checkpoint_filter_fn as vit_checkpoint_filter_fn
@@ -46,9 +45,8 @@ class GridAFTFull(AFTFull):
     def __init__(self, dim: int, grid_size: Tuple[int, int], num_prefix_tokens: int = 1, pos_dim: int = 128,
                  qkv_bias: bool = True, proj_drop: float = 0., device=None, dtype=None):
         grid_size = to_2tuple(grid_size)
-        seq_len = num_prefix_tokens + grid_size[0] * grid_size[1]
-        super().__init__(
-            dim, seq_len, pos_dim=pos_dim, qkv_bias=qkv_bias, proj_drop=proj_drop, device=device, dtype=dtype)
+        super().__init__(dim, num_prefix_tokens + grid_size[0] * grid_size[1], pos_dim=pos_dim, qkv_bias=qkv_bias,
+                         proj_drop=proj_drop, device=device, dtype=dtype)  # T = prefix + H * W
         self.grid_size: Tuple[int, int] = (int(grid_size[0]), int(grid_size[1]))
         self.num_prefix_tokens = num_prefix_tokens
         self.grid_aware = True  # Block passes it the patch grid
@@ -58,9 +56,8 @@ class GridAFTFull(AFTFull):
         if feat_size[0] == self.grid_size[0] and feat_size[1] == self.grid_size[1]:
             return self.pos_u, self.pos_v
         new_size = (feat_size[0], feat_size[1])
-        pos_u = resample_pos_rows(self.pos_u, new_size, self.grid_size, self.num_prefix_tokens)
-        pos_v = resample_pos_rows(self.pos_v, new_size, self.grid_size, self.num_prefix_tokens)
-        return pos_u, pos_v
+        return (resample_pos_rows(self.pos_u, new_size, self.grid_size, self.num_prefix_tokens),
+                resample_pos_rows(self.pos_v, new_size, self.grid_size, self.num_prefix_tokens))
 
     @torch.jit.ignore
     def set_grid_size(self, grid_size: Tuple[int, int]) -> None:
@@ -105,18 +102,13 @@ class AFTVisionTransformer(AFTTransformerBase):
     dynamic_img_size: Final[bool]
 
     def __init__(
-            self,
-            img_size: Union[int, Tuple[int, int]] = 224, patch_size: Union[int, Tuple[int, int]] = 16,
-            in_chans: int = 3, num_classes: int = 1000, global_pool: str = 'token',
-            embed_dim: int = 768, depth: int = 12, mixer: str = 'full', pos_dim: int = 128,
-            mlp_ratio: float = 4., qkv_bias: bool = True, class_token: bool = True,
-            init_values: Optional[float] = None,
-            dynamic_img_size: bool = False, dynamic_img_pad: bool = False,
-            drop_rate: float = 0., pos_drop_rate: float = 0., proj_drop_rate: float = 0., drop_path_rate: float = 0.,
-            weight_init: str = '',
-            norm_layer: Optional[Union[str, Type[nn.Module]]] = None,
-            act_layer: Optional[Union[str, Type[nn.Module]]] = None, block_fn: Type[nn.Module] = Block,
-            device=None, dtype=None,
+            self, img_size: Union[int, Tuple[int, int]] = 224, patch_size: Union[int, Tuple[int, int]] = 16,
+            in_chans: int = 3, num_classes: int = 1000, global_pool: str = 'token', embed_dim: int = 768,
+            depth: int = 12, mixer: str = 'full', pos_dim: int = 128, mlp_ratio: float = 4., qkv_bias: bool = True,
+            class_token: bool = True, init_values: Optional[float] = None, dynamic_img_size: bool = False,
+            dynamic_img_pad: bool = False, drop_rate: float = 0., pos_drop_rate: float = 0., proj_drop_rate: float = 0.,
+            drop_path_rate: float = 0., weight_init: str = '', norm_layer: Optional[LayerType] = None,
+            act_layer: Optional[LayerType] = None, block_fn: Type[nn.Module] = Block, device=None, dtype=None,
     ):
         super().__init__(num_classes, in_chans, embed_dim, weight_init)
         dd = {'device': device, 'dtype': dtype}
@@ -125,16 +117,12 @@ class AFTVisionTransformer(AFTTransformerBase):
         self.num_prefix_tokens = 1 if class_token else 0
         self.has_class_token = class_token
         self._set_global_pool(global_pool)
-        self.mixer = mixer
-        self.dynamic_img_size = dynamic_img_size
-        norm_layer = get_norm_layer(norm_layer) or LayerNorm
-        act_layer = get_act_layer(act_layer) or nn.GELU
+        self.mixer, self.dynamic_img_size = mixer, dynamic_img_size
 
         embed_args = dict(strict_img_size=False, output_fmt='NHWC') if dynamic_img_size else {}
         self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, dynamic_img_pad=dynamic_img_pad,
                                       **embed_args, **dd)
         grid_size = self.patch_embed.grid_size
-        reduction = self.patch_embed.feat_ratio()
 
         self.cls_token = nn.Parameter(torch.empty(1, 1, embed_dim, **dd)) if class_token else None
         embed_len = self.num_prefix_tokens + self.patch_embed.num_patches
@@ -147,11 +135,8 @@ class AFTVisionTransformer(AFTTransformerBase):
         else:
             mixer_layer = AFTSimple
         self._build_trunk(
-            depth, mixer_layer, reduction, block_fn, norm_layer, drop_rate=drop_rate, drop_path_rate=drop_path_rate,
-            dd=dd, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, proj_drop=proj_drop_rate, init_values=init_values,
-            act_layer=act_layer)
-        if weight_init != 'skip':
-            self.init_weights()
+            depth, mixer_layer, block_fn, norm_layer, act_layer, drop_rate, drop_path_rate, weight_init, dd,
+            mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, proj_drop=proj_drop_rate, init_values=init_values)
 
     def init_weights(self, mode: str = '') -> None:
         super().init_weights(mode)
@@ -201,8 +186,7 @@ class AFTVisionTransformer(AFTTransformerBase):
             pos_embed = self.pos_embed
         if self.cls_token is not None:
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
-        x = x + pos_embed
-        return self.pos_drop(x), feat_size
+        return self.pos_drop(x + pos_embed), feat_size
 
     def _fixed_img_size(self) -> Optional[Tuple[int, int]]:
         """Without ``dynamic_img_size``, the size the position embedding and AFT-full's biases are built for."""
@@ -216,26 +200,11 @@ class AFTVisionTransformer(AFTTransformerBase):
         ``output_fmt`` 'NCHW' (patch-token maps) or 'NLC', ``return_prefix_tokens`` as (map, prefix) pairs."""
         if output_fmt not in ('NCHW', 'NLC'):
             raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got '{output_fmt}'")
-        reshape = output_fmt == 'NCHW'
-        intermediates = []
         take_indices, max_index = feature_take_indices(len(self.blocks), indices)
-
         self._check_input(x)
         B, _, height, width = x.shape
-        x = self.patch_embed(x)
-        x, feat_size = self._pos_embed(x)
-
-        if torch.jit.is_scripting() or not stop_early:  # can't slice blocks in torchscript
-            blocks = self.blocks
-        else:
-            blocks = self.blocks[:max_index + 1]
-        for i, blk in enumerate(blocks):
-            if self.grad_checkpointing and not torch.jit.is_scripting():
-                x = checkpoint(blk, x, feat_size)
-            else:
-                x = blk(x, feat_size)
-            if i in take_indices:
-                intermediates.append(self.norm(x) if norm else x)
+        x, feat_size = self._pos_embed(self.patch_embed(x))
+        x, intermediates = self._run_blocks(x, feat_size, take_indices, norm, max_index if stop_early else None)
 
         # split prefix (class) tokens from the patch tokens
         if self.num_prefix_tokens:
@@ -243,7 +212,7 @@ class AFTVisionTransformer(AFTTransformerBase):
             intermediates = [y[:, self.num_prefix_tokens:] for y in intermediates]
         else:
             prefix_tokens = None
-        if reshape:
+        if output_fmt == 'NCHW':
             H, W = self.patch_embed.dynamic_feat_size((height, width))
             intermediates = [y.reshape(B, H, W, -1).permute(0, 3, 1, 2).contiguous() for y in intermediates]
         if not torch.jit.is_scripting() and return_prefix_tokens and prefix_tokens is not None:
@@ -257,14 +226,8 @@ class AFTVisionTransformer(AFTTransformerBase):
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, C, H, W) -> normalised tokens (B, prefix + H/p * W/p, C)."""
         self._check_input(x)
-        x = self.patch_embed(x)
-        x, feat_size = self._pos_embed(x)
-        for blk in self.blocks:
-            if self.grad_checkpointing and not torch.jit.is_scripting():
-                x = checkpoint(blk, x, feat_size)
-            else:
-                x = blk(x, feat_size)
-        return self.norm(x)
+        x, feat_size = self._pos_embed(self.patch_embed(x))
+        return self.norm(self._run_blocks(x, feat_size)[0])
 
     def pool(self, x: torch.Tensor, pool_type: Optional[str] = None) -> torch.Tensor:
         """Tokens (B, T, C) -> (B, C) by timm's ``global_pool_nlc`` ('' keeps x)."""
@@ -281,37 +244,32 @@ def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: AFTVisionTr
     source_kernel = state_dict.get('patch_embed.proj.weight')  # before timm's filter resamples it
     num_prefix_tokens = model.num_prefix_tokens
     grid_size = tuple(model.patch_embed.grid_size)
-    num_tokens = num_prefix_tokens + grid_size[0] * grid_size[1]
 
     def _source_grid(name: str, rows: int) -> Optional[Tuple[int, int]]:
-        """The checkpoint grid of a per-token tensor, None when it is the model's (nothing to resample)."""
-        old_size = get_pretrained_grid_size(model, source_kernel, rows - num_prefix_tokens)
-        if rows == num_tokens and old_size in (None, grid_size):
+        """The checkpoint grid of a per-token tensor, None when it is the model's (nothing to resample); without a
+        known size the square grid ``resample_abs_pos_embed`` assumes."""
+        num_grid_tokens = rows - num_prefix_tokens
+        old_size = get_pretrained_grid_size(model, source_kernel, num_grid_tokens)
+        if num_grid_tokens == grid_size[0] * grid_size[1] and old_size in (None, grid_size):
             return None
-        return old_size or _square_grid(rows - num_prefix_tokens, name)
+        if old_size is not None:
+            return old_size
+        side = int(round(num_grid_tokens ** 0.5))
+        if side * side != num_grid_tokens:
+            raise ValueError(
+                f'cannot infer the patch grid of checkpoint tensor {name!r}: {num_grid_tokens} grid rows is not a '
+                f'square; build the model at the checkpoint image size, load it, then call set_input_size()')
+        return side, side
 
     if 'pos_embed' in state_dict:
         _source_grid('pos_embed', state_dict['pos_embed'].shape[1])  # a clear error before timm's filter fails
     state_dict = vit_checkpoint_filter_fn(state_dict, model, interpolation=interpolation, antialias=antialias)
-    out_dict = {}
     for k, v in state_dict.items():
-        if k.endswith(('.attn.pos_u', '.attn.pos_v')):
-            old_size = _source_grid(k, v.shape[0])
-            if old_size is not None:
-                v = resample_pos_rows(
-                    v, grid_size, old_size, num_prefix_tokens, interpolation=interpolation, antialias=antialias)
-        out_dict[k] = v
-    return out_dict
-
-
-def _square_grid(num_grid_tokens: int, name: str) -> Tuple[int, int]:
-    """The square grid of ``num_grid_tokens`` rows, as ``resample_abs_pos_embed`` assumes without a known size."""
-    side = int(round(num_grid_tokens ** 0.5))
-    if side * side != num_grid_tokens:
-        raise ValueError(
-            f'cannot infer the patch grid of checkpoint tensor {name!r}: {num_grid_tokens} grid rows is not a square; '
-            f'build the model at the checkpoint image size, load it, then call set_input_size()')
-    return side, side
+        old_size = _source_grid(k, v.shape[0]) if k.endswith(('.attn.pos_u', '.attn.pos_v')) else None
+        if old_size is not None:
+            state_dict[k] = resample_pos_rows(
+                v, grid_size, old_size, num_prefix_tokens, interpolation=interpolation, antialias=antialias)
+    return state_dict
 
 
 _cfg = partial(aft_cfg, pool_size=None, fixed_input_size=True)  # the grid is tied to the input size

@@ -66,12 +66,8 @@ class SimpleFeaturePyramid(nn.Module):
         reductions = []
         for scale in scale_factors:
             if scale == 4.0:  # (B, C, h, w) -> (B, C/4, 4h, 4w)
-                layers = [
-                    nn.ConvTranspose2d(dim, dim // 2, kernel_size=2, stride=2),
-                    norm_layer(dim // 2),
-                    act_layer(),
-                    nn.ConvTranspose2d(dim // 2, dim // 4, kernel_size=2, stride=2),
-                ]
+                layers = [nn.ConvTranspose2d(dim, dim // 2, kernel_size=2, stride=2), norm_layer(dim // 2), act_layer(),
+                          nn.ConvTranspose2d(dim // 2, dim // 4, kernel_size=2, stride=2)]
                 level_dim = dim // 4
             elif scale == 2.0:  # (B, C, h, w) -> (B, C/2, 2h, 2w)
                 layers, level_dim = [nn.ConvTranspose2d(dim, dim // 2, kernel_size=2, stride=2)], dim // 2
@@ -79,21 +75,17 @@ class SimpleFeaturePyramid(nn.Module):
                 layers, level_dim = [], dim
             else:  # (B, C, h, w) -> (B, C, h/2, w/2)
                 layers, level_dim = [nn.MaxPool2d(kernel_size=2, stride=2)], dim
-            layers += [
-                nn.Conv2d(level_dim, out_channels, kernel_size=1, bias=False),
-                norm_layer(out_channels),
-                nn.Conv2d(out_channels, out_channels, kernel_size=3, padding=1, bias=False),
-                norm_layer(out_channels),
-            ]
+            layers += [nn.Conv2d(level_dim, out_channels, kernel_size=1, bias=False), norm_layer(out_channels),
+                       nn.Conv2d(out_channels, out_channels, kernel_size=3, padding=1, bias=False),
+                       norm_layer(out_channels)]
             self.stages.append(nn.Sequential(*layers))
             reductions.append(int(stride / scale))
         if top_pool:
             reductions.append(2 * reductions[-1])
-        names = [str(i) for i in range(len(scale_factors))] + (['pool'] if top_pool else [])
-        self.names: List[str] = names
+        self.names: List[str] = [str(i) for i in range(len(scale_factors))] + (['pool'] if top_pool else [])
         self.feature_info = FeatureInfo(
             [dict(num_chs=out_channels, reduction=r, module=f'stages.{min(i, len(scale_factors) - 1)}')
-             for i, r in enumerate(reductions)], out_indices=tuple(range(len(names))))
+             for i, r in enumerate(reductions)], out_indices=tuple(range(len(self.names))))
         self.init_weights()
 
     def init_weights(self) -> None:
