@@ -275,6 +275,8 @@ def test_training_checkpoints_load_as_timm_loads_them(kind, tmp_path):
             assert torch.equal(tensor, expected.state_dict()[key]) and torch.equal(tensor, timm_state[key]), key
         assert ('EMA weights' in weights) == (kind == 'ema' and use_ema), weights
         assert ('not the EMA ones' in weights) == (kind == 'ema' and not use_ema), weights
+    with pytest.raises(ValueError, match='a checkpoint or pretrained, not both'):
+        load_model('aft_conv_test', str(path), pretrained=True)
     overlay = timm.create_model(  # timm's loader, then the filter
         'aft_conv_test', pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))
     in_memory = timm.create_model(  # the filter alone

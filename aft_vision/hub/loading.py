@@ -182,6 +182,8 @@ def load_model(name: str, checkpoint: Optional[str] = None, pretrained: bool = F
     ``RANDOM_WEIGHTS``, or its tag's with ``pretrained``), a ``local-dir:`` / ``hf-hub:`` source, or a ``checkpoint``
     (``_from_checkpoint``); ``model.pretrained_cfg`` holds the data config. ``use_ema``: timm's rule; ``aft_only``:
     refuse other models. ValueError in one line naming the file, the model or the key."""
+    if checkpoint and pretrained:
+        raise ValueError(f'{name}: pass a checkpoint or pretrained, not both')
     model_kwargs = dict(model_kwargs or {})
     check_model_name(name)
     check_source(name)
