@@ -126,7 +126,7 @@ def _grid_of(model: nn.Module, image_size: Sequence[int], num_tokens: int) -> Tu
 
 def load_model(name: str, checkpoint: Optional[PathLike] = None, pretrained: bool = False, use_ema: bool = True,
                **model_kwargs) -> nn.Module:
-    """``hub.load_model``'s model alone (kept for the scripts in docs/inspect.md)."""
+    """``hub.load_model``'s model alone: kept for callers of 0.1.0 (docs and commands call ``hub.load_model``)."""
     return hub_load_model(name, None if checkpoint is None else str(checkpoint), pretrained, use_ema, model_kwargs)[0]
 
 
