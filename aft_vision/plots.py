@@ -1,21 +1,19 @@
-"""Figures: matplotlib output written the way every other output is, through a temporary sibling."""
+"""Figures: matplotlib output written the way every other output is, through ``checkpoints.files.atomic_file``."""
 import os
-from pathlib import Path
 from typing import Union
+
+from .checkpoints.files import atomic_file
 
 __all__ = ['save_figure']
 
 
-def save_figure(fig, path: Union[str, os.PathLike], dpi: int = 110) -> None:
+def save_figure(fig, path: Union[str, os.PathLike], dpi: int = 110, force: bool = True) -> None:
     """Save a matplotlib figure as PNG through a temporary sibling, then close it."""
     import matplotlib.pyplot as plt
 
-    path = Path(path)
-    temp = path.with_name(f'.{path.name}.tmp.png')
     try:
         fig.tight_layout()
-        fig.savefig(temp, dpi=dpi)
-        os.replace(temp, path)
+        with atomic_file(path, force=force) as temp:
+            fig.savefig(temp, dpi=dpi, format='png')
     finally:
         plt.close(fig)
-        temp.unlink(missing_ok=True)

@@ -17,9 +17,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / 'aft_vision'
 # what users name: ``import aft_vision``, ``python -m aft_vision.run`` / ``aft_vision.train``, timm's
 # ``--device-modules aft_vision.timm_sparsity``.
 FLOORS = (
-    ('version', 'plots'),  # the version; figures written atomically
+    ('version',),  # the version
     ('layers', 'checkpoints'),  # operators; weight files and the DeiT transfer
-    ('models',),  # timm-registered families and the feature pyramid
+    ('models', 'plots'),  # timm-registered families and the feature pyramid; figures, through checkpoints.files
     ('hub', 'deploy'),  # publishing and loading back; ONNX / OpenVINO and INT8
     ('bench', 'tasks'),  # benchmarks; the jobs (classify, segment, study, visualize)
     ('cli',),  # the aft-vision command line: options in, plain Python settings out

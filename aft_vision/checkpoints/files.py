@@ -18,7 +18,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 
-__all__ = ['load_weights', 'save_weights', 'atomic_dir', 'output_dir', 'check_output_dir', 'swap_in', 'sha256sum',
+__all__ = ['load_weights', 'save_weights', 'atomic_file', 'atomic_dir', 'output_dir', 'check_output_dir', 'swap_in', 'sha256sum',
            'umask_mode']
 
 PathLike = Union[str, os.PathLike]
@@ -98,6 +98,25 @@ def save_weights(state_dict: Mapping[str, torch.Tensor], path: PathLike, force: 
         os.replace(temp_file, path)
         shutil.rmtree(staging, ignore_errors=True)
     return digest
+
+
+@contextlib.contextmanager
+def atomic_file(path: PathLike, force: bool = False) -> Iterator[Path]:
+    """A temporary sibling path to write; it replaces ``path`` (mode from the umask) if the block succeeds, and is
+    removed if it fails. FileExistsError if ``path`` exists, unless ``force``."""
+    path = Path(path)
+    if path.exists() and not force:
+        raise FileExistsError(f'{path} exists; pass force=True (--force) to overwrite it')
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temp = tempfile.mkstemp(prefix=f'.{path.name}.', suffix=path.suffix, dir=path.parent)
+    os.close(handle)
+    temp = Path(temp)
+    try:
+        yield temp
+        temp.chmod(umask_mode(0o666))  # mkstemp makes 0600
+        os.replace(temp, path)
+    finally:
+        temp.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
