@@ -339,10 +339,11 @@ def problem_for(op: str, q, k, v, w, window: int = 3) -> Problem:
 
 
 def terms_for(method: str, policy: str) -> str:
-    """How ``method`` ('dense', 'conv', 'auto', 'triton' or a sequence operator) sums its terms under ``policy``: the
-    depthwise path (which 'auto' may take) splits AFT-conv's weights, repaired under 'cpu'."""
-    if method in ('conv', 'auto', 'triton'):
-        return 'split_repaired' if policy == 'cpu' and method != 'triton' else 'split'
+    """How ``method`` ('dense', 'conv', 'auto', 'fused' or a sequence operator) sums its terms under ``policy`` on a
+    CPU: the depthwise path (which 'auto' may take, and 'fused' without Triton's interpreter) splits AFT-conv's
+    weights, repaired under 'cpu'."""
+    if method in ('conv', 'auto', 'fused'):
+        return 'split_repaired' if policy == 'cpu' else 'split'
     return 'positive'
 
 

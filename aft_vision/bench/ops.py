@@ -35,9 +35,8 @@ def layer_shape(name: str, img_size: int) -> Dict[str, int]:
 
 
 def variants_for(device: torch.device) -> List[str]:
-    """What ``--ops`` can time on ``device``: 'dense', 'conv:forward_conv' and, on CUDA with Triton, 'triton'."""
-    from ..layers.aft_conv_triton import triton_available  # imports triton only when it checks for it
-    return ['dense', 'conv:forward_conv'] + (['triton'] if device.type == 'cuda' and triton_available() else [])
+    """What ``--ops`` can time on ``device``: 'dense', 'conv:forward_conv' and, on CUDA, 'fused' (the operator)."""
+    return ['dense', 'conv:forward_conv'] + (['fused'] if device.type == 'cuda' else [])
 
 
 def time_methods(shape: Dict[str, int], batch_size: int, device: torch.device, precision: str, repeats: int,

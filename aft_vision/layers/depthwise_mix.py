@@ -150,9 +150,9 @@ class DepthwiseMix(torch.autograd.Function):
 
 
 def depthwise_mix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, contiguous: bool,
-                  dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``DepthwiseMix``, or ``depthwise_sums`` inside TorchScript and while ``capturing()``."""
-    if torch.jit.is_scripting() or capturing():
+                  dtype: torch.dtype, plain: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``DepthwiseMix``, or ``depthwise_sums`` inside TorchScript, while ``capturing()`` and where ``plain``."""
+    if torch.jit.is_scripting() or capturing() or plain:
         (batch, height, width, channels), num_heads = q.shape, k.shape[-1]
         numerator, denominator, scale = depthwise_sums(
             k.to(dtype).flatten(1, 2), v.to(dtype).flatten(1, 2), w.to(dtype), height, width)

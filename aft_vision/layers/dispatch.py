@@ -1,11 +1,12 @@
 """How an AFT call runs, in one place (as timm's ``layers/config.py``): the method, the device policy, capture.
 
-Method: fixed when an AFT-conv layer is built (``method=``, ``mixer_kwargs``, else ``set_conv_method``'s default);
+Method: fixed when an AFT-conv layer is built (``method=``, ``mixer_kwargs``, else ``set_conv_method``'s default,
+first ``AFT_CONV_METHOD`` or 'auto': one switch for timm's scripts, as timm's ``TIMM_FUSED_ATTN``);
 'auto' picks per call by ``choose_conv_method``'s cost tables (docs/performance.md). Policy (``device_policy``,
 ``AFT_DEVICE_POLICY``): 'cpu' repairs underflowed or cancelled entries on the host, exact for any finite input;
 'cuda' never syncs and floors denominators, exact within stated bounds (docs/operators.md). ``capturing()`` (export,
 jit tracing, compiling) is the one capture check: every mixer takes its plain-autograd form, nothing is repaired;
-``exporting()`` also sends 'auto' and 'triton' to 'conv', which runs at any size on any runtime.
+``exporting()`` also sends 'auto' and 'fused' to 'conv', which runs at any size on any runtime.
 """
 import contextlib
 import os
@@ -17,9 +18,10 @@ __all__ = ['CONV_METHODS', 'METHODS', 'DISPATCH_TABLES', 'POLICIES', 'set_conv_m
            'choose_conv_method', 'resolve_conv_method', 'device_policy', 'get_device_policy', 'product_dtype',
            'exporting', 'capturing']
 
-CONV_METHODS = ('dense', 'conv', 'triton')
+# torch.compiler.is_exporting() tells torch.export from torch.compile from 2.14 on (2.7-2.13: True under both)
+_EXPORT_FLAG_TRUSTED = torch.__version__ >= (2, 14)
+CONV_METHODS = ('dense', 'conv', 'fused')
 METHODS = ('auto',) + CONV_METHODS
-_default_method = 'auto'
 
 # device type -> (ratio, kappa, beta, largest h * T * T for the dense form), fitted as docs/operators.md#dispatch says
 DISPATCH_TABLES: Dict[str, Tuple[float, float, float, int]] = {
@@ -33,6 +35,9 @@ def check_choice(value: str, allowed: Tuple[str, ...] = METHODS, origin: str = '
     return value
 
 
+_default_method = check_choice(os.environ.get('AFT_CONV_METHOD') or 'auto', METHODS, 'AFT_CONV_METHOD')
+
+
 def set_conv_method(method: str) -> None:
     """Set the method of AFT-conv layers built from now on without one, and of ``aft_conv2d`` calls without one."""
     global _default_method
@@ -40,17 +45,20 @@ def set_conv_method(method: str) -> None:
 
 
 def get_conv_method() -> str:
-    """The process default ``set_conv_method`` set ('auto' unless changed)."""
+    """The process default ``set_conv_method`` set (``AFT_CONV_METHOD``, else 'auto', unless changed)."""
     return _default_method
 
 
 def exporting() -> bool:
-    """True while torch.export, ONNX export or ``torch.jit.trace`` records a graph for another runtime."""
+    """True while torch.export, ONNX export or ``torch.jit.trace`` records a graph for another runtime. Before torch
+    2.14, ``torch.compiler.is_exporting()`` also answers True under plain ``torch.compile``: there only ONNX export and
+    jit tracing count (a bare ``torch.export`` on such a torch records what a compiled call would run)."""
     if torch.jit.is_scripting():
         return False
     else:
-        is_exporting = getattr(torch.compiler, 'is_exporting', None)  # torch >= 2.7; before, export is compiling
-        return (is_exporting is not None and is_exporting()) or torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()
+        is_exporting = getattr(torch.compiler, 'is_exporting', None)  # torch >= 2.7
+        exported = _EXPORT_FLAG_TRUSTED and is_exporting is not None and is_exporting()
+        return exported or torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()
 
 
 def capturing() -> bool:
@@ -75,10 +83,10 @@ def choose_conv_method(device_type: str, batch: int, height: int, width: int, ch
 
 
 def resolve_conv_method(method: Optional[str], q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> str:
-    """The evaluation of one call: ``method`` (None: ``get_conv_method()``), 'conv' for 'auto' and 'triton' while
+    """The evaluation of one call: ``method`` (None: ``get_conv_method()``), 'conv' for 'auto' and 'fused' while
     exporting, the cost model's choice for 'auto' on the tensors' device."""
     method = check_choice(get_conv_method() if method is None else method)
-    if exporting() and method in ('auto', 'triton'):
+    if exporting() and method in ('auto', 'fused'):
         return 'conv'
     if method == 'auto':
         batch, height, width, channels = q.shape

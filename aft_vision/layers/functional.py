@@ -2,7 +2,9 @@
 projected q, k, v in, mixed tokens out (promoted dtype); only the inputs saved for backward, no (B, T, T, C) tensor.
 Under the 'cpu' policy exact to the rounding of the operands for any finite input; under 'cuda' (and when captured)
 finite for any finite input, exact within the bounds each function states (docs/operators.md)."""
-from typing import Optional
+import importlib.util
+import os
+from typing import Optional, Tuple
 
 import torch
 from timm.layers import register_notrace_function
@@ -91,10 +93,10 @@ def aft_conv2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tenso
     """AFT-conv (Eq. 6) on a 2-D token grid: every key of the image contributes, those inside the s x s window
     around the query with the extra bias ``w``.
 
-    ``method`` (None: ``get_conv_method()``): 'dense' (``dense_mix.py``), 'conv' (``depthwise_mix.py``), 'triton'
-    (``aft_conv2d_triton``, which repairs nothing under either policy: its own bound) or 'auto' (``dispatch.py``).
-    Under 'cuda' the dense form is exact to rounding while a head's bias spans less than ~50, the conv form to
-    ``6e-8 * exp(max(0, -min w))`` of its denominator.
+    ``method`` (None: ``get_conv_method()``): 'fused' (the operator ``torch.ops.aft_vision.aft_conv2d``: the fused
+    Triton kernels on CUDA, exact for any finite input), 'dense' (``dense_mix.py``), 'conv' (``depthwise_mix.py``) or
+    'auto' (``dispatch.py``). Under 'cuda' the dense form is exact to rounding while a head's bias spans less than
+    ~50, the conv form to ``6e-8 * exp(max(0, -min w))`` of its denominator.
 
     Args:
         q: Queries (B, H, W, C), before the sigmoid. v: Values (B, H, W, C).
@@ -105,28 +107,24 @@ def aft_conv2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tenso
     check_conv_inputs(q, k, v, w)
     out_dtype = output_dtype(q, k, v)
     dtype = compute_dtype([q, k, v, w])
-    if torch.jit.is_scripting():  # TorchScript, like export, takes the convolution for 'auto' and 'triton'
+    if torch.jit.is_scripting():  # TorchScript, like export, takes the convolution for 'auto' and 'fused'
         dense = method is not None and method == 'dense'
-        return _aft_conv2d(q, k, v, w, 'dense' if dense else 'conv', dtype, dtype, 'cpu').to(out_dtype)
+        return _aft_conv2d(q, k, v, w, 'dense' if dense else 'conv', dtype, dtype, 'cpu')[0].to(out_dtype)
     else:
         method = resolve_conv_method(method, q, k, w)
+        if method == 'fused':
+            return _fused_op(q, k, v, w.to(q.device))[0]
         policy = get_device_policy(q.device)
         mm_dtype = product_dtype(q.device, out_dtype, dtype, policy)
         with no_autocast(q.device):
-            if method == 'triton':  # its own bound under either policy (``aft_conv2d_triton``)
-                return _aft_conv2d_triton(q, k, v, w)
-            return _aft_conv2d(q, k, v, w, method, dtype, mm_dtype, policy).to(out_dtype)
-
-
-@torch.jit.unused
-def _aft_conv2d_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    from .aft_conv_triton import aft_conv2d_triton  # imports triton on first use only
-    return aft_conv2d_triton(q, k, v, w)
+            return _aft_conv2d(q, k, v, w, method, dtype, mm_dtype, policy)[0].to(out_dtype)
 
 
 def _aft_conv2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, method: str, dtype: torch.dtype,
-                mm_dtype: torch.dtype, policy: str, tiny: float = TINY,
-                cancel_tol: float = CANCEL_TOL) -> torch.Tensor:
+                mm_dtype: torch.dtype, policy: str, tiny: float = TINY, cancel_tol: float = CANCEL_TOL,
+                plain: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The output and the denominator D (B, H, W, h) of the dense or conv form (repaired under 'cpu'); ``plain``:
+    the conv form in plain autograd."""
     batch, height, width, channels = q.shape
     num_heads = k.shape[-1]
     num_keys = height * width
@@ -137,7 +135,7 @@ def _aft_conv2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tens
         out, denominator = out.view(q.shape), denominator.view(k.shape)
         threshold = denominator.new_full((), tiny)  # the largest joint term underflowed
     else:
-        out, denominator, scale = depthwise_mix(q, k, v, w, q.device.type == 'cuda', dtype)  # cuDNN: NCHW
+        out, denominator, scale = depthwise_mix(q, k, v, w, q.device.type == 'cuda', dtype, plain)  # cuDNN: NCHW
         threshold = (scale * cancel_tol).clamp_min(tiny)  # (B, 1, 1, h): mostly cancellation (or underflow)
     bad = flag_below(denominator, threshold, policy)  # (B, H, W, h)
     if bad is not None:
@@ -147,4 +145,71 @@ def _aft_conv2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tens
             k.to(dtype).reshape(batch, num_keys, num_heads), v.to(dtype).reshape(batch, num_keys, channels),
             'conv', bias=w.to(dtype), grid_w=width, gate=q.to(dtype).reshape(batch, num_keys, channels),
         ).view(q.shape)
-    return out
+    return out, denominator
+
+
+# The operator: one graph node for eager, torch.compile and CUDA graphs; exports never see it (``exporting()``).
+@torch.library.custom_op('aft_vision::aft_conv2d', mutates_args=())
+def _fused_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The gated output (B, H, W, C) and the log-sum-exp of each query's logits (B, H, W, h) in the arithmetic's
+    dtype (``compute_dtype``)."""
+    if _kernels_run_on(q.device):
+        from .aft_conv_fused import fused_forward  # imports triton on first use only
+        return fused_forward(q, k, v, w)
+    dtype = compute_dtype([q, k, v, w])
+    policy = get_device_policy(q.device)
+    with no_autocast(q.device):
+        out, denominator = _aft_conv2d(q, k, v, w, 'conv', dtype, product_dtype(q.device, q.dtype, dtype, policy),
+                                       policy)
+    shift = k.detach().amax(dim=(1, 2), keepdim=True).to(dtype) + w.detach().amax(dim=(1, 2)).clamp_min(0.0).to(dtype)
+    return out.to(output_dtype(q, k, v)).contiguous(), (torch.log(denominator.to(dtype)) + shift).contiguous()
+
+
+@torch.library.custom_op('aft_vision::aft_conv2d_backward', mutates_args=())
+def _fused_op_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor,
+                       out: torch.Tensor, lse: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                      torch.Tensor]:
+    """Gradients in q, k, v, w: the fused kernels from ``out`` and ``lse``; elsewhere the conv form's, recomputed."""
+    if _kernels_run_on(q.device):
+        from .aft_conv_fused import fused_backward
+        return fused_backward(grad, q, k, v, w, out, lse)
+    dtype = compute_dtype([q, k, v, w])
+    policy = get_device_policy(q.device)
+
+    def plain(*inputs):  # the conv form in plain autograd (functorch cannot trace its autograd Function)
+        with no_autocast(q.device):
+            return _aft_conv2d(*inputs, 'conv', dtype, dtype, policy, plain=True)[0]
+
+    grads = torch.func.vjp(plain, q, k, v, w)[1](grad.to(output_dtype(q, k, v)))
+    return tuple(g.to(x.dtype).contiguous() for g, x in zip(grads, (q, k, v, w)))
+
+
+def _kernels_run_on(device: torch.device) -> bool:
+    """Whether the operator runs the Triton kernels on ``device``: CUDA, or the CPU under ``TRITON_INTERPRET=1``,
+    with triton installed (else the conv form, as SDPA falls back to its math kernel)."""
+    interpret = os.environ.get('TRITON_INTERPRET', '0').lower() in ('1', 'true', 'yes', 'on')
+    return (device.type == 'cuda' or (device.type == 'cpu' and interpret)) and _HAS_TRITON
+
+
+_HAS_TRITON = importlib.util.find_spec('triton') is not None
+
+
+@_fused_op.register_fake
+def _(q, k, v, w):
+    return q.new_empty(q.shape, dtype=output_dtype(q, k, v)), k.new_empty(k.shape, dtype=compute_dtype([q, k, v, w]))
+
+
+@_fused_op_backward.register_fake
+def _(grad, q, k, v, w, out, lse):
+    return tuple(x.new_empty(x.shape) for x in (q, k, v, w))
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs, *output)
+
+
+def _backward(ctx, grad, _grad_lse):
+    return _fused_op_backward(grad.contiguous(), *ctx.saved_tensors)
+
+
+_fused_op.register_autograd(_backward, setup_context=_setup_context)

@@ -114,7 +114,7 @@ def test_a_layer_fixes_its_method_when_built():
         with _Kernels() as kernels:
             aft_conv2d(q, k, v, w)
         assert kernels.products == 0 and kernels.conv_channels_last
-        with pytest.raises(ValueError, match='method must be one of auto, dense, conv, triton'):
+        with pytest.raises(ValueError, match='method must be one of auto, dense, conv, fused'):
             set_conv_method('fft')
     finally:
         set_conv_method('auto')
@@ -127,9 +127,9 @@ def test_a_layer_fixes_its_method_when_built():
 
 
 @pytest.mark.filterwarnings('ignore::torch.jit.TracerWarning')
-@pytest.mark.parametrize('method', ['auto', 'triton'])
+@pytest.mark.parametrize('method', ['auto', 'fused'])
 def test_exported_graphs_take_the_convolution(method):
-    """While exporting, 'auto' (the dense form in eager here) and 'triton' (no Triton needed) record the depthwise
+    """While exporting, 'auto' (the dense form in eager here) and 'fused' (the operator) record the depthwise
     convolution, which runs at any input size on any runtime."""
     q, k, v, w = grid_inputs(2, 4, 4, 8, 2, 3)
     traced = torch.jit.trace(lambda *t: aft_conv2d(*t, method=method), (q, k, v, w), check_trace=False)
