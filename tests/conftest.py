@@ -8,7 +8,7 @@ The suite follows the package: a folder or files per part, one topic per file, p
 
 * aft_reference.py: not a test; the float64 reference, the rounding bound and the one input generator every operator,
   model and export test uses. floor_check.py: the script test_dependency_floors.py runs on the minimum dependencies.
-  triton_check.py: the Triton kernel's cases, run by Triton's interpreter from layers/test_triton_kernel.py.
+  fused_check.py: the fused operator's cases, run by Triton's interpreter from layers/test_fused_operator.py.
 * layers/: the operators against the reference (exactness, properties, device policy, dispatch, the depthwise
   backward, capture, the one-hot mixer, the modules, the Triton kernel).
 * models/: the zoo against timm's contract and the paper's Tables 7 and 8 (models_common.PAPER_TABLES), resizing,

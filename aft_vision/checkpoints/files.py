@@ -18,8 +18,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 
-__all__ = ['load_weights', 'save_weights', 'atomic_file', 'atomic_dir', 'output_dir', 'check_output_dir', 'swap_in', 'sha256sum',
-           'umask_mode']
+__all__ = ['load_weights', 'save_weights', 'atomic_file', 'atomic_dir', 'output_dir', 'check_output_dir', 'swap_in',
+           'sha256sum', 'umask_mode']
 
 PathLike = Union[str, os.PathLike]
 
