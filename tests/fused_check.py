@@ -29,6 +29,8 @@ CASES = {
     'batch_1': (1, 5, 7, 4, 1, 3, 1.0, 1.0, 10),
     'batch_64': (64, 2, 3, 2, 1, 3, 1.0, 1.0, 11),
     'far_rows_9x4_s3': (2, 9, 4, 4, 2, 3, 3.0, 3.0, 12),
+    'far_rows_20x3_s5_1e4': (2, 20, 3, 4, 2, 5, 1e4, 1e4, 14),
+    'far_rows_20x3_s3': (1, 20, 3, 2, 1, 3, 1.0, 1.0, 15),
 }
 # 16-bit inputs: float16 everywhere; bfloat16 where no tl.dot runs (the interpreter's bfloat16 tl.dot is not faithful:
 # the products' path is checked in bfloat16 on a GPU, scripts/gpu_check.sh)

@@ -113,7 +113,7 @@ def key_grad_kernel(k_ptr, v_ptr, w_ptr, lse_ptr, dout_ptr, delta_ptr, dk_ptr, d
                     BN: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr, ACC: tl.constexpr):
     # dout (B, T, C): grad * sigmoid(q); delta, lse (B, T, h), all ACC; dk (B, T, h), dv (B, T, C)
     """dv[t'] = sum_t P[t, t'] dout[t], dk[t'] = sum_t P[t, t'] (dout[t] . v[t'] - delta[t]) for a block of keys,
-    P = exp(k[t'] + w(t' - t) - lse[t]) over every query."""
+    P = exp(k[t'] + w(t' - t) - lse[t]); the queries no key of the block reaches in one shared sum."""
     R: tl.constexpr = S // 2
     pid_n = tl.program_id(0)
     image = tl.program_id(1) // num_heads
@@ -131,11 +131,35 @@ def key_grad_kernel(k_ptr, v_ptr, w_ptr, lse_ptr, dout_ptr, delta_ptr, dk_ptr, d
                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # (BN, BD)
     stat_img = image.to(tl.int64) * num_pos * num_heads + head
     dout_img = dout_ptr + image.to(tl.int64) * num_pos * channels + head * D
-    dk = tl.zeros((BN,), ACC)
-    dv = tl.zeros((BN, BD), ACC)
-    for i0 in range(0, num_pos, BM):
+    # queries in rows [row_lo, row_hi) hold some key of the block in their window; the others see them with bias 0
+    row_lo = tl.maximum(pid_n * BN // width - R, 0)
+    row_hi = tl.minimum((tl.minimum(pid_n * BN + BN, num_pos) - 1) // width + R + 1, height)
+    num_near = (row_hi - row_lo) * width
+    # the far queries, shared by the block: P = exp(k[t'] - c) exp(c - lse[t]), c the least lse (each factor <= 1)
+    c_far = tl.min(tl.full((BM,), float('inf'), ACC), axis=0)
+    u_far = tl.zeros((BD,), ACC)  # sum_t exp(c - lse[t]) dout[t]
+    z_far = tl.sum(tl.zeros((BM,), ACC), axis=0)  # sum_t exp(c - lse[t]) delta[t]
+    for i0 in range(0, num_pos - num_near, BM):
+        ri = i0 + tl.arange(0, BM)
+        m_ok = ri < num_pos - num_near
+        rm = tl.where(ri < row_lo * width, ri, ri + num_near)
+        lse = tl.load(lse_ptr + stat_img + rm * num_heads, mask=m_ok, other=float('inf'))  # (BM,)
+        delta = tl.load(delta_ptr + stat_img + rm * num_heads, mask=m_ok, other=0.0)
+        dout = tl.load(dout_img + rm[:, None] * channels + rd[None, :], mask=m_ok[:, None] & d_ok[None, :],
+                       other=0.0)  # (BM, BD)
+        c_new = tl.minimum(c_far, tl.min(lse, axis=0))
+        scale = tl.exp(c_new - lse)  # (BM,), 0 for padded queries
+        rescale = tl.exp(c_new - c_far)
+        u_far = u_far * rescale + tl.sum(scale[:, None] * dout, axis=0)
+        z_far = z_far * rescale + tl.sum(scale * delta, axis=0)
+        c_far = c_new
+    weight = tl.exp(keys - c_far)  # (BN,): 0 where there is no far query
+    dv = weight[:, None] * u_far[None, :]
+    dk = weight * (tl.sum(vals.to(ACC) * u_far[None, :], axis=1) - z_far)
+    # the near queries: per query and key, the bias inside the window
+    for i0 in range(row_lo * width, row_hi * width, BM):
         rm = i0 + tl.arange(0, BM)
-        m_ok = rm < num_pos
+        m_ok = rm < row_hi * width
         lse = tl.load(lse_ptr + stat_img + rm * num_heads, mask=m_ok, other=float('inf'))  # (BM,)
         delta = tl.load(delta_ptr + stat_img + rm * num_heads, mask=m_ok, other=0.0)
         dout = tl.load(dout_img + rm[:, None] * channels + rd[None, :], mask=m_ok[:, None] & d_ok[None, :],
