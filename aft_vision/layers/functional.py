@@ -153,6 +153,7 @@ def _aft_conv2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tens
 def _fused_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """The gated output (B, H, W, C) and the log-sum-exp of each query's logits (B, H, W, h) in the arithmetic's
     dtype (``compute_dtype``)."""
+    check_conv_inputs(q, k, v, w)
     if _kernels_run_on(q.device):
         from .aft_conv_fused import fused_forward  # imports triton on first use only
         return fused_forward(q, k, v, w)
