@@ -216,7 +216,7 @@ def test_predict_reports_broken_files_and_classifies_the_rest(tmp_path, capsys):
     out = predict(model.eval(), good, img_size=96, topk=3)
     expected = model.eval()(torch.stack([timm.data.create_transform(**timm.data.resolve_data_config(
         {'input_size': (3, 96, 96)}, model=model))(Image.open(good[0]).convert('RGB'))])).softmax(-1)[0]
-    assert [p for _, p in out['results'][good[0]]] == sorted(expected.tolist(), reverse=True)
+    assert [p for _, p, _ in out['results'][good[0]]] == sorted(expected.tolist(), reverse=True)
 
 
 def test_predict_uses_published_label_names(tmp_path, capsys):

@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / 'aft_vision'
 # what users name: ``import aft_vision``, ``python -m aft_vision.run`` / ``aft_vision.train``, timm's
 # ``--device-modules aft_vision.timm_sparsity``.
 FLOORS = (
-    ('version',),  # the version
+    ('version', 'images'),  # the version; the one image reader
     ('layers', 'checkpoints'),  # operators; weight files and the DeiT transfer
     ('models', 'plots'),  # timm-registered families and the feature pyramid; figures, through checkpoints.files
     ('hub', 'deploy'),  # publishing and loading back; ONNX / OpenVINO and INT8
