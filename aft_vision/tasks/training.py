@@ -2,7 +2,6 @@
 scheduler and loss, one size drawn per step, DDP under torchrun, and top-1 evaluation (``train``, ``evaluate``)."""
 import hashlib
 import math
-import os
 import random
 from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -17,8 +16,10 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 from torchvision.datasets import ImageFolder
 from tqdm import tqdm
 
+from ..checkpoints.files import atomic_dir
 from ..checkpoints.transfer import TransferReport, is_vit_state_dict, transfer_vit_weights, unwrap_state_dict
 from ..hub import load_model
+from ..images import read_image
 from ..models.aft_conv import AFTConvTransformer, checkpoint_filter_fn as aft_conv_filter, forward_at_size
 from .regularizers import position_bias_entropy
 
@@ -40,22 +41,26 @@ def split_digits(targets: torch.Tensor, val_fraction: float = 0.2, seed: int = 0
 
 
 def write_digits(root: Path, size: int = 32, val_fraction: float = 0.2, seed: int = 0) -> Path:
-    """Write scikit-learn's 1797 digits once as an ImageFolder (``train/``, ``val/``, ``split_digits``), RGB PNGs."""
-    if (root / 'train').is_dir() and (root / 'val').is_dir():
-        return root
+    """Write scikit-learn's 1797 digits as an ImageFolder (``train/``, ``val/``, ``split_digits``), RGB PNGs, through
+    ``atomic_dir``. A folder already there is reused, and said so, only if it holds exactly these files."""
     from PIL import Image
     from sklearn.datasets import load_digits
 
     data = load_digits()
-    staging = root.with_name(f'.{root.name}.tmp')
-    for split, indices in split_digits(torch.tensor(data.target), val_fraction, seed).items():
-        for i in indices.tolist():
-            folder = staging / split / str(data.target[i])
-            folder.mkdir(parents=True, exist_ok=True)
+    files = {f'{split}/{data.target[i]}/{i}.png': i for split, indices in
+             split_digits(torch.tensor(data.target), val_fraction, seed).items() for i in indices.tolist()}
+    if root.exists():
+        found = {p.relative_to(root).as_posix() for p in root.rglob('*') if not p.is_dir() or p.is_symlink()}
+        if found != set(files):
+            raise ValueError(f'{root} is not the digits data set ({len(found ^ set(files))} files differ from it): '
+                             f'remove it, or train on it with --data-dir')
+        print(f'reusing the digits written earlier in {root}')
+        return root
+    with atomic_dir(root) as staging:
+        for name, i in files.items():
+            (staging / name).parent.mkdir(parents=True, exist_ok=True)
             pixels = (data.images[i] * (255 / 16)).astype('uint8')  # 8 x 8, values 0..16
-            Image.fromarray(pixels).resize((size, size), Image.BICUBIC).convert('RGB').save(folder / f'{i}.png')
-    root.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(staging, root)
+            Image.fromarray(pixels).resize((size, size), Image.BICUBIC).convert('RGB').save(staging / name)
     return root
 
 
@@ -65,7 +70,7 @@ def eval_data_config(model: torch.nn.Module, img_size: int) -> Dict:
 
 
 def _image_folder(folder: Path, transform=None) -> ImageFolder:
-    dataset = ImageFolder(str(folder), transform=transform)
+    dataset = ImageFolder(str(folder), transform=transform, loader=read_image)
     if not len(dataset):
         raise ValueError(f'no images found in {folder}')
     return dataset
@@ -146,7 +151,7 @@ def train(data_dir: Path, model_name: str, epochs: int, img_size: int, batch_siz
     torchrun DDP trains a shard per rank; rank 0 alone evaluates and logs. Returns the unwrapped model, a record per
     epoch (loss, steps per size, the sha256 of the sizes drawn, rank 0's held-out top-1) and the class names."""
     torch.manual_seed(seed)  # the same initial weights on every rank
-    classes = ImageFolder(str(data_dir / 'train')).classes
+    classes = _image_folder(data_dir / 'train').classes
     kwargs = dict(model_kwargs or {}, num_classes=len(classes))
     model = load_model(model_name, pretrained=pretrained, model_kwargs=kwargs, aft_only=False)[0].to(device)
     if init_weights is not None:
