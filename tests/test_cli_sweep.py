@@ -12,20 +12,24 @@ import argparse
 import collections
 import json
 import os
+import signal
 import time
+import zlib
 from pathlib import Path
+from typing import Dict, List
 
+import numpy as np
 import pytest
 import timm
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from PIL import Image
+from PIL import Image, ImageOps
 from timm.models import save_for_hf
 
 from aft_vision.checkpoints import load_weights, save_weights
 from aft_vision.cli import build_parser
 from aft_vision.cli import main as cli_main
-from aft_vision.cli.args import LIMITS, check_args
+from aft_vision.cli.args import LIMITS, check_args, one_line
 from aft_vision.tasks import classify, study
 
 SUBCOMMANDS = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
@@ -317,3 +321,106 @@ def test_generated_option_values_parse_or_are_refused_in_one_line(case, world, c
     problem = check_args(args)
     assert problem is None or ('\n' not in problem and problem.startswith(('-', 'image', 'checkpoint'))), problem
     assert not out.exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Generated inputs by class (issue 48): image modes and EXIF tags, hostile text, odd data folders, interrupts. Each case
+# keeps its class's rule: the exit code, one line per result or one line of refusal, no traceback, no raw control
+# character printed, nothing changed on disk, and the right answer or a refusal naming the file or folder at fault.
+# ---------------------------------------------------------------------------------------------------------------------
+
+# what ImageOps.exif_transpose undoes for each EXIF orientation: the stored pixels of an upright picture so tagged
+STORED_AS = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
+             5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_90, 7: Image.Transpose.TRANSVERSE,
+             8: Image.Transpose.ROTATE_270}
+HOSTILE = ('new\nline: 9 0.999', '\x1b[31mred\x1b[0m', 'carriage\rreturn', 'bidi\u202egnp.exe', 'tab\there', 'bell\a')
+
+
+def _printable(text: str) -> bool:
+    return all(c.isprintable() or c == '\n' for c in text)
+
+
+def _copies(picture: Image.Image, folder: Path, stem: str) -> List[Path]:
+    """``picture`` (gray, as the digits are) written in every way a viewer shows it unchanged: other modes and bit
+    depths at their full scale, EXIF-rotated or mirrored pixels with the tag that puts them upright, the first frame
+    of an animation."""
+    gray = np.asarray(picture.convert('L'))
+    wide = np.rint(gray.astype(np.float64) * ((2 ** 31 - 1) / 255)).astype(np.int32)
+    copies = {'L.png': Image.fromarray(gray), 'I16.png': Image.fromarray(gray.astype(np.uint16) * 257),
+              'I32.tif': Image.fromarray(gray.astype(np.int32) * 257), 'I32full.tif': Image.fromarray(wide),
+              'F.tif': Image.fromarray(gray.astype(np.float32) / 255), 'P.png': picture.quantize(256),
+              'LA.png': picture.convert('LA'), 'RGBA.png': picture.convert('RGBA'), 'CMYK.tif': picture.convert('CMYK')}
+    paths = []
+    for name, image in copies.items():
+        paths.append(folder / f'{stem}-{name}')
+        image.save(paths[-1])
+    for orientation, stored in STORED_AS.items():
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        paths.append(folder / f'{stem}-exif{orientation}.png')
+        picture.transpose(stored).save(paths[-1], exif=exif)
+    paths.append(folder / f'{stem}-animated.gif')
+    picture.save(paths[-1], save_all=True, append_images=[ImageOps.invert(picture)], duration=100, loop=0)
+    return paths
+
+
+def test_every_mode_bit_depth_orientation_and_first_frame_gives_the_upright_pictures_answer(digits_job, tmp_path,
+                                                                                            capsys):
+    pictures = sorted((digits_job.out / 'data' / 'val').rglob('*.png'))[::90][:4]
+    argv, expected = [], {}
+    for picture in pictures:
+        copies = _copies(Image.open(picture), tmp_path, picture.stem)
+        argv += [str(picture), *map(str, copies)]
+        expected.update({str(copy): str(picture) for copy in copies})
+    before = _snapshot(tmp_path)
+    assert cli_main(['predict', *argv, '--model', f'local-dir:{digits_job.out / "hub"}', '--json']) == 0
+    answers = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [answer['file'] for answer in answers] == argv  # one line per image, in order
+    top = {answer['file']: answer['top'] for answer in answers}
+    assert all(top[copy] == top[picture] for copy, picture in expected.items()), [
+        (copy, top[copy][0], top[picture][0]) for copy, picture in expected.items() if top[copy] != top[picture]]
+    assert _snapshot(tmp_path) == before
+
+
+def _odd_images(folder: Path) -> Dict[str, Path]:
+    """Files that are not a readable picture, each under a name a terminal would act on."""
+    folder.mkdir()
+    odd = {'text': folder / 'notes\x1b[2J.png', 'truncated': folder / 'cut\n.png', 'empty': folder / 'empty\r.jpg',
+           'bomb': folder / 'bomb\u202e.png', 'negative': folder / 'negative.tif', 'missing': folder / 'gone\n.png'}
+    odd['text'].write_text('not an image')
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (32, 32, 3), np.uint8)).save(folder / 'whole.png')
+    odd['truncated'].write_bytes((folder / 'whole.png').read_bytes()[:1000])  # of about 3 kB
+    odd['empty'].write_bytes(b'')
+    header = b'\x89PNG\r\n\x1a\n'
+    ihdr = b'IHDR' + (30000).to_bytes(4, 'big') * 2 + bytes([8, 0, 0, 0, 0])  # 30000 x 30000 gray, no data
+    odd['bomb'].write_bytes(header + len(ihdr[4:]).to_bytes(4, 'big') + ihdr + zlib.crc32(ihdr).to_bytes(4, 'big'))
+    Image.fromarray(np.full((8, 8), -5, np.int32)).save(odd['negative'])
+    (folder / 'whole.png').unlink()
+    return odd
+
+
+@pytest.mark.parametrize('kind', ['text', 'truncated', 'empty', 'bomb', 'negative', 'missing'])
+def test_what_is_not_a_picture_is_refused_in_one_line_naming_the_file(kind, world, tmp_path, capsys):
+    from aft_vision.images import read_image
+
+    odd = _odd_images(tmp_path / 'odd')[kind]
+    with pytest.raises((ValueError, FileNotFoundError)) as refused:
+        read_image(odd)
+    assert str(refused.value).startswith(f'{odd}:') and '\n' not in str(refused.value).replace(str(odd), '')
+    model = _valid(world, tmp_path)['predict'][1:]
+    before = _snapshot(tmp_path)
+    assert cli_main(['predict', str(odd), str(world / 'img.png'), *model]) == 0  # skipped beside a good image
+    out, err = capsys.readouterr()
+    skipped = [line for line in err.splitlines() if 'skipped' in line]
+    assert _printable(out + err) and len(out.splitlines()) == 1 and len(skipped) == 1
+    assert skipped[0].startswith(f'aft-vision: skipped {one_line(odd)}: '), skipped
+    assert cli_main(['predict', str(odd), str(world / 'img.png'), *model, '--json']) == 0
+    out, err = capsys.readouterr()
+    answers = [json.loads(line) for line in out.splitlines()]
+    assert _printable(out + err) and len(answers) == 2 and 'top' in answers[1]
+    assert answers[0]['file'] == str(odd) and answers[0]['error'].startswith(f'{odd}:')
+    assert cli_main(['predict', str(odd), *model]) == 2  # alone: the command fails, naming it
+    err = capsys.readouterr().err
+    assert _printable(err) and err.splitlines()[-1].startswith('aft-vision: error: no image could be read (')
+    assert one_line(odd) in err.splitlines()[-1] and 'Traceback' not in err
+    assert _snapshot(tmp_path) == before
