@@ -424,3 +424,114 @@ def test_what_is_not_a_picture_is_refused_in_one_line_naming_the_file(kind, worl
     assert _printable(err) and err.splitlines()[-1].startswith('aft-vision: error: no image could be read (')
     assert one_line(odd) in err.splitlines()[-1] and 'Traceback' not in err
     assert _snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize('as_json', [False, True])
+def test_hostile_file_names_and_labels_are_printed_as_data_one_line_per_image(as_json, tmp_path, capsys):
+    save_for_hf(timm.create_model('aft_conv_test', num_classes=len(HOSTILE)), str(tmp_path / 'hub'),
+                model_config={'label_names': list(HOSTILE)}, safe_serialization=True)
+    images = []
+    for i, name in enumerate(HOSTILE):
+        images.append(str(tmp_path / f'{name}.png'))
+        Image.new('RGB', (40, 40), (40 * i, 90, 200)).save(images[-1])
+    before = _snapshot(tmp_path)
+    code = cli_main(['predict', *images, '--model', f'local-dir:{tmp_path / "hub"}', '--topk', str(len(HOSTILE)),
+                     *(['--json'] if as_json else [])])
+    out, err = capsys.readouterr()
+    assert _printable(out + err) and 'Traceback' not in err and _snapshot(tmp_path) == before
+    if code == 2:  # label names a loader may refuse: then in one line, naming them
+        assert err.count('\n') == 1 and 'label' in err, err
+        return
+    assert code == 0 and len(out.splitlines()) == len(images), out
+    for line, image in zip(out.splitlines(), images):
+        if as_json:
+            answer = json.loads(line)
+            assert answer['file'] == image and {top['label'] for top in answer['top']} == set(HOSTILE)
+        else:
+            assert line.startswith(f'{one_line(Path(image).name)}: ')
+            assert all(f'{one_line(label)} 0.' in line for label in HOSTILE), line
+
+
+def _folders(root: Path, layout: Dict[str, List[str]], images: int = 3) -> Path:
+    """An ImageFolder: for each split its class folders, each with ``images`` small PNGs of its own shade."""
+    for split, classes in layout.items():
+        for label, name in enumerate(classes):
+            (root / split / name).mkdir(parents=True)
+            for i in range(images):
+                Image.new('RGB', (32, 32), (60 * label, 20 * i, 0)).save(root / split / name / f'{i}.png')
+    return root
+
+
+def _odd_data(kind: str, root: Path) -> Path:
+    """A data folder of ``kind`` (``ODD_DATA``); returns the path the refusal must name."""
+    two = {'train': ['a', 'b'], 'val': ['a', 'b']}
+    if kind == 'one class':
+        return _folders(root, {'train': ['a'], 'val': ['a']}) / 'train'
+    if kind == 'hostile class names':
+        return _folders(root, {'train': ['a\x1b[2J', 'b'], 'val': ['a\x1b[2J', 'c\n']})
+    _folders(root, two)
+    if kind == 'file link out':
+        (root / 'train' / 'a' / 'x.png').symlink_to(root / 'train' / 'b' / '0.png')
+        return root / 'train' / 'a' / 'x.png'
+    if kind == 'folder link out':
+        (root / 'val' / 'b' / 'more').symlink_to(root / 'train' / 'a', target_is_directory=True)
+        return root / 'val' / 'b' / 'more'
+    if kind == 'not an image':
+        (root / 'train' / 'b' / 'notes\n.png').write_text('text')
+        return root / 'train' / 'b' / 'notes\n.png'
+    assert kind == 'empty class'
+    for image in (root / 'train' / 'b').iterdir():
+        image.unlink()
+    return root / 'train'
+
+
+ODD_DATA = ('one class', 'hostile class names', 'file link out', 'folder link out', 'not an image', 'empty class')
+TINY_RUN = ['--epochs', '1', '--batch-size', '4', '--eval-img-sizes', '32', '--model-kwargs', 'patch_size=8',
+            'embed_dim=16', 'depth=1', 'num_heads=2', 'kernel_size=3']
+
+
+@pytest.mark.parametrize('kind', ODD_DATA)
+def test_odd_data_folders_are_refused_in_one_line_naming_them(kind, tmp_path, capsys, one_thread):
+    named = _odd_data(kind, tmp_path / 'data')
+    before = _snapshot(tmp_path)
+    assert cli_main(['train', '--data-dir', str(tmp_path / 'data'), '--out-dir', str(tmp_path / 'run'), *TINY_RUN]) == 2
+    err = capsys.readouterr().err
+    assert err.count('\n') == 1 and _printable(err) and 'Traceback' not in err, err
+    assert one_line(named) in err, (named, err)
+    assert _snapshot(tmp_path) == before
+
+
+def test_a_digits_folder_left_in_out_dir_is_reused_only_if_it_is_the_digits_and_said_so(tmp_path, capsys):
+    pytest.importorskip('sklearn')
+    from aft_vision.tasks.training import write_digits
+
+    data = write_digits(tmp_path / 'data')
+    assert len(list(data.rglob('*.png'))) == 1797 and not capsys.readouterr().out
+    assert write_digits(data) == data and 'reusing the digits' in capsys.readouterr().out
+    for image in (data / 'train' / '3').iterdir():  # a class emptied: no longer the digits
+        image.unlink()
+    before = _snapshot(tmp_path)
+    with pytest.raises(ValueError, match='is not the digits data set'):
+        write_digits(data)
+    assert _snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize('stop', [signal.SIGINT, signal.SIGTERM])
+def test_a_stopped_train_ends_in_one_line_with_the_earlier_run_back_in_place(stop, tmp_path, monkeypatch, capsys,
+                                                                             one_thread):
+    """Ctrl-C or SIGTERM (here sent by the job to itself as it plots): exit 128 + the signal, one line, and the folder
+    as it was, nothing hidden left in it."""
+    _folders(tmp_path / 'data', {'train': ['a', 'b'], 'val': ['a', 'b']})
+    run = tmp_path / 'run'
+    (run / 'hub').mkdir(parents=True)
+    (run / 'hub' / 'config.json').write_text('{"earlier": true}')
+    (run / 'model.safetensors').write_bytes(b'earlier weights')
+    (run / 'notes.txt').write_text('mine')
+    before = _snapshot(tmp_path)
+    monkeypatch.setattr(classify, 'plot_curves', lambda *args: os.kill(os.getpid(), stop))
+    argv = ['train', '--data-dir', str(tmp_path / 'data'), '--out-dir', str(run), '--force', *TINY_RUN]
+    assert cli_main(argv) == 128 + stop
+    err = capsys.readouterr().err
+    assert err.count('\n') == 1 and f'stopped by {stop.name}' in err and 'Traceback' not in err, err
+    assert _snapshot(tmp_path) == before
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers given back

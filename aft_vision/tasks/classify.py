@@ -235,7 +235,7 @@ def evaluate_sizes(model: torch.nn.Module, val: Path, img_size: int, sizes: Sequ
     """Top-1 at ``img_size``, at every size ({size: %}, rebuilt by ``at_size`` where it must be), the sizes rebuilt."""
     top1 = evaluate(model, val, img_size)
     top1_at, rebuilt = {}, set()
-    for size in tqdm(sizes, desc='evaluating', unit='size', leave=False):
+    for size in tqdm(sizes, desc='evaluating', unit='size', leave=False, disable=None):  # on a terminal only
         sized = at_size(model, size)
         if sized is not model:
             rebuilt.add(size)

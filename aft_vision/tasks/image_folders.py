@@ -25,8 +25,8 @@ def check_image_folders(data_dir: Union[str, Path]) -> List[str]:
                          'top-1 means something only with at least two classes')
     if train != val:
         only_train, only_val = sorted(set(train) - set(val)), sorted(set(val) - set(train))
-        raise ValueError(f'--data-dir: train/ and val/ classes differ (only in train/: {only_train or "none"}, only '
-                         f'in val/: {only_val or "none"}): labels would not match')
+        raise ValueError(f'--data-dir: {data_dir}: train/ and val/ classes differ (only in train/: '
+                         f'{only_train or "none"}, only in val/: {only_val or "none"}): labels would not match')
     link = next(filter(None, (_link_out(data_dir / split / name) for split in ('train', 'val') for name in train)),
                 None)
     if link is not None:

@@ -70,7 +70,10 @@ def eval_data_config(model: torch.nn.Module, img_size: int) -> Dict:
 
 
 def _image_folder(folder: Path, transform=None) -> ImageFolder:
-    dataset = ImageFolder(str(folder), transform=transform, loader=read_image)
+    try:
+        dataset = ImageFolder(str(folder), transform=transform, loader=read_image)
+    except FileNotFoundError as error:  # a class folder without images
+        raise FileNotFoundError(f'{folder}: {error}') from None
     if not len(dataset):
         raise ValueError(f'no images found in {folder}')
     return dataset
@@ -177,7 +180,8 @@ def train(data_dir: Path, model_name: str, epochs: int, img_size: int, batch_siz
         net.train()
         loader.batch_sampler.set_epoch(epoch)  # the epoch's size order and, under DDP, its shard
         losses, step_sizes = [], []
-        bar = tqdm(loader, desc=f'epoch {epoch + 1}/{epochs}', unit='batch', leave=False, disable=rank != 0)
+        bar = tqdm(loader, desc=f'epoch {epoch + 1}/{epochs}', unit='batch', leave=False,
+                   disable=None if rank == 0 else True)  # None: on a terminal only
         for step, (images, labels) in enumerate(bar):
             step_sizes.append(images.shape[-1])
             loss = criterion(forward_at_size(net, images.to(device)), labels.to(device))
