@@ -1,5 +1,6 @@
 """The recipe every classification job trains with: the digits as an ImageFolder, timm's loaders, optimizer,
 scheduler and loss, one size drawn per step, DDP under torchrun, and top-1 evaluation (``train``, ``evaluate``)."""
+import copy
 import hashlib
 import math
 import random
@@ -23,8 +24,9 @@ from ..images import read_image
 from ..models.aft_conv import AFTConvTransformer, checkpoint_filter_fn as aft_conv_filter, forward_at_size
 from .regularizers import position_bias_entropy
 
-__all__ = ['split_digits', 'write_digits', 'eval_data_config', 'evaluate', 'size_scaled_batches', 'sizes_text',
-           'train_loader', 'load_initial_weights', 'train', 'state_digest']
+__all__ = ['split_digits', 'write_digits', 'eval_data_config', 'evaluate', 'fixed_img_size', 'at_size',
+           'check_input_size', 'size_scaled_batches', 'sizes_text', 'train_loader', 'load_initial_weights', 'train',
+           'state_digest']
 
 
 def split_digits(targets: torch.Tensor, val_fraction: float = 0.2, seed: int = 0) -> Dict[str, torch.Tensor]:
@@ -94,6 +96,45 @@ def evaluate(model: torch.nn.Module, folder: Path, img_size: Optional[int] = Non
     for images, labels in DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=0):
         correct += (model(images.to(device)).argmax(-1).cpu() == labels).sum().item()
     return 100.0 * correct / len(dataset)
+
+
+def fixed_img_size(model: torch.nn.Module) -> Optional[Tuple[int, int]]:
+    """The one input size a model takes (position parameters tied to its token grid), or None for any size."""
+    if hasattr(model, '_fixed_img_size'):  # the AFT models
+        return model._fixed_img_size()
+    embed = getattr(model, 'patch_embed', None)  # timm's ViT family
+    if embed is None or getattr(model, 'dynamic_img_size', False) or not getattr(embed, 'strict_img_size', True):
+        return None
+    return tuple(embed.img_size) if embed.img_size is not None else None
+
+
+def at_size(model: torch.nn.Module, img_size: int) -> torch.nn.Module:
+    """``model`` if it runs ``img_size`` px as it is, else a copy rebuilt for that size by timm's ``set_input_size``
+    (position parameters resampled; AFT-conv's windows or patch as its ``resize_mode`` says)."""
+    fixed = fixed_img_size(model)
+    follows = getattr(model, 'resize_mode', 'keep') != 'keep'  # AFT-conv resizing its windows or patch
+    if (fixed is None and not follows) or fixed == (img_size, img_size) or (
+            follows and tuple(model.patch_embed.img_size) == (img_size, img_size)):
+        return model
+    if not hasattr(model, 'set_input_size'):
+        raise ValueError(f'{type(model).__name__} is built for {fixed[0]}x{fixed[1]} px and cannot be rebuilt for '
+                         f'{img_size} px (no set_input_size)')
+    resized = copy.deepcopy(model)
+    resized.set_input_size(img_size=img_size)
+    return resized
+
+
+def check_input_size(model: torch.nn.Module, img_size: int) -> None:
+    """Raise ValueError unless ``model`` takes ``img_size`` px images (for timm's ViTs: the patch divides it)."""
+    if hasattr(model, '_check_input'):
+        model._check_input(torch.empty(1, model.in_chans, img_size, img_size, device='meta'))
+        return
+    embed = getattr(model, 'patch_embed', None)
+    if embed is None or getattr(embed, 'dynamic_img_pad', False):
+        return
+    patch_h, patch_w = embed.patch_size
+    if img_size % patch_h or img_size % patch_w:
+        raise ValueError(f'{img_size} px is not a multiple of the patch size {patch_h}x{patch_w}')
 
 
 def size_scaled_batches(batch_size: int, img_size: int, sizes: Sequence[int]) -> List[int]:
