@@ -21,33 +21,27 @@ __all__ = ['add_to_timm_tasks']
 _timm_forward: Optional[Callable] = None  # ClassificationTask.forward before add_to_timm_tasks replaced it
 
 
-def add_to_timm_tasks(weight: float = 0.001, follow_windows: bool = True) -> None:
+def add_to_timm_tasks(weight: Optional[float] = 0.0) -> None:
     """Make every ``timm.task.ClassificationTask`` (what timm's ``train.py`` builds) run ``forward_at_size`` (AFT-conv's
     windows following each step's size) and add ``weight * position_bias_entropy(model)`` to its loss. A second call
-    replaces both; ``weight=0, follow_windows=False`` restores timm's ``forward``. Distillation tasks are unchanged.
-    """
+    replaces it; ``weight=None`` restores timm's ``forward``. Distillation tasks are unchanged."""
     global _timm_forward
     from timm.task import ClassificationTask
 
-    if _timm_forward is None:
-        _timm_forward = ClassificationTask.forward
-    if not weight and not follow_windows:
+    _timm_forward = _timm_forward or ClassificationTask.forward
+    if weight is None:
         ClassificationTask.forward = _timm_forward
         return
-    plain = _timm_forward
 
     def forward(self, input: torch.Tensor, target: torch.Tensor):
-        if follow_windows:
-            output = forward_at_size(self.trainable_module, input)
-            result = {'loss': self.criterion(output, target), 'output': output}
-        else:
-            result = plain(self, input, target)
+        output = forward_at_size(self.trainable_module, input)
+        loss = self.criterion(output, target)
         if weight:
-            result['loss'] = result['loss'] + weight * position_bias_entropy(self.trainable_module)
-        return result
+            loss = loss + weight * position_bias_entropy(self.trainable_module)
+        return {'loss': loss, 'output': output}
 
-    forward.__doc__ = (f'{plain.__doc__ or ""}\n\n(aft_vision: AFT-conv windows follow the size: {follow_windows}; '
-                       f'the loss includes {weight} x the Eq. 9 entropy.)')
+    forward.__doc__ = (f'{_timm_forward.__doc__ or ""}\n\n(aft_vision: AFT-conv windows follow the size: True; the '
+                       f'loss includes {weight} x the Eq. 9 entropy.)')
     ClassificationTask.forward = forward
 
 

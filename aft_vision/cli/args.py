@@ -21,7 +21,7 @@ from ..checkpoints import check_output_dir
 from ..hub import (check_aft_model, check_init_weights, check_model_kwargs, check_model_name, check_pretrained,
                    check_source)
 from ..tasks import classify, segment
-from ..tasks.image_folders import check_image_folders
+from ..tasks.training import check_image_folders
 
 __all__ = ['LIMITS', 'TASKS', 'TASK_DEFAULTS', 'Parser', 'check_args', 'fill_task_defaults', 'one_line',
            'parse_device', 'run_command', 'settings_from']

@@ -19,9 +19,8 @@ from tqdm import tqdm
 from ..checkpoints.files import load_weights, output_dir, save_weights
 from ..hub import check_pretrained, create_aft_model, publish, source_architecture
 from ..plots import save_figure
-from .image_folders import check_image_folders
-from .training import (at_size, check_input_size, eval_data_config, evaluate, fixed_img_size, size_scaled_batches,
-                       sizes_text, state_digest, train, write_digits)
+from .training import (at_size, check_image_folders, check_input_size, eval_data_config, evaluate, fixed_img_size,
+                       size_scaled_batches, sizes_text, state_digest, train, write_digits)
 
 # A small AFT-conv for 32 x 32 digits: patch 4 -> an 8 x 8 token grid, a 15 x 15 window (the whole grid), 8 heads.
 DIGITS_MODEL = dict(patch_size=4, embed_dim=64, depth=4, num_heads=8, kernel_size=15, mlp_ratio=2.)

@@ -1,11 +1,13 @@
-"""The recipe every classification job trains with: the digits as an ImageFolder, timm's loaders, optimizer,
-scheduler and loss, one size drawn per step, DDP under torchrun, and top-1 evaluation (``train``, ``evaluate``)."""
+"""The recipe every classification job trains with: the digits as an ImageFolder, the checks a data folder passes
+(``check_image_folders``), timm's loaders, optimizer, scheduler and loss, one size drawn per step, DDP under torchrun,
+and top-1 evaluation (``train``, ``evaluate``)."""
 import copy
 import hashlib
 import math
+import os
 import random
 from pathlib import Path
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from timm.data import create_loader, create_transform, resolve_data_config
@@ -24,9 +26,9 @@ from ..images import read_image
 from ..models.aft_conv import AFTConvTransformer, checkpoint_filter_fn as aft_conv_filter, forward_at_size
 from .regularizers import position_bias_entropy
 
-__all__ = ['split_digits', 'write_digits', 'eval_data_config', 'evaluate', 'fixed_img_size', 'at_size',
-           'check_input_size', 'size_scaled_batches', 'sizes_text', 'train_loader', 'load_initial_weights', 'train',
-           'state_digest']
+__all__ = ['split_digits', 'write_digits', 'check_image_folders', 'eval_data_config', 'evaluate', 'fixed_img_size',
+           'at_size', 'check_input_size', 'size_scaled_batches', 'sizes_text', 'train_loader', 'load_initial_weights',
+           'train', 'state_digest']
 
 
 def split_digits(targets: torch.Tensor, val_fraction: float = 0.2, seed: int = 0) -> Dict[str, torch.Tensor]:
@@ -64,6 +66,44 @@ def write_digits(root: Path, size: int = 32, val_fraction: float = 0.2, seed: in
             pixels = (data.images[i] * (255 / 16)).astype('uint8')  # 8 x 8, values 0..16
             Image.fromarray(pixels).resize((size, size), Image.BICUBIC).convert('RGB').save(staging / name)
     return root
+
+
+def _classes(folder: Path) -> List[str]:
+    return sorted(entry.name for entry in folder.iterdir() if entry.is_dir() and not entry.name.startswith('.'))
+
+
+def check_image_folders(data_dir: Union[str, Path]) -> List[str]:
+    """The classes of ``data_dir``'s ``train/`` and ``val/``; FileNotFoundError for a missing split, ValueError
+    (naming them) for classes that differ or none."""
+    data_dir = Path(data_dir)
+    for split in ('train', 'val'):
+        if not (data_dir / split).is_dir():
+            raise FileNotFoundError(f'--data-dir: {data_dir / split} not found: train/ and val/ ImageFolders needed')
+    train, val = _classes(data_dir / 'train'), _classes(data_dir / 'val')
+    if len(train) < 2:
+        raise ValueError(f'--data-dir: {data_dir / "train"} has {len(train)} class folders ({", ".join(train)}): '
+                         'top-1 means something only with at least two classes')
+    if train != val:
+        only_train, only_val = sorted(set(train) - set(val)), sorted(set(val) - set(train))
+        raise ValueError(f'--data-dir: {data_dir}: train/ and val/ classes differ (only in train/: '
+                         f'{only_train or "none"}, only in val/: {only_val or "none"}): labels would not match')
+    link = next(filter(None, (_link_out(data_dir / split / name) for split in ('train', 'val') for name in train)),
+                None)
+    if link is not None:
+        raise ValueError(f'--data-dir: {link} links to {link.resolve()}, outside its class folder: its images would '
+                         'take this class\'s label; copy them in or remove the link')
+    return train
+
+
+def _link_out(class_dir: Path) -> Optional[Path]:
+    """The first link under ``class_dir`` to outside it (links inside it lead to what the walk sees anyway)."""
+    inside = class_dir.resolve()
+    for folder, subfolders, files in os.walk(class_dir):
+        for name in subfolders + files:
+            entry = Path(folder) / name
+            if entry.is_symlink() and not entry.resolve().is_relative_to(inside):
+                return entry
+    return None
 
 
 def eval_data_config(model: torch.nn.Module, img_size: int) -> Dict:
