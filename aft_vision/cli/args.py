@@ -202,9 +202,6 @@ def run_command(parser: argparse.ArgumentParser, argv: Sequence[str],
         args = parser.parse_args(argv)
         if getattr(args, 'task', None) is not None:
             fill_task_defaults(args)
-        problem = check_args(args)
-        if problem:  # as argparse reports a bad value, on one line
-            parser.exit(2, f'{parser.prog} {args.command}: error: argument {problem}\n')
     except SystemExit as e:  # --help, --version, or a usage error argparse already printed
         return 0 if e.code is None else e.code if isinstance(e.code, int) else 2
     stops = {signal.SIGINT: signal.getsignal(signal.SIGINT), signal.SIGTERM: signal.getsignal(signal.SIGTERM)}
@@ -212,9 +209,13 @@ def run_command(parser: argparse.ArgumentParser, argv: Sequence[str],
     try:
         for number in stops if in_main_thread else ():
             signal.signal(number, _stop)
+        problem = check_args(args)
+        if problem:  # as argparse reports a bad value, on one line
+            print(f'{parser.prog} {args.command}: error: argument {problem}', file=sys.stderr)
+            return 2
         return command(args)
     except (ValueError, TypeError, OSError, KeyError, RuntimeError) as e:  # OSError: missing or unwritable paths
-        message = str(e.args[0] if isinstance(e, KeyError) and e.args else e).strip() or repr(e)
+        message = f'missing key {e.args[0]!r}' if isinstance(e, KeyError) and e.args else str(e).strip() or repr(e)
         print(f'{parser.prog}: error: {one_line(message)}', file=sys.stderr)  # one line, whatever raised it
         return 2
     except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM (``_stop``): the job's outputs are already restored

@@ -20,11 +20,14 @@ HELP = 'top-k classes for image files at any crop size'
 
 
 def _label_names(model: torch.nn.Module) -> Optional[List[str]]:
-    """Names the weights carry, else ImageNet's for a 1000-class head."""
+    """Names the weights carry (one string per class), else ImageNet's for a 1000-class head."""
     names = model.pretrained_cfg.get('label_names')
-    if names:
-        return list(names.values()) if isinstance(names, dict) else list(names)
-    return ImageNetInfo().label_descriptions() if model.num_classes == 1000 else None
+    if names is None:
+        return ImageNetInfo().label_descriptions() if model.num_classes == 1000 else None
+    names = list(names.values()) if isinstance(names, dict) else names
+    if not isinstance(names, list) or len(names) != model.num_classes or not all(isinstance(n, str) for n in names):
+        raise ValueError(f'label_names: {model.num_classes} strings needed, one per class; got {one_line(names)[:80]}')
+    return names
 
 
 def predict(model: torch.nn.Module, paths: List[str], img_size: Optional[int] = None, topk: int = 5) -> Dict:
@@ -99,7 +102,10 @@ def run(args: argparse.Namespace) -> int:
     model, weights = model_from_args(args)
     if not model.num_classes:
         raise ValueError(f'{args.model} has no classifier (num_classes=0): {_fine_tune_first(args.model)}')
-    out = predict(model, args.images, args.img_size, args.topk)
+    try:
+        out = predict(model, args.images, args.img_size, args.topk)
+    except ValueError as error:  # the model's label names or outputs
+        raise ValueError(f'{args.model}: {error}') from None
     for path in args.images:  # one line per image, in the order given; text from files printed as data
         if args.json:
             top = [{'label': label, 'index': i, 'p': p} for label, p, i in out['results'].get(path, [])]
