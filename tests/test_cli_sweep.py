@@ -21,7 +21,7 @@ from typing import Dict, List
 import numpy as np
 import pytest
 import timm
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from PIL import Image, ImageOps
 from timm.models import save_for_hf
@@ -535,3 +535,41 @@ def test_a_stopped_train_ends_in_one_line_with_the_earlier_run_back_in_place(sto
     assert err.count('\n') == 1 and f'stopped by {stop.name}' in err and 'Traceback' not in err, err
     assert _snapshot(tmp_path) == before
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers given back
+
+
+EXACT_MODES = ('L', 'LA', 'RGB', 'RGBA', 'CMYK', 'I;16', 'I', 'F')  # modes that hold an 8-bit gray picture unchanged
+WIDE = {'I;16': lambda gray: gray.astype(np.uint16) * 257, 'F': lambda gray: gray.astype(np.float32) / 255,
+        'I': lambda gray: np.rint(gray * ((2 ** 31 - 1) / 255)).astype(np.int32)}  # full 16 bits, [0, 1], 31 bits
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(mode=st.sampled_from(('1', 'P', 'PA', 'YCbCr', 'HSV') + EXACT_MODES), fmt=st.sampled_from(('png', 'tif', 'gif')),
+       size=st.tuples(st.integers(1, 24), st.integers(1, 24)), orientation=st.integers(1, 8), seed=st.integers(0, 99))
+def test_generated_images_read_upright_as_rgb_at_full_scale(mode, fmt, size, orientation, seed, tmp_path):
+    """A random gray picture in a random mode, format and EXIF orientation: ``read_image`` gives it upright as RGB, and
+    exactly for the modes that hold it; or a one-line ValueError naming the file. Never another exception."""
+    from aft_vision.images import read_image
+
+    gray = np.random.default_rng(seed).integers(0, 256, size[::-1], dtype=np.uint8)  # (H, W)
+    upright = Image.fromarray(gray).convert('RGB')
+    # GIF holds no EXIF; Pillow 13 applies a TIFF's orientation itself as it loads, and garbles one-band images so
+    orientation = orientation if fmt == 'png' else 1
+    stored = upright.transpose(STORED_AS[orientation]) if orientation > 1 else upright
+    pixels = np.asarray(stored.convert('L'))
+    image = Image.fromarray(WIDE[mode](pixels)) if mode in WIDE else stored.convert(mode)
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    path = tmp_path / f'{mode}-{orientation}.{fmt}'
+    try:
+        image.save(path, exif=exif)
+        assume(Image.open(path).mode in (mode, 'I;16B') or mode not in EXACT_MODES)  # the format kept the mode
+    except (OSError, ValueError, KeyError, TypeError):
+        assume(False)  # a format that cannot hold the mode
+    try:
+        read = read_image(path)
+    except ValueError as error:
+        assert str(error).startswith(f'{path}:') and '\n' not in str(error)
+        return
+    assert read.mode == 'RGB' and read.size == upright.size, (read.mode, read.size, upright.size)
+    if mode in EXACT_MODES:
+        assert np.array_equal(np.asarray(read.convert('L')), gray), mode

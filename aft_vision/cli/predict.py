@@ -72,7 +72,7 @@ def model_from_args(args: argparse.Namespace) -> Tuple[torch.nn.Module, str]:
     if getattr(args, 'img_size', None) and isinstance(model, AFTConvTransformer):
         model.set_input_size(args.img_size)
     if args.checkpoint:
-        print(f'aft-vision: {args.checkpoint}: {weights}', file=sys.stderr)
+        print(f'aft-vision: {one_line(args.checkpoint)}: {one_line(weights)}', file=sys.stderr)
     return model, weights
 
 
