@@ -219,7 +219,7 @@ def run_command(parser: argparse.ArgumentParser, argv: Sequence[str],
         print(f'{parser.prog}: error: {one_line(message)}', file=sys.stderr)  # one line, whatever raised it
         return 2
     except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM (``_stop``): the job's outputs are already restored
-        name = stop.args[0] if stop.args else 'SIGINT'
+        name = stop.args[0] if stop.args and stop.args[0] == 'SIGTERM' else 'SIGINT'
         print(f'{parser.prog}: stopped by {name}: nothing half-written is left; earlier outputs are back in place',
               file=sys.stderr)
         return 128 + signal.Signals[name].value
