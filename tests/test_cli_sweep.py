@@ -573,3 +573,23 @@ def test_generated_images_read_upright_as_rgb_at_full_scale(mode, fmt, size, ori
     assert read.mode == 'RGB' and read.size == upright.size, (read.mode, read.size, upright.size)
     if mode in EXACT_MODES:
         assert np.array_equal(np.asarray(read.convert('L')), gray), mode
+
+
+@pytest.mark.parametrize('field, value', [('label_names', ['a']), ('label_names', 'abc'),
+                                          ('label_names', [['a'], 'b', 'c']), ('interpolation', 'bogus'),
+                                          ('input_size', [3, 33, 33])])
+def test_predict_names_the_config_field_it_cannot_use(field, value, tmp_path, capsys):
+    """An edited published folder: one line naming the folder and the field (or showing it), not a traceback or "no
+    image could be read"."""
+    folder = tmp_path / 'hub'
+    save_for_hf(timm.create_model('aft_conv_test', num_classes=3), str(folder), safe_serialization=True)
+    config = json.loads((folder / 'config.json').read_text())
+    (config if field == 'label_names' else config['pretrained_cfg'])[field] = value
+    (folder / 'config.json').write_text(json.dumps(config))
+    Image.new('RGB', (40, 40)).save(tmp_path / 'img.png')
+    before = _snapshot(tmp_path)
+    assert cli_main(['predict', str(tmp_path / 'img.png'), '--model', f'local-dir:{folder}']) == 2
+    err = capsys.readouterr().err
+    assert err.count('\n') == 1 and 'Traceback' not in err and 'no image could be read' not in err, err
+    assert (field in err or str(value[-1]) in err) and str(folder) in err, err
+    assert _snapshot(tmp_path) == before
