@@ -1,11 +1,12 @@
 """aft_vision: the Attention Free Transformer (Zhai et al. 2021, arXiv 2105.14103) as timm models.
 
 ``import aft_vision`` registers every AFT model with timm. One folder per part; a part imports only the floors below
-it (``tests/test_imports.py``): ``version`` and ``plots``; ``layers`` (the operators) and ``checkpoints`` (weight
-files, the DeiT transfer); ``models``; ``hub`` (publishing, the one model loader) and ``deploy`` (ONNX, OpenVINO,
-INT8); ``bench`` and ``tasks`` (the jobs, plain Python settings); ``cli`` (``aft-vision``); the entry points
-``python -m aft_vision.run`` (timm's scripts), ``python -m aft_vision.train`` and ``aft_vision.timm_sparsity`` /
-``aft_vision.timm_train`` (timm ``train.py``'s ``--device-modules`` hooks).
+it (``tests/test_imports.py``): ``version``, ``images`` (the one image reader) and ``plots``; ``layers`` (the
+operators) and ``checkpoints`` (weight files, the DeiT transfer); ``models``; ``hub`` (publishing, the one model
+loader) and ``deploy`` (ONNX, OpenVINO, INT8); ``bench`` and ``tasks`` (the jobs, plain Python settings); ``cli``
+(``aft-vision``); the entry points ``python -m aft_vision.run`` (timm's scripts), ``python -m aft_vision.train`` and
+``aft_vision.timm_train`` (timm ``train.py``'s ``--device-modules`` hooks; ``aft_vision.timm_sparsity`` its alias
+with Eq. 9's weight 0.001).
 """
 from .version import __version__
 from . import layers

@@ -216,7 +216,7 @@ def test_predict_reports_broken_files_and_classifies_the_rest(tmp_path, capsys):
     out = predict(model.eval(), good, img_size=96, topk=3)
     expected = model.eval()(torch.stack([timm.data.create_transform(**timm.data.resolve_data_config(
         {'input_size': (3, 96, 96)}, model=model))(Image.open(good[0]).convert('RGB'))])).softmax(-1)[0]
-    assert [p for _, p in out['results'][good[0]]] == sorted(expected.tolist(), reverse=True)
+    assert [p for _, p, _ in out['results'][good[0]]] == sorted(expected.tolist(), reverse=True)
 
 
 def test_predict_uses_published_label_names(tmp_path, capsys):
@@ -321,15 +321,18 @@ def test_missing_script_is_a_one_line_error(tmp_path):
     assert done.returncode == 2 and 'script not found' in done.stderr and 'Traceback' not in done.stderr
 
 
-@pytest.mark.parametrize('module, weight', [('timm_sparsity', '0.25'), ('timm_train', '0.0')])
-def test_timm_device_modules_hook_registers_the_models_the_windows_and_the_regulariser(module, weight):
-    """timm ``train.py --device-modules aft_vision.timm_sparsity`` (or ``timm_train``) imports the module by name: in
+@pytest.mark.parametrize('module, env, weight', [('timm_sparsity', None, '0.001'), ('timm_train', '0.25', '0.25'),
+                                                 ('timm_train', None, '0.0')])
+def test_timm_device_modules_hook_registers_the_models_the_windows_and_the_regulariser(module, env, weight):
+    """timm ``train.py --device-modules aft_vision.timm_train`` (or ``timm_sparsity``) imports the module by name: in
     a fresh process that registers the AFT models and makes timm's classification task run AFT-conv's windows at each
-    step's size, and add ``AFT_SPARSITY_WEIGHT`` x the Eq. 9 entropy (``timm_sparsity`` only)."""
+    step's size, and add ``AFT_SPARSITY_WEIGHT`` (default 0; ``timm_sparsity``: 0.001) x the Eq. 9 entropy."""
     code = (f"import importlib, timm; importlib.import_module('aft_vision.{module}'); "
             "from timm.task import ClassificationTask; "
             "print(timm.is_model('aft_conv_test'), ClassificationTask.forward.__doc__.splitlines()[-1])")
-    done = subprocess.run([sys.executable, '-c', code], env=dict(os.environ, AFT_SPARSITY_WEIGHT='0.25'),
+    environ = {k: v for k, v in os.environ.items() if k != 'AFT_SPARSITY_WEIGHT'}
+    environ.update({'AFT_SPARSITY_WEIGHT': env} if env else {})
+    done = subprocess.run([sys.executable, '-c', code], env=environ,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == (f'True (aft_vision: AFT-conv windows follow the size: True; the loss includes '

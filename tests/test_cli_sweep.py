@@ -7,6 +7,8 @@ on stderr, no traceback, and the working folder (holding a file of the user's) e
 same weights give the same answer by every loading path, ``--force`` replaces only what a command writes, a job that
 fails leaves its folder as it was, a resumed study never relabels, and a property test feeds the parser generated
 values. ``python -m pytest tests/test_cli_sweep.py -q -n 0`` runs it; ``SWEEP_REPORT=1`` prints the case counts.
+Generated inputs by class (image modes and EXIF tags, hostile text, odd data folders, stops) are in
+``test_cli_sweep_inputs.py``.
 """
 import argparse
 import collections

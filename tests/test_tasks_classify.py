@@ -24,7 +24,7 @@ from aft_vision.checkpoints import load_weights, unwrap_state_dict
 from aft_vision.cli import main as cli_main
 from aft_vision.layers import scaled_kernel_size
 from aft_vision.tasks.classify import DIGITS_MODEL, ClassifySettings, at_size, check_model_and_sizes
-from aft_vision.tasks.regularizers import add_to_timm_tasks, position_bias_entropy
+from aft_vision.tasks.regularizers import position_bias_entropy
 from aft_vision.tasks.training import evaluate, state_digest, train_loader
 
 
@@ -97,6 +97,9 @@ def test_timm_task_hook_adds_the_weighted_entropy_follows_the_windows_and_undoes
     from timm.task import ClassificationTask
 
     original = ClassificationTask.forward
+    from aft_vision.timm_train import add_to_timm_tasks  # importing it installs the hook (weight 0): undone first
+    add_to_timm_tasks(None)
+    assert ClassificationTask.forward is original
     model = timm.create_model('aft_conv_test', num_classes=3)
     with torch.no_grad():
         for block in model.blocks:
@@ -112,7 +115,7 @@ def test_timm_task_hook_adds_the_weighted_entropy_follows_the_windows_and_undoes
         hooked = task(images, target)
         at_96 = task(larger, target)
     finally:
-        add_to_timm_tasks(0, follow_windows=False)
+        add_to_timm_tasks(None)
     assert torch.allclose(hooked['loss'], plain + 0.5 * position_bias_entropy(model))
     # at another size the task runs the windows resampled for it, and trains the model's own
     assert torch.equal(at_96['output'], resized(larger))

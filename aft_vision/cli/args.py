@@ -1,12 +1,15 @@
 """How the ``aft-vision`` command line runs a command (``run_command``, also behind ``python -m aft_vision.train``):
 parse, ``check_args`` (the first bad number, path, name or device, before anything is written), run; user errors end
-as one line on stderr, exit code 2. ``settings_from`` hands a job its settings."""
+as one line on stderr, exit code 2; Ctrl-C and SIGTERM as one line, exit code 130 / 143, after the job has put back
+what it set aside. ``one_line`` prints text from files as data. ``settings_from`` hands a job its settings."""
 import argparse
 import dataclasses
 import functools
 import math
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 
@@ -18,10 +21,10 @@ from ..checkpoints import check_output_dir
 from ..hub import (check_aft_model, check_init_weights, check_model_kwargs, check_model_name, check_pretrained,
                    check_source)
 from ..tasks import classify, segment
-from ..tasks.image_folders import check_image_folders
+from ..tasks.training import check_image_folders
 
-__all__ = ['LIMITS', 'TASKS', 'TASK_DEFAULTS', 'Parser', 'check_args', 'fill_task_defaults', 'parse_device',
-           'run_command', 'settings_from']
+__all__ = ['LIMITS', 'TASKS', 'TASK_DEFAULTS', 'Parser', 'check_args', 'fill_task_defaults', 'one_line',
+           'parse_device', 'run_command', 'settings_from']
 
 
 def parse_device(name: str) -> torch.device:
@@ -115,9 +118,10 @@ def settings_from(settings: type, args: argparse.Namespace):
                        if field.name in vars(args)})
 
 
-def one_line(message: str) -> str:
-    """``message`` with its line breaks (from a value the user typed) written as ``\\n``, so it stays one line."""
-    return message.replace('\r', '\\r').replace('\n', '\\n')
+def one_line(text: object) -> str:
+    """``text`` as data on one line: every character a terminal would act on (line breaks, ANSI escapes, other
+    control and format characters, from a file name, a label or a typed value) written as its Python escape."""
+    return ''.join(c if c.isprintable() else c.encode('unicode_escape').decode('ascii') for c in str(text))
 
 
 def check_args(args: argparse.Namespace) -> Optional[str]:
@@ -198,15 +202,35 @@ def run_command(parser: argparse.ArgumentParser, argv: Sequence[str],
         args = parser.parse_args(argv)
         if getattr(args, 'task', None) is not None:
             fill_task_defaults(args)
-        problem = check_args(args)
-        if problem:  # as argparse reports a bad value, on one line
-            parser.exit(2, f'{parser.prog} {args.command}: error: argument {problem}\n')
     except SystemExit as e:  # --help, --version, or a usage error argparse already printed
         return 0 if e.code is None else e.code if isinstance(e.code, int) else 2
+    stops = {signal.SIGINT: signal.getsignal(signal.SIGINT), signal.SIGTERM: signal.getsignal(signal.SIGTERM)}
+    in_main_thread = threading.current_thread() is threading.main_thread()  # where Python runs signal handlers
     try:
+        for number in stops if in_main_thread else ():
+            signal.signal(number, _stop)
+        problem = check_args(args)
+        if problem:  # as argparse reports a bad value, on one line
+            print(f'{parser.prog} {args.command}: error: argument {problem}', file=sys.stderr)
+            return 2
         return command(args)
     except (ValueError, TypeError, OSError, KeyError, RuntimeError) as e:  # OSError: missing or unwritable paths
-        message = str(e.args[0] if isinstance(e, KeyError) and e.args else e).strip().splitlines() or [repr(e)]
-        more = f' (and {len(message) - 1} more lines)' if len(message) > 1 else ''
-        print(f'{parser.prog}: error: {message[0]}{more}', file=sys.stderr)  # one line, whatever raised it
+        message = f'missing key {e.args[0]!r}' if isinstance(e, KeyError) and e.args else str(e).strip() or repr(e)
+        print(f'{parser.prog}: error: {one_line(message)}', file=sys.stderr)  # one line, whatever raised it
         return 2
+    except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM (``_stop``): the job's outputs are already restored
+        name = stop.args[0] if stop.args and stop.args[0] == 'SIGTERM' else 'SIGINT'
+        print(f'{parser.prog}: stopped by {name}: nothing half-written is left; earlier outputs are back in place',
+              file=sys.stderr)
+        return 128 + signal.Signals[name].value
+    finally:
+        for number, handler in stops.items() if in_main_thread else ():
+            signal.signal(number, handler)
+
+
+def _stop(number: int, frame) -> None:
+    """SIGINT or SIGTERM: unwind (every writer puts back what it set aside) as Ctrl-C does; a second one is ignored
+    so that the unwinding finishes."""
+    for other in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(other, signal.SIG_IGN)
+    raise KeyboardInterrupt(signal.Signals(number).name)

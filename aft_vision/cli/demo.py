@@ -1,7 +1,7 @@
 """``aft-vision demo``: random inputs through AFTConv2d and AFTFull; their shapes and median times."""
 import argparse
 import statistics
-import time
+import timeit
 
 import torch
 
@@ -19,14 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _median_ms(layer: torch.nn.Module, x: torch.Tensor, repeats: int, warmup: int = 2) -> float:
     sync = (lambda: torch.cuda.synchronize(x.device)) if x.is_cuda else (lambda: None)
-    times = []
-    for _ in range(warmup + repeats):
-        sync()
-        start = time.perf_counter()
-        layer(x)
-        sync()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times[warmup:])
+    timeit.repeat(lambda: (layer(x), sync()), repeat=warmup, number=1)
+    return statistics.median(timeit.repeat(lambda: (layer(x), sync()), repeat=repeats, number=1)) * 1e3
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,16 +1,18 @@
 """``aft-vision predict``: top-k classes for image files, with timm's eval preprocessing at any crop size."""
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import torch
-from PIL import Image, UnidentifiedImageError
 from timm.data import ImageNetInfo, create_transform, resolve_data_config
+from tqdm import tqdm
 
 from ..hub import check_pretrained, load_model, warn_random_weights
+from ..images import read_image
 from ..models import AFTConvTransformer
-from .args import ModelKwargs
+from .args import ModelKwargs, one_line
 
 __all__ = ['predict', 'add_arguments', 'add_model_arguments', 'model_from_args', 'run']
 
@@ -18,31 +20,40 @@ HELP = 'top-k classes for image files at any crop size'
 
 
 def _label_names(model: torch.nn.Module) -> Optional[List[str]]:
-    """Names the weights carry, else ImageNet's for a 1000-class head."""
+    """Names the weights carry (one string per class), else ImageNet's for a 1000-class head."""
     names = model.pretrained_cfg.get('label_names')
-    if names:
-        return list(names.values()) if isinstance(names, dict) else list(names)
-    return ImageNetInfo().label_descriptions() if model.num_classes == 1000 else None
+    if names is None:
+        return ImageNetInfo().label_descriptions() if model.num_classes == 1000 else None
+    names = list(names.values()) if isinstance(names, dict) else names
+    if not isinstance(names, list) or len(names) != model.num_classes or not all(isinstance(n, str) for n in names):
+        raise ValueError(f'label_names: {model.num_classes} strings needed, one per class; got {one_line(names)[:80]}')
+    return names
 
 
 def predict(model: torch.nn.Module, paths: List[str], img_size: Optional[int] = None, topk: int = 5) -> Dict:
-    """Classify readable images; unreadable ones are listed with the reason. Returns ``{'results', 'errors'}``."""
-    args = {'input_size': (3, img_size, img_size)} if img_size else {}
-    transform = create_transform(**resolve_data_config(args, model=model))
+    """Classify readable images (``images.read_image``, timm's eval transform; a progress bar on a terminal);
+    unreadable ones are listed with the reason. Returns ``{'results': {path: [(label, p, index)]}, 'errors': {path:
+    why}}``, the top ``topk`` classes by probability."""
+    config = resolve_data_config({'input_size': (3, img_size, img_size)} if img_size else {}, model=model)
+    try:
+        transform = create_transform(**config)
+    except (KeyError, ValueError, TypeError, ZeroDivisionError) as error:  # a field timm cannot use
+        raise ValueError(f'its data config cannot preprocess ({type(error).__name__}: {error}): {config}') from None
     names = _label_names(model)
     results, errors = {}, {}
     model.eval()
-    for path in paths:
+    for path in tqdm(paths, desc='predict', unit='image', delay=2, leave=False, disable=None):
         try:
-            with Image.open(path) as image:
-                tensor = transform(image.convert('RGB')).unsqueeze(0)
-        except (OSError, UnidentifiedImageError, ValueError) as error:  # missing, not an image, truncated
-            errors[path] = f'{type(error).__name__}: {error}'
+            image = read_image(path)
+        except (OSError, ValueError) as error:  # missing, not an image, damaged, a decompression bomb
+            errors[path] = str(error) if str(error).startswith(f'{path}:') else f'{path}: {error}'
             continue
         with torch.no_grad():
-            probs = model(tensor).softmax(-1)[0]
+            probs = model(transform(image).unsqueeze(0)).softmax(-1)[0]  # (num_classes,)
+        if not torch.isfinite(probs).all():
+            raise ValueError(f'the model\'s output for {path} is not finite (NaN or inf weights?)')
         values, indices = probs.topk(min(topk, probs.numel()))
-        results[path] = [(names[i] if names else str(i), float(p)) for p, i in zip(values, indices.tolist())]
+        results[path] = [(names[i] if names else str(i), float(p), i) for p, i in zip(values, indices.tolist())]
     return {'results': results, 'errors': errors}
 
 
@@ -64,7 +75,7 @@ def model_from_args(args: argparse.Namespace) -> Tuple[torch.nn.Module, str]:
     if getattr(args, 'img_size', None) and isinstance(model, AFTConvTransformer):
         model.set_input_size(args.img_size)
     if args.checkpoint:
-        print(f'aft-vision: {args.checkpoint}: {weights}', file=sys.stderr)
+        print(f'aft-vision: {one_line(args.checkpoint)}: {one_line(weights)}', file=sys.stderr)
     return model, weights
 
 
@@ -74,6 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--img-size', type=int, default=None,
                         help='crop size (default: the data config\'s); AFT-conv is rebuilt for it (resize_mode)')
     parser.add_argument('--topk', type=int, default=5)
+    parser.add_argument('--json', action='store_true',
+                        help='one JSON object per image on stdout: {"file", "top": [{"label", "index", "p"}]} or '
+                             '{"file", "error"}')
 
 
 def _fine_tune_first(name: str) -> str:
@@ -91,12 +105,21 @@ def run(args: argparse.Namespace) -> int:
     model, weights = model_from_args(args)
     if not model.num_classes:
         raise ValueError(f'{args.model} has no classifier (num_classes=0): {_fine_tune_first(args.model)}')
-    out = predict(model, args.images, args.img_size, args.topk)
-    for path, why in out['errors'].items():
-        print(f'aft-vision: skipped {path}: {why}', file=sys.stderr)
-    for path, top in out['results'].items():
-        print(f'{Path(path).name}: ' + ', '.join(f'{name} {p:.3f}' for name, p in top))
+    try:
+        out = predict(model, args.images, args.img_size, args.topk)
+    except ValueError as error:  # the model's label names or outputs
+        raise ValueError(f'{args.model}: {error}') from None
+    for path in args.images:  # one line per image, in the order given; text from files printed as data
+        if args.json:
+            top = [{'label': label, 'index': i, 'p': p} for label, p, i in out['results'].get(path, [])]
+            print(json.dumps({'file': path, 'error': out['errors'][path]} if path in out['errors'] else
+                             {'file': path, 'top': top}))
+        elif path in out['errors']:
+            print(f'aft-vision: skipped {one_line(out["errors"][path])}', file=sys.stderr)
+        else:
+            top = ', '.join(f'{one_line(label)} {p:.3f}' for label, p, _ in out['results'][path])
+            print(f'{one_line(Path(path).name)}: {top}')
     if not out['results']:
-        raise ValueError('no image could be read')
+        raise ValueError(f'no image could be read ({next(iter(out["errors"].values()))})')
     warn_random_weights(args.model, weights)
     return 0

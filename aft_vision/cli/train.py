@@ -1,11 +1,9 @@
 """``aft-vision train`` (``python -m aft_vision.train``): ``tasks.classify`` or ``tasks.segment`` (``args.TASKS``)."""
 import argparse
-import sys
-from typing import List, Optional
 
 from ..models.aft_conv import RESIZE_MODES
 from ..tasks import classify
-from .args import TASK_DEFAULTS, TASKS, ModelKwargs, Parser, run_command, settings_from
+from .args import TASK_DEFAULTS, TASKS, ModelKwargs, settings_from
 
 HELP = 'the main job: train on the digits (or --data-dir), evaluate, publish'
 
@@ -65,10 +63,3 @@ def run(args: argparse.Namespace) -> int:
     given = argparse.Namespace(**{dest: value for dest, value in vars(args).items() if value is not None})
     job(settings_from(settings, given))  # options left unset: the task's defaults
     return 0
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    """``python -m aft_vision.train ARGS`` (and torchrun's ``-m aft_vision.train``): ``aft-vision train ARGS``."""
-    parser = Parser(prog='aft-vision')
-    add_arguments(parser.add_subparsers(dest='command', required=True).add_parser('train', help=HELP))
-    return run_command(parser, ['train', *(sys.argv[1:] if argv is None else argv)], run)

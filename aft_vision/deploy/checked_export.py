@@ -8,9 +8,9 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
 from timm.data import create_transform, resolve_data_config
 
+from ..images import read_image
 from . import runtimes
 
 __all__ = ['export', 'calibration_files', 'write_model']
@@ -22,14 +22,10 @@ FLOAT_RTOL = 1e-3  # a float32 export's largest logit error over the largest log
 
 
 def _load(paths: List[Path], transform) -> torch.Tensor:
-    images = []
-    for path in paths:
-        try:
-            with Image.open(path) as image:
-                images.append(transform(image.convert('RGB')))
-        except (OSError, UnidentifiedImageError) as error:
-            raise ValueError(f'--calibration: cannot read {path} ({type(error).__name__}: {error})') from None
-    return torch.stack(images)
+    try:
+        return torch.stack([transform(read_image(path)) for path in paths])
+    except (OSError, ValueError) as error:
+        raise ValueError(f'--calibration: {error}') from None
 
 
 def calibration_files(folder: os.PathLike, seed: int = 0,

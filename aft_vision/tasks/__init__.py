@@ -1,3 +1,3 @@
 """The jobs, each run with plain Python settings: ``classify`` (the main job; its recipe in ``training``), ``segment``,
-``study`` (its report in ``study_report``) and ``visualize``, and what they share (``scenes``, ``regularizers``,
-``image_folders``). May import ``layers``, ``checkpoints``, ``models`` and ``hub``."""
+``study`` (its report in ``study_report``) and ``visualize``, and what they share (``scenes``, ``regularizers``). May
+import ``layers``, ``checkpoints``, ``models``, ``hub`` and ``images``."""

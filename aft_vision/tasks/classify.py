@@ -1,7 +1,6 @@
 """The main job (``aft-vision train``, ``run(ClassifySettings(...))``): train an AFT-conv model on scikit-learn's digits
 (or any ImageFolder), also under torchrun, evaluate it at several sizes, publish it as a Hub folder, reload it through
 timm and check every figure, plot its curves. The recipe lives in ``training``; docs/training.md explains it."""
-import copy
 import hashlib
 import json
 import os
@@ -20,8 +19,8 @@ from tqdm import tqdm
 from ..checkpoints.files import load_weights, output_dir, save_weights
 from ..hub import check_pretrained, create_aft_model, publish, source_architecture
 from ..plots import save_figure
-from .image_folders import check_image_folders
-from .training import eval_data_config, evaluate, size_scaled_batches, sizes_text, state_digest, train, write_digits
+from .training import (at_size, check_image_folders, check_input_size, eval_data_config, evaluate, fixed_img_size,
+                       size_scaled_batches, sizes_text, state_digest, train, write_digits)
 
 # A small AFT-conv for 32 x 32 digits: patch 4 -> an 8 x 8 token grid, a 15 x 15 window (the whole grid), 8 heads.
 DIGITS_MODEL = dict(patch_size=4, embed_dim=64, depth=4, num_heads=8, kernel_size=15, mlp_ratio=2.)
@@ -56,43 +55,52 @@ class ClassifySettings:
     force: bool = False  # write into an out_dir that holds something, replacing only RUN_OUTPUTS there
 
 
-def fixed_img_size(model: torch.nn.Module) -> Optional[Tuple[int, int]]:
-    """The one input size a model takes (position parameters tied to its token grid), or None for any size."""
-    if hasattr(model, '_fixed_img_size'):  # the AFT models
-        return model._fixed_img_size()
-    embed = getattr(model, 'patch_embed', None)  # timm's ViT family
-    if embed is None or getattr(model, 'dynamic_img_size', False) or not getattr(embed, 'strict_img_size', True):
-        return None
-    return tuple(embed.img_size) if embed.img_size is not None else None
+def run(settings: ClassifySettings) -> Dict:
+    """The whole job, its steps in order, in its out_dir (``output_dir``: refused if it holds anything unless
+    ``force``, left as it was if the job fails or is stopped); returns the results written to ``results.json``
+    (empty on ranks other than 0)."""
+    start = time.perf_counter()
+    writes = RUN_OUTPUTS + (() if settings.data_dir else ('data',))
+    with output_dir(settings.out_dir, settings.force, writes, active=int(os.environ.get('RANK', 0)) == 0):
+        plan = _plan(settings)  # every option checked before anything is written
+        trained = _train_on_every_rank(settings, plan)
+        if trained['rank'] != 0:
+            return {}
+        model, data_dir, out = trained['model'], trained['data_dir'], Path(settings.out_dir)
+        top1, top1_at, rebuilt = evaluate_sizes(model, data_dir / 'val', settings.img_size, settings.eval_img_sizes)
+        results, sha256 = save(model, settings, plan, top1, top1_at, rebuilt)
+        hub_dir = publish_run(settings, plan, trained['classes'], results)
+        reload = check_reload(hub_dir, data_dir / 'val', settings.img_size, top1, top1_at, results['data_config'],
+                              trained['device'])
+        try:
+            plot_curves(trained['history'], top1_at, plan['train_sizes'], out / 'training_curve.png')
+        except ImportError:
+            print('matplotlib is not installed (pip install aft-vision[demo]): no training curve written')
+        results.update({
+            'model': settings.model, 'epochs': settings.epochs, 'img_size': settings.img_size,
+            'eval_img_sizes': list(top1_at), 'top1_reloaded': reload['top1'], 'top1_reloaded_at': reload['top1_at'],
+            'train_size_schedule': settings.train_size_schedule, 'rank_size_schedule_sha256': trained['schedules'],
+            'top1_timm_data_config': reload['data_config'], 'top1_timm_test_data_config': reload['test_data_config'],
+            'history': trained['history'], 'weights_sha256': sha256, 'world_size': trained['world_size'],
+            'rank_state_sha256': trained['digests'], 'wall_seconds': round(time.perf_counter() - start, 1)})
+        (out / 'results.json').write_text(json.dumps(results, indent=2))
+        report(settings, results, data_dir, hub_dir, reload['client_config'])
+    return results
 
 
-def at_size(model: torch.nn.Module, img_size: int) -> torch.nn.Module:
-    """``model`` if it runs ``img_size`` px as it is, else a copy rebuilt for that size by timm's ``set_input_size``
-    (position parameters resampled; AFT-conv's windows or patch as its ``resize_mode`` says)."""
-    fixed = fixed_img_size(model)
-    follows = getattr(model, 'resize_mode', 'keep') != 'keep'  # AFT-conv resizing its windows or patch
-    if (fixed is None and not follows) or fixed == (img_size, img_size) or (
-            follows and tuple(model.patch_embed.img_size) == (img_size, img_size)):
-        return model
-    if not hasattr(model, 'set_input_size'):
-        raise ValueError(f'{type(model).__name__} is built for {fixed[0]}x{fixed[1]} px and cannot be rebuilt for '
-                         f'{img_size} px (no set_input_size)')
-    resized = copy.deepcopy(model)
-    resized.set_input_size(img_size=img_size)
-    return resized
-
-
-def check_input_size(model: torch.nn.Module, img_size: int) -> None:
-    """Raise ValueError unless ``model`` takes ``img_size`` px images (for timm's ViTs: the patch divides it)."""
-    if hasattr(model, '_check_input'):
-        model._check_input(torch.empty(1, model.in_chans, img_size, img_size, device='meta'))
-        return
-    embed = getattr(model, 'patch_embed', None)
-    if embed is None or getattr(embed, 'dynamic_img_pad', False):
-        return
-    patch_h, patch_w = embed.patch_size
-    if img_size % patch_h or img_size % patch_w:
-        raise ValueError(f'{img_size} px is not a multiple of the patch size {patch_h}x{patch_w}')
+def _plan(settings: ClassifySettings) -> Dict:
+    """Everything checked before the data set is written: model arguments, sizes, batches, the starting weights."""
+    if settings.pretrained:
+        check_pretrained(settings.model)
+    model_kwargs = dict(settings.model_kwargs or {})
+    if settings.model == 'aft_conv_test' and not settings.data_dir:
+        model_kwargs = dict(DIGITS_MODEL, **model_kwargs)
+    model_kwargs, train_sizes = check_model_and_sizes(settings, model_kwargs)
+    batch_sizes = settings.train_batch_sizes or size_scaled_batches(settings.batch_size, settings.img_size, train_sizes)
+    if settings.init_from and settings.pretrained:
+        raise ValueError('--init-from: give either --pretrained or --init-from')
+    init_weights = load_weights(settings.init_from) if settings.init_from else None
+    return dict(model_kwargs=model_kwargs, train_sizes=train_sizes, batch_sizes=batch_sizes, init_weights=init_weights)
 
 
 def check_model_and_sizes(settings: ClassifySettings, model_kwargs: Dict) -> Tuple[Dict, List[int]]:
@@ -125,6 +133,9 @@ def check_model_and_sizes(settings: ClassifySettings, model_kwargs: Dict) -> Tup
             probe = create_aft_model(settings.model, **model_kwargs)
     except TypeError as error:  # an argument the model does not take
         raise ValueError(f'--model-kwargs: {settings.model} does not take them ({error})') from None
+    if probe.pretrained_cfg.get('classifier', 'head') != 'head':  # what publish and the reload find the classes by
+        raise ValueError(f'--model {settings.model}: the job publishes a classifier named head (AFT models, timm\'s '
+                         f'ViTs); its classifier is {probe.pretrained_cfg["classifier"]}')
     fixed = fixed_img_size(probe)
     if settings.train_img_sizes is None and fixed is None and getattr(probe, 'patch_embed', None) is not None:
         patch = probe.patch_embed.patch_size[0]
@@ -147,57 +158,6 @@ def check_model_and_sizes(settings: ClassifySettings, model_kwargs: Dict) -> Tup
         except ValueError as error:
             raise ValueError(f'{option} {size}: {error}') from None
     return model_kwargs, train_sizes
-
-
-def run(settings: ClassifySettings) -> Dict:
-    """The whole job in its out_dir (``output_dir``: refused if it holds anything unless ``force``, left as it was
-    if the job fails); returns the results written to ``results.json`` (empty on ranks other than 0)."""
-    writes = RUN_OUTPUTS + (() if settings.data_dir else ('data',))
-    with output_dir(settings.out_dir, settings.force, writes, active=int(os.environ.get('RANK', 0)) == 0):
-        return _run(settings)
-
-
-def _run(settings: ClassifySettings) -> Dict:
-    start = time.perf_counter()
-    plan = _plan(settings)
-    trained = _train_on_every_rank(settings, plan)
-    if trained['rank'] != 0:
-        return {}
-    model, data_dir, out = trained['model'], trained['data_dir'], Path(settings.out_dir)
-    top1, top1_at, rebuilt = evaluate_sizes(model, data_dir / 'val', settings.img_size, settings.eval_img_sizes)
-    results, sha256 = save(model, settings, plan, top1, top1_at, rebuilt)
-    hub_dir = publish_run(settings, plan, trained['classes'], results)
-    reload = check_reload(hub_dir, data_dir / 'val', settings.img_size, top1, top1_at, results['data_config'],
-                          trained['device'])
-    try:
-        plot_curves(trained['history'], top1_at, plan['train_sizes'], out / 'training_curve.png')
-    except ImportError:
-        print('matplotlib is not installed (pip install aft-vision[demo]): no training curve written')
-    results.update({
-        'model': settings.model, 'epochs': settings.epochs, 'img_size': settings.img_size,
-        'eval_img_sizes': list(top1_at), 'top1_reloaded': reload['top1'], 'top1_reloaded_at': reload['top1_at'],
-        'train_size_schedule': settings.train_size_schedule, 'rank_size_schedule_sha256': trained['schedules'],
-        'top1_timm_data_config': reload['data_config'], 'top1_timm_test_data_config': reload['test_data_config'],
-        'history': trained['history'], 'weights_sha256': sha256, 'world_size': trained['world_size'],
-        'rank_state_sha256': trained['digests'], 'wall_seconds': round(time.perf_counter() - start, 1)})
-    (out / 'results.json').write_text(json.dumps(results, indent=2))
-    report(settings, results, data_dir, hub_dir, reload['client_config'])
-    return results
-
-
-def _plan(settings: ClassifySettings) -> Dict:
-    """Everything checked before the data set is written: model arguments, sizes, batches, the starting weights."""
-    if settings.pretrained:
-        check_pretrained(settings.model)
-    model_kwargs = dict(settings.model_kwargs or {})
-    if settings.model == 'aft_conv_test' and not settings.data_dir:
-        model_kwargs = dict(DIGITS_MODEL, **model_kwargs)
-    model_kwargs, train_sizes = check_model_and_sizes(settings, model_kwargs)
-    batch_sizes = settings.train_batch_sizes or size_scaled_batches(settings.batch_size, settings.img_size, train_sizes)
-    if settings.init_from and settings.pretrained:
-        raise ValueError('--init-from: give either --pretrained or --init-from')
-    init_weights = load_weights(settings.init_from) if settings.init_from else None
-    return dict(model_kwargs=model_kwargs, train_sizes=train_sizes, batch_sizes=batch_sizes, init_weights=init_weights)
 
 
 def _train_on_every_rank(settings: ClassifySettings, plan: Dict) -> Dict:
@@ -235,7 +195,7 @@ def evaluate_sizes(model: torch.nn.Module, val: Path, img_size: int, sizes: Sequ
     """Top-1 at ``img_size``, at every size ({size: %}, rebuilt by ``at_size`` where it must be), the sizes rebuilt."""
     top1 = evaluate(model, val, img_size)
     top1_at, rebuilt = {}, set()
-    for size in tqdm(sizes, desc='evaluating', unit='size', leave=False):
+    for size in tqdm(sizes, desc='evaluating', unit='size', leave=False, disable=None):  # on a terminal only
         sized = at_size(model, size)
         if sized is not model:
             rebuilt.add(size)

@@ -15,7 +15,7 @@ from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
 from tqdm import tqdm
 
-from ..checkpoints.files import check_output_dir, save_weights
+from ..checkpoints.files import output_dir, save_weights
 from ..hub import create_aft_model
 from ..plots import save_figure
 from .scenes import NUM_CLASSES, Scenes, digit_split, make_scenes
@@ -160,9 +160,14 @@ def plot(history: List[Dict], model: torch.nn.Module, scenes: Scenes, path: Path
 
 
 def run(settings: SegmentSettings) -> Dict:
-    """The whole job; returns the results written to ``results.json``."""
+    """The whole job in its out_dir (``output_dir``: left as it was if the job fails or is stopped); returns the
+    results written to ``results.json``."""
     start = time.perf_counter()
-    check_output_dir(settings.out_dir, settings.force)  # before the scenes are made and trained on
+    with output_dir(settings.out_dir, settings.force, ('model.safetensors', 'results.json', 'training_curve.png')):
+        return _run(settings, start)
+
+
+def _run(settings: SegmentSettings, start: float) -> Dict:
     _check_model_and_sizes(settings)
     device = torch.device(settings.device)
     digits = digit_split(seed=settings.seed)
@@ -176,7 +181,6 @@ def run(settings: SegmentSettings) -> Dict:
     model, history = train(settings, data, device)
     counts, counts_large = confusion(model, data['val']), confusion(model, data['val_large'])
     out = Path(settings.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     weights = out / 'model.safetensors'
     sha256 = save_weights({k: v.cpu() for k, v in model.state_dict().items()}, weights, force=True)
     results = {

@@ -1,11 +1,13 @@
-"""The recipe every classification job trains with: the digits as an ImageFolder, timm's loaders, optimizer,
-scheduler and loss, one size drawn per step, DDP under torchrun, and top-1 evaluation (``train``, ``evaluate``)."""
+"""The recipe every classification job trains with: the digits as an ImageFolder, the checks a data folder passes
+(``check_image_folders``), timm's loaders, optimizer, scheduler and loss, one size drawn per step, DDP under torchrun,
+and top-1 evaluation (``train``, ``evaluate``)."""
+import copy
 import hashlib
 import math
 import os
 import random
 from pathlib import Path
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from timm.data import create_loader, create_transform, resolve_data_config
@@ -17,13 +19,16 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 from torchvision.datasets import ImageFolder
 from tqdm import tqdm
 
+from ..checkpoints.files import atomic_dir
 from ..checkpoints.transfer import TransferReport, is_vit_state_dict, transfer_vit_weights, unwrap_state_dict
 from ..hub import load_model
+from ..images import read_image
 from ..models.aft_conv import AFTConvTransformer, checkpoint_filter_fn as aft_conv_filter, forward_at_size
 from .regularizers import position_bias_entropy
 
-__all__ = ['split_digits', 'write_digits', 'eval_data_config', 'evaluate', 'size_scaled_batches', 'sizes_text',
-           'train_loader', 'load_initial_weights', 'train', 'state_digest']
+__all__ = ['split_digits', 'write_digits', 'check_image_folders', 'eval_data_config', 'evaluate', 'fixed_img_size',
+           'at_size', 'check_input_size', 'size_scaled_batches', 'sizes_text', 'train_loader', 'load_initial_weights',
+           'train', 'state_digest']
 
 
 def split_digits(targets: torch.Tensor, val_fraction: float = 0.2, seed: int = 0) -> Dict[str, torch.Tensor]:
@@ -40,23 +45,65 @@ def split_digits(targets: torch.Tensor, val_fraction: float = 0.2, seed: int = 0
 
 
 def write_digits(root: Path, size: int = 32, val_fraction: float = 0.2, seed: int = 0) -> Path:
-    """Write scikit-learn's 1797 digits once as an ImageFolder (``train/``, ``val/``, ``split_digits``), RGB PNGs."""
-    if (root / 'train').is_dir() and (root / 'val').is_dir():
-        return root
+    """Write scikit-learn's 1797 digits as an ImageFolder (``train/``, ``val/``, ``split_digits``), RGB PNGs, through
+    ``atomic_dir``. A folder already there is reused, and said so, only if it holds exactly these files."""
     from PIL import Image
     from sklearn.datasets import load_digits
 
     data = load_digits()
-    staging = root.with_name(f'.{root.name}.tmp')
-    for split, indices in split_digits(torch.tensor(data.target), val_fraction, seed).items():
-        for i in indices.tolist():
-            folder = staging / split / str(data.target[i])
-            folder.mkdir(parents=True, exist_ok=True)
+    files = {f'{split}/{data.target[i]}/{i}.png': i for split, indices in
+             split_digits(torch.tensor(data.target), val_fraction, seed).items() for i in indices.tolist()}
+    if root.exists():
+        found = {p.relative_to(root).as_posix() for p in root.rglob('*') if not p.is_dir() or p.is_symlink()}
+        if found != set(files):
+            raise ValueError(f'{root} is not the digits data set ({len(found ^ set(files))} files differ from it): '
+                             f'remove it, or train on it with --data-dir')
+        print(f'reusing the digits written earlier in {root}')
+        return root
+    with atomic_dir(root) as staging:
+        for name, i in files.items():
+            (staging / name).parent.mkdir(parents=True, exist_ok=True)
             pixels = (data.images[i] * (255 / 16)).astype('uint8')  # 8 x 8, values 0..16
-            Image.fromarray(pixels).resize((size, size), Image.BICUBIC).convert('RGB').save(folder / f'{i}.png')
-    root.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(staging, root)
+            Image.fromarray(pixels).resize((size, size), Image.BICUBIC).convert('RGB').save(staging / name)
     return root
+
+
+def _classes(folder: Path) -> List[str]:
+    return sorted(entry.name for entry in folder.iterdir() if entry.is_dir() and not entry.name.startswith('.'))
+
+
+def check_image_folders(data_dir: Union[str, Path]) -> List[str]:
+    """The classes of ``data_dir``'s ``train/`` and ``val/``; FileNotFoundError for a missing split, ValueError
+    (naming them) for classes that differ or none."""
+    data_dir = Path(data_dir)
+    for split in ('train', 'val'):
+        if not (data_dir / split).is_dir():
+            raise FileNotFoundError(f'--data-dir: {data_dir / split} not found: train/ and val/ ImageFolders needed')
+    train, val = _classes(data_dir / 'train'), _classes(data_dir / 'val')
+    if len(train) < 2:
+        raise ValueError(f'--data-dir: {data_dir / "train"} has {len(train)} class folders ({", ".join(train)}): '
+                         'top-1 means something only with at least two classes')
+    if train != val:
+        only_train, only_val = sorted(set(train) - set(val)), sorted(set(val) - set(train))
+        raise ValueError(f'--data-dir: {data_dir}: train/ and val/ classes differ (only in train/: '
+                         f'{only_train or "none"}, only in val/: {only_val or "none"}): labels would not match')
+    link = next(filter(None, (_link_out(data_dir / split / name) for split in ('train', 'val') for name in train)),
+                None)
+    if link is not None:
+        raise ValueError(f'--data-dir: {link} links to {link.resolve()}, outside its class folder: its images would '
+                         'take this class\'s label; copy them in or remove the link')
+    return train
+
+
+def _link_out(class_dir: Path) -> Optional[Path]:
+    """The first link under ``class_dir`` to outside it (links inside it lead to what the walk sees anyway)."""
+    inside = class_dir.resolve()
+    for folder, subfolders, files in os.walk(class_dir):
+        for name in subfolders + files:
+            entry = Path(folder) / name
+            if entry.is_symlink() and not entry.resolve().is_relative_to(inside):
+                return entry
+    return None
 
 
 def eval_data_config(model: torch.nn.Module, img_size: int) -> Dict:
@@ -65,7 +112,10 @@ def eval_data_config(model: torch.nn.Module, img_size: int) -> Dict:
 
 
 def _image_folder(folder: Path, transform=None) -> ImageFolder:
-    dataset = ImageFolder(str(folder), transform=transform)
+    try:
+        dataset = ImageFolder(str(folder), transform=transform, loader=read_image)
+    except FileNotFoundError as error:  # a class folder without images
+        raise FileNotFoundError(f'{folder}: {error}') from None
     if not len(dataset):
         raise ValueError(f'no images found in {folder}')
     return dataset
@@ -86,6 +136,45 @@ def evaluate(model: torch.nn.Module, folder: Path, img_size: Optional[int] = Non
     for images, labels in DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=0):
         correct += (model(images.to(device)).argmax(-1).cpu() == labels).sum().item()
     return 100.0 * correct / len(dataset)
+
+
+def fixed_img_size(model: torch.nn.Module) -> Optional[Tuple[int, int]]:
+    """The one input size a model takes (position parameters tied to its token grid), or None for any size."""
+    if hasattr(model, '_fixed_img_size'):  # the AFT models
+        return model._fixed_img_size()
+    embed = getattr(model, 'patch_embed', None)  # timm's ViT family
+    if embed is None or getattr(model, 'dynamic_img_size', False) or not getattr(embed, 'strict_img_size', True):
+        return None
+    return tuple(embed.img_size) if embed.img_size is not None else None
+
+
+def at_size(model: torch.nn.Module, img_size: int) -> torch.nn.Module:
+    """``model`` if it runs ``img_size`` px as it is, else a copy rebuilt for that size by timm's ``set_input_size``
+    (position parameters resampled; AFT-conv's windows or patch as its ``resize_mode`` says)."""
+    fixed = fixed_img_size(model)
+    follows = getattr(model, 'resize_mode', 'keep') != 'keep'  # AFT-conv resizing its windows or patch
+    if (fixed is None and not follows) or fixed == (img_size, img_size) or (
+            follows and tuple(model.patch_embed.img_size) == (img_size, img_size)):
+        return model
+    if not hasattr(model, 'set_input_size'):
+        raise ValueError(f'{type(model).__name__} is built for {fixed[0]}x{fixed[1]} px and cannot be rebuilt for '
+                         f'{img_size} px (no set_input_size)')
+    resized = copy.deepcopy(model)
+    resized.set_input_size(img_size=img_size)
+    return resized
+
+
+def check_input_size(model: torch.nn.Module, img_size: int) -> None:
+    """Raise ValueError unless ``model`` takes ``img_size`` px images (for timm's ViTs: the patch divides it)."""
+    if hasattr(model, '_check_input'):
+        model._check_input(torch.empty(1, model.in_chans, img_size, img_size, device='meta'))
+        return
+    embed = getattr(model, 'patch_embed', None)
+    if embed is None or getattr(embed, 'dynamic_img_pad', False):
+        return
+    patch_h, patch_w = embed.patch_size
+    if img_size % patch_h or img_size % patch_w:
+        raise ValueError(f'{img_size} px is not a multiple of the patch size {patch_h}x{patch_w}')
 
 
 def size_scaled_batches(batch_size: int, img_size: int, sizes: Sequence[int]) -> List[int]:
@@ -146,7 +235,7 @@ def train(data_dir: Path, model_name: str, epochs: int, img_size: int, batch_siz
     torchrun DDP trains a shard per rank; rank 0 alone evaluates and logs. Returns the unwrapped model, a record per
     epoch (loss, steps per size, the sha256 of the sizes drawn, rank 0's held-out top-1) and the class names."""
     torch.manual_seed(seed)  # the same initial weights on every rank
-    classes = ImageFolder(str(data_dir / 'train')).classes
+    classes = _image_folder(data_dir / 'train').classes
     kwargs = dict(model_kwargs or {}, num_classes=len(classes))
     model = load_model(model_name, pretrained=pretrained, model_kwargs=kwargs, aft_only=False)[0].to(device)
     if init_weights is not None:
@@ -172,7 +261,8 @@ def train(data_dir: Path, model_name: str, epochs: int, img_size: int, batch_siz
         net.train()
         loader.batch_sampler.set_epoch(epoch)  # the epoch's size order and, under DDP, its shard
         losses, step_sizes = [], []
-        bar = tqdm(loader, desc=f'epoch {epoch + 1}/{epochs}', unit='batch', leave=False, disable=rank != 0)
+        bar = tqdm(loader, desc=f'epoch {epoch + 1}/{epochs}', unit='batch', leave=False,
+                   disable=None if rank == 0 else True)  # None: on a terminal only
         for step, (images, labels) in enumerate(bar):
             step_sizes.append(images.shape[-1])
             loss = criterion(forward_at_size(net, images.to(device)), labels.to(device))

@@ -2,7 +2,6 @@
 (``position_bias_maps``, ``position_bias_for_query``, ``key_maps``), drawn by ``plot_*`` with matplotlib (the ``demo``
 extra) into a PNG written atomically; ``show_bias`` / ``show_keys`` are ``aft-vision show-bias`` / ``show-keys``."""
 import contextlib
-import os
 import time
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
@@ -11,11 +10,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..hub import load_model as hub_load_model, warn_random_weights
+from ..checkpoints.files import atomic_file
+from ..hub import load_model, warn_random_weights
+from ..images import read_image
 from ..layers import AFTConv2d, AFTFull, AFTSimple
 
 __all__ = ['position_bias_maps', 'position_bias_for_query', 'key_maps', 'plot_position_bias', 'plot_key_maps',
-           'load_model', 'load_image', 'show_bias', 'show_keys']
+           'load_image', 'show_bias', 'show_keys']
 
 PathLike = Union[str, Path]
 MIXERS = (AFTConv2d, AFTFull, AFTSimple)
@@ -124,23 +125,14 @@ def _grid_of(model: nn.Module, image_size: Sequence[int], num_tokens: int) -> Tu
     return int(grid[0]), int(grid[1])
 
 
-def load_model(name: str, checkpoint: Optional[PathLike] = None, pretrained: bool = False, use_ema: bool = True,
-               **model_kwargs) -> nn.Module:
-    """``hub.load_model``'s model alone: kept for callers of 0.1.0 (docs and commands call ``hub.load_model``)."""
-    return hub_load_model(name, None if checkpoint is None else str(checkpoint), pretrained, use_ema, model_kwargs)[0]
-
-
 def load_image(path: PathLike, model: nn.Module, img_size: Optional[int] = None) -> Tuple[torch.Tensor, np.ndarray]:
-    """An image through timm's eval transform for ``model`` (at ``img_size`` if given): the input (1, C, H, W) and
-    the crop the model sees, (H, W, 3) RGB in [0, 1]."""
-    from PIL import Image
+    """An image (``images.read_image``) through timm's eval transform for ``model`` (at ``img_size`` if given): the
+    input (1, C, H, W) and the crop the model sees, (H, W, 3) RGB in [0, 1]."""
     from timm.data import create_transform, resolve_data_config
 
     args = {} if img_size is None else {'input_size': (3, img_size, img_size)}
     config = resolve_data_config(args, model=model)
-    transform = create_transform(**config)
-    with Image.open(path) as img:
-        tensor = transform(img.convert('RGB')).unsqueeze(0)  # (1, 3, H, W)
+    tensor = create_transform(**config)(read_image(path)).unsqueeze(0)  # (1, 3, H, W)
     mean, std = (torch.tensor(config[key]).view(3, 1, 1) for key in ('mean', 'std'))
     shown = (tensor[0] * std + mean).clamp(0, 1).permute(1, 2, 0).numpy()  # (H, W, 3)
     return tensor, shown
@@ -169,15 +161,8 @@ def _check_out(path: PathLike, force: bool) -> Path:
 
 
 def _save(fig, path: Path, force: bool, dpi: int) -> None:
-    """Write ``fig`` as PNG through a temporary sibling renamed into place (no partial file)."""
-    _check_out(path, force)  # again: the file may have appeared while the figure was drawn
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f'.{path.name}.{os.getpid()}.tmp')  # created with the umask's permissions, unlike mkstemp
-    try:
+    with atomic_file(path, force) as temp:  # refused again if the file appeared while the figure was drawn
         fig.savefig(temp, dpi=dpi, format='png')
-        os.replace(temp, path)
-    finally:
-        temp.unlink(missing_ok=True)
 
 
 def _draw_grid(fig, maps: np.ndarray, cmap: str, norm_of_row: Callable, col_label: str,
@@ -296,7 +281,7 @@ def _load(out: PathLike, force: bool, model: str, checkpoint: Optional[PathLike]
     _check_out(out, force)
     if image is not None and not Path(image).is_file():
         raise FileNotFoundError(f'image not found: {image}')
-    return hub_load_model(model, None if checkpoint is None else str(checkpoint), pretrained, use_ema, model_kwargs)
+    return load_model(model, None if checkpoint is None else str(checkpoint), pretrained, use_ema, model_kwargs)
 
 
 def show_bias(model: str, out: PathLike, checkpoint: Optional[PathLike] = None, pretrained: bool = False,

@@ -1,0 +1,54 @@
+"""The one image reader of every command and job (``read_image``): a file as its viewer shows it, as 8-bit RGB.
+
+PIL's ``convert('RGB')`` alone ignores EXIF orientation, clips 16- and 32-bit pixels at 255 and warns, then raises,
+for a decompression bomb. Here EXIF orientation is applied (``ImageOps.exif_transpose``), an animation gives
+its first frame, alpha is dropped as timm's and torchvision's loaders drop it, and wide pixels keep their full scale.
+"""
+import os
+import warnings
+from typing import Union
+
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+__all__ = ['read_image']
+
+# A 32-bit file does not say which scale its values use: the first of these that holds its brightest pixel.
+FULL_SCALES = {'F': (1.0, 255.0, 65535.0), 'I': (255.0, 65535.0, 2.0 ** 31 - 1)}
+
+
+def _wide_to_rgb(image: Image.Image, path) -> Image.Image:
+    """I;16*, I or F pixels over their full scale (16 bits: 65535; 32 bits: ``FULL_SCALES``), as 8-bit RGB."""
+    pixels = np.asarray(image, dtype=np.float64)  # (H, W)
+    if not np.isfinite(pixels).all() or pixels.min(initial=0) < 0:
+        raise ValueError(f'{path}: pixel values outside [0, inf) (from {pixels.min()} to {pixels.max()})')
+    scales = (65535.0,) if image.mode.startswith('I;16') else FULL_SCALES[image.mode]
+    scale = next((s for s in scales if pixels.max(initial=0) <= s), scales[-1])
+    return Image.fromarray(np.rint(pixels * (255 / scale)).astype(np.uint8)).convert('RGB')
+
+
+def read_image(path: Union[str, os.PathLike]) -> Image.Image:
+    """The image of ``path`` upright (EXIF orientation), its first frame, as RGB from every PIL mode by its full
+    range (1, L, P, LA, RGBA, CMYK, I;16, I, F, ...). ValueError in one line starting with the file's name for what is
+    not an image, is damaged, or is over PIL's decompression-bomb limit; FileNotFoundError if missing."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore', Image.DecompressionBombWarning)  # up to PIL's limit: read, no warning
+            with Image.open(path) as image:
+                image = ImageOps.exif_transpose(image)  # a loaded copy, upright
+                if image.mode in ('I', 'F') or image.mode.startswith('I;16'):
+                    return _wide_to_rgb(image, path)
+                transparent = image.mode == 'P' and 'transparency' in image.info  # PIL warns unless through RGBA
+                return (image.convert('RGBA') if transparent else image).convert('RGB')
+    except FileNotFoundError:
+        raise FileNotFoundError(f'{path}: no such file') from None
+    except Image.DecompressionBombError as error:
+        size = str(error).split(',')[0]  # 'Image size (N pixels) exceeds limit of M pixels'
+        raise ValueError(f'{path}: refused, a possible decompression bomb: {size} (PIL.Image.MAX_IMAGE_PIXELS)') \
+            from None
+    except UnidentifiedImageError:
+        raise ValueError(f'{path}: not an image (no format PIL reads)') from None
+    except (OSError, ValueError, SyntaxError, TypeError, KeyError, IndexError, EOFError) as error:
+        # truncated, unreadable EXIF, a mode with no RGB conversion, out-of-range pixels
+        detail = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise ValueError(detail if detail.startswith(f'{path}:') else f'{path}: cannot be read ({detail})') from None
