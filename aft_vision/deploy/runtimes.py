@@ -35,14 +35,16 @@ def export_onnx(model: torch.nn.Module, example: torch.Tensor, path: os.PathLike
                           output_names=['logits'], dynamic_axes={'x': axes, 'logits': {0: 'batch'}})
 
 
-def convert_openvino(model: torch.nn.Module, example: torch.Tensor):
-    """``openvino.convert_model`` with AFT-conv recorded channel-first: an ``openvino.Model``."""
+def convert_openvino(model: torch.nn.Module, example: torch.Tensor, dynamic_size: bool = True):
+    """``openvino.convert_model`` with AFT-conv recorded channel-first: an ``openvino.Model`` (a dynamic batch; height
+    and width: ``dynamic_size``, else ``example``'s)."""
     import openvino as ov
 
     model.eval()
+    shape = {} if dynamic_size else {'input': [ov.PartialShape([-1, *example.shape[1:]])]}
     with warnings.catch_warnings(), torch.no_grad(), export_layout(model, 'NCHW'):
         warnings.simplefilter('ignore')
-        return ov.convert_model(model, example_input=example)
+        return ov.convert_model(model, example_input=example, **shape)
 
 
 def _graph(path: os.PathLike):
@@ -114,8 +116,14 @@ def openvino_runner(ov_model, precision: str = 'fp32', threads: Optional[int] = 
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     config = {'INFERENCE_PRECISION_HINT': 'bf16' if precision == 'bf16' else 'f32',
               'INFERENCE_NUM_THREADS': threads or torch.get_num_threads()}
-    request = ov.Core().compile_model(ov_model, 'CPU', config).create_infer_request()
-    return lambda images: request.infer({0: np.ascontiguousarray(images, dtype=np.float32)})[0].copy()
+    compiled = ov.Core().compile_model(ov_model, 'CPU', config)
+    request, shape = compiled.create_infer_request(), compiled.inputs[0].get_partial_shape()
+
+    def run(images: np.ndarray) -> np.ndarray:
+        if not shape.compatible(ov.PartialShape(list(images.shape))):  # OpenVINO would answer for the last input
+            raise ValueError(f'the model takes images of shape {shape} (? any), got {list(images.shape)}')
+        return request.infer({0: np.ascontiguousarray(images, dtype=np.float32)})[0].copy()
+    return run
 
 
 def load_runner(path: os.PathLike, precision: str = 'fp32', threads: Optional[int] = None) -> Runner:
