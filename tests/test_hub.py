@@ -196,7 +196,7 @@ def test_failed_upload_says_what_failed_and_leaves_nothing(tmp_path, monkeypatch
 
     monkeypatch.setattr(huggingface_hub.HfApi, 'create_repo', refuse)
     with pytest.raises(RuntimeError, match='creating Hub repository me/x failed: ConnectionError') as error:
-        publish(str(checkpoint), 'aft_conv_test', 'me/x', data_config={'input_size': 64})
+        publish(str(checkpoint), 'aft_conv_test', 'me/x', data_config={'input_size': 64}, upload=True)
     assert 'hf_secret' not in str(error.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ['w.safetensors']
 

@@ -13,12 +13,13 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 from huggingface_hub import ModelCard
+from huggingface_hub.utils import validate_repo_id
 from timm.models import parse_model_name, save_for_hf
 from timm.models._hub import generate_readme  # push_to_hf_hub's card writer
 
 from ..checkpoints.files import atomic_dir, sha256sum
 from ..version import __version__
-from .loading import load_model
+from .loading import check_runs_at_data_config, load_model
 from .records import (CROP_MODES, DATA_CONFIG_KEYS, INTERPOLATIONS, TrainingRecord, _read_json_object,
                       read_training_record, resolve_publish_data_config, source_architecture)
 
@@ -77,7 +78,7 @@ def _model_card(model: torch.nn.Module, model_name: str, repo_id: str, cfg: Dict
                          f'std {tuple(cfg.get("std", ()))}',
         'Preprocessing from': data_config_source or 'the publisher',
         'Paper': '[An Attention Free Transformer](https://arxiv.org/abs/2105.14103)',
-        'Dataset': ', '.join(datasets) or None, 'Initialised from': base_model,
+        'Trained on': ', '.join(datasets) or None, 'Initialised from': base_model,
         'Training': training or 'No training details were provided by the publisher.'}
     metrics = {name: value for name, value in (results or {}).items()
                if isinstance(value, (int, float)) and not isinstance(value, bool) and name not in _RUN_SETTINGS}
@@ -97,34 +98,61 @@ def _model_card(model: torch.nn.Module, model_name: str, repo_id: str, cfg: Dict
 
 def build_hub_folder(model: torch.nn.Module, folder: Path, model_name: str, repo_id: str,
                      label_names: Optional[List[str]] = None, data_config: Optional[Dict[str, Any]] = None,
-                     **card) -> None:
+                     run: Optional[Dict[str, Any]] = None, **card) -> None:
     """Write ``config.json``, ``model.safetensors`` and ``README.md`` for ``model`` into ``folder``; ``data_config``
-    (``DATA_CONFIG_KEYS``) None publishes the architecture's default config; ``card``: ``_model_card``'s."""
-    if label_names is not None and len(label_names) != model.num_classes:
-        raise ValueError(f'{len(label_names)} label names given for a model with {model.num_classes} classes')
-    model_config = {'label_names': list(label_names)} if label_names else None
-    save_for_hf(model, str(folder), model_config=model_config, safe_serialization=True, data_config=data_config)
+    (``DATA_CONFIG_KEYS``) None publishes the architecture's default config; ``run``: the pretrained_cfg entries
+    that name the run (``tag``, ``notes``); ``card``: ``_model_card``'s."""
+    if label_names is not None and (len(label_names) != model.num_classes
+                                    or not all(isinstance(name, str) for name in label_names)):
+        raise ValueError(f'--labels: {model.num_classes} names (strings, one per class) are needed, got '
+                         f'{len(label_names)}: {str(label_names)[:60]}')
+    model_config = {'label_names': list(label_names)} if label_names else {}
+    save_for_hf(model, str(folder), model_config={**model_config, 'pretrained_cfg': dict(run or {})},
+                safe_serialization=True, data_config=data_config)
     config = _strip_client_args(model, folder / 'config.json')
     text = _model_card(model, model_name, repo_id, config['pretrained_cfg'], **card)
     (folder / 'README.md').write_text(text, encoding='utf-8')
+
+
+def _check_text(option: str, values: Sequence[str], lines: bool = False) -> None:
+    """ValueError naming ``option`` for user text the card cannot hold as data: control characters (newlines too,
+    unless ``lines``)."""
+    for value in values:
+        if not isinstance(value, str) or any(ord(c) < 32 and not (lines and c == '\n') or ord(c) == 127 for c in value):
+            raise ValueError(f'{option} {value!r}: control characters{"" if lines else " or line breaks"} cannot go '
+                             'into the model card')
 
 
 def publish(checkpoint: str, model_name: Optional[str], repo_id: str, out_dir: Optional[str] = None,
             dry_run: bool = False, force: bool = False, label_names: Optional[List[str]] = None,
             results_file: Optional[str] = None, datasets: Sequence[str] = (), base_model: Optional[str] = None,
             training: Optional[str] = None, private: bool = False, model_kwargs: Optional[Dict] = None,
-            data_config: Optional[Dict[str, Any]] = None, use_ema: bool = True) -> Dict[str, str]:
-    """Publish ``checkpoint`` into ``out_dir`` (``dry_run``; FileExistsError unless ``force``) or to the Hub
-    (RuntimeError naming the failed step), as ``model_name`` (None: the run record's; or a published folder's) with
-    ``model_kwargs`` and ``data_config`` over the run record's (neither: the default config, with a UserWarning).
+            data_config: Optional[Dict[str, Any]] = None, use_ema: bool = True, upload: bool = False
+            ) -> Dict[str, Optional[str]]:
+    """Publish ``checkpoint`` as ``model_name`` (None: the run record's; or a published folder's) with ``model_kwargs``
+    and ``data_config`` over the run record's (neither: the default config, with a UserWarning): a folder in
+    ``out_dir`` (FileExistsError unless ``force``; never the folder it reads) and, only with ``upload`` (not with
+    ``dry_run``), the Hub (RuntimeError naming the failed step; ``out_dir`` then written only if it succeeds).
 
     Returns:
-        ``{'folder' or 'url', 'sha256' (of model.safetensors), 'data_config_source', 'weights'}``.
+        ``{'folder', 'url' (None where not written), 'sha256' (of model.safetensors), 'data_config_source',
+        'weights'}``.
     """
-    if repo_id.count('/') != 1 or not all(repo_id.split('/')):
-        raise ValueError(f"repo id must look like 'org/name', got {repo_id!r}")
-    if dry_run and not out_dir:
-        raise ValueError('a dry run needs an output folder (--out-dir)')
+    try:
+        validate_repo_id(repo_id)
+    except ValueError as error:
+        raise ValueError(f'--repo-id {repo_id!r}: {str(error).splitlines()[0]}') from None
+    if repo_id.count('/') != 1:
+        raise ValueError(f"--repo-id must look like 'org/name', got {repo_id!r}")
+    if (upload and dry_run) or not (upload or out_dir):
+        raise ValueError('say where to publish: --out-dir for a folder, --upload for the Hub (not with --dry-run)')
+    _check_text('--dataset', datasets)
+    _check_text('--base-model', [base_model] if base_model else [])
+    _check_text('--training', [training] if training else [], lines=True)
+    read_from = {Path(checkpoint).resolve().parent} | {Path(parse_model_name(name)[1]).resolve() for name in (
+        model_name or '',) if parse_model_name(name)[0] == 'local-dir'}
+    if out_dir and Path(out_dir).resolve() in read_from:
+        raise ValueError(f'--out-dir {out_dir} is the folder the weights or model are read from: publish into another')
     results = _read_json_object(Path(results_file)) if results_file else None
     record = read_training_record(checkpoint, results_file)
     kwargs = {**(record.model_kwargs if record else {}), **(model_kwargs or {})}
@@ -138,15 +166,21 @@ def publish(checkpoint: str, model_name: Optional[str], repo_id: str, out_dir: O
     if data_config is None:
         warnings.warn(f'publishing {checkpoint} with {source}; give the run record or --input-size / --crop-pct',
                       UserWarning, stacklevel=2)
-    staged = atomic_dir(out_dir, force=force) if dry_run else tempfile.TemporaryDirectory(prefix='aft-publish-')
+    model.pretrained_cfg = {**model.pretrained_cfg, **(data_config or {})}
+    check_runs_at_data_config(model, 'the data config to publish')
+    label_names = label_names or (record.label_names if record else None)
+    notes = [f'Trained weights ({Path(checkpoint).name}), published by aft_vision {__version__}',
+             *(record.notes if record else ['no record of how they were trained']), *([training] if training else []),
+             f'preprocessing from {source}']
+    run = {'tag': repo_id.split('/')[1], 'notes': notes}
+    staged = atomic_dir(out_dir, force=force) if out_dir else tempfile.TemporaryDirectory(prefix='aft-publish-')
     with staged as staging:
-        build_hub_folder(model, Path(staging), model_name, repo_id, label_names, data_config, results=results,
+        build_hub_folder(model, Path(staging), model_name, repo_id, label_names, data_config, run, results=results,
                          datasets=datasets, base_model=base_model, training=training, data_config_source=source)
         digest = sha256sum(Path(staging) / 'model.safetensors')
-        if dry_run:
-            return {'folder': str(out_dir), 'sha256': digest, 'data_config_source': source, 'weights': weights}
-        url = _upload(Path(staging), repo_id, private)
-    return {'url': url, 'sha256': digest, 'data_config_source': source, 'weights': weights}
+        url = _upload(Path(staging), repo_id, private) if upload else None
+    return {'folder': out_dir and str(out_dir), 'url': url, 'sha256': digest, 'data_config_source': source,
+            'weights': weights}
 
 
 def _upload(folder: Path, repo_id: str, private: bool) -> str:
