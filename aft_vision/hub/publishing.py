@@ -140,19 +140,21 @@ def publish(checkpoint: str, model_name: Optional[str], repo_id: str, out_dir: O
     """
     try:
         validate_repo_id(repo_id)
-    except ValueError as error:
-        raise ValueError(f'--repo-id {repo_id!r}: {str(error).splitlines()[0]}') from None
-    if repo_id.count('/') != 1:
-        raise ValueError(f"--repo-id must look like 'org/name', got {repo_id!r}")
+        ok = repo_id.count('/') == 1
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"--repo-id must look like 'org/name' (letters, digits, '-', '_', '.'), got {repo_id!r}")
     if (upload and dry_run) or not (upload or out_dir):
         raise ValueError('say where to publish: --out-dir for a folder, --upload for the Hub (not with --dry-run)')
     _check_text('--dataset', datasets)
     _check_text('--base-model', [base_model] if base_model else [])
     _check_text('--training', [training] if training else [], lines=True)
-    read_from = {Path(checkpoint).resolve().parent} | {Path(parse_model_name(name)[1]).resolve() for name in (
-        model_name or '',) if parse_model_name(name)[0] == 'local-dir'}
-    if out_dir and Path(out_dir).resolve() in read_from:
-        raise ValueError(f'--out-dir {out_dir} is the folder the weights or model are read from: publish into another')
+    source, model_id = parse_model_name(model_name or '')
+    sources = [Path(checkpoint).parent] + ([Path(model_id)] if source == 'local-dir' else [])
+    if out_dir and any((folder / 'config.json').is_file() and folder.resolve() == Path(out_dir).resolve()
+                       for folder in sources):
+        raise ValueError(f'--out-dir {out_dir} is the published folder read here: publish into another folder')
     results = _read_json_object(Path(results_file)) if results_file else None
     record = read_training_record(checkpoint, results_file)
     kwargs = {**(record.model_kwargs if record else {}), **(model_kwargs or {})}
@@ -169,9 +171,8 @@ def publish(checkpoint: str, model_name: Optional[str], repo_id: str, out_dir: O
     model.pretrained_cfg = {**model.pretrained_cfg, **(data_config or {})}
     check_runs_at_data_config(model, 'the data config to publish')
     label_names = label_names or (record.label_names if record else None)
-    notes = [f'Trained weights ({Path(checkpoint).name}), published by aft_vision {__version__}',
-             *(record.notes if record else ['no record of how they were trained']), *([training] if training else []),
-             f'preprocessing from {source}']
+    notes = [*(record.notes if record else [f'{Path(checkpoint).name}: no record of how it was trained']),
+             *([training] if training else []), f'preprocessing from {source}']
     run = {'tag': repo_id.split('/')[1], 'notes': notes}
     staged = atomic_dir(out_dir, force=force) if out_dir else tempfile.TemporaryDirectory(prefix='aft-publish-')
     with staged as staging:

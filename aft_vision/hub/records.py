@@ -51,7 +51,7 @@ def read_hub_config(name: str) -> Dict[str, Any]:
     """A ``local-dir:`` folder's or ``hf-hub:`` repository's config.json in timm's layout, checked: ``architecture``
     registered, ``model_args`` that build it, ``num_classes`` and ``label_names`` that agree, the data config
     (``DATA_CONFIG_KEYS``) in range. ``{'path', 'architecture', 'model_args', 'num_classes', 'label_names',
-    'data_config'}``; ValueError naming the file and the field."""
+    'data_config', 'notes'}``; ValueError naming the file and the field."""
     path = _config_file(name)
     try:
         config = json.loads(path.read_text(encoding='utf-8'))
@@ -87,8 +87,9 @@ def read_hub_config(name: str) -> Dict[str, Any]:
             f'model_args {model_args}')
         raise ValueError(f'{path}: {field}: {str(error).splitlines()[0] if str(error) else type(error).__name__}'
                          ) from None
+    notes = [note for note in cfg.get('notes') or [] if isinstance(note, str)]
     return {'path': path, 'architecture': architecture, 'model_args': model_args, 'num_classes': num_classes,
-            'label_names': names, 'data_config': data_config}
+            'label_names': names, 'data_config': data_config, 'notes': notes}
 
 
 @dataclass
@@ -142,8 +143,9 @@ def read_training_record(checkpoint: str, results_file: Optional[str] = None) ->
             return record
     if (folder / 'config.json').is_file():  # a published folder: what it was published with
         config = read_hub_config(f'local-dir:{folder}')
+        notes = [note for note in config['notes'] if not note.startswith(('preprocessing from', 'No weights'))]
         return TrainingRecord('config.json (the published folder)', config['data_config'], f'local-dir:{folder}',
-                              config['model_args'], label_names=config['label_names'])
+                              config['model_args'], label_names=config['label_names'], notes=notes)
     args_file, args = folder / 'args.yaml', None
     if args_file.is_file():
         import yaml  # a timm dependency; train.py writes args.yaml with yaml.safe_dump(vars(args))
