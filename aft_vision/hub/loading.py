@@ -82,14 +82,18 @@ def check_aft_model(name: str) -> None:
 
 def check_model_kwargs(name: str, model_kwargs: Dict[str, Any], defaults: Optional[Dict[str, Any]] = None) -> None:
     """ValueError in one line unless ``name`` builds with ``model_kwargs`` (over ``defaults``), on the meta device."""
-    if not model_kwargs:
-        return
-    try:
+    if model_kwargs:
         with torch.device('meta'):
-            timm.create_model(name.split('.')[0] if ':' not in name else name, **{**(defaults or {}), **model_kwargs})
+            _build(name.split('.')[0] if ':' not in name else name, {**(defaults or {}), **model_kwargs}, model_kwargs)
+
+
+def _build(name: str, kwargs: Dict[str, Any], given: Dict[str, Any], where: str = '') -> torch.nn.Module:
+    # timm.create_model, a failure in one line naming the arguments ``given`` (and ``where`` they came from)
+    try:
+        return timm.create_model(name, **kwargs)
     except _BUILD_ERRORS as error:
-        given = ' '.join(f'{key}={value}' for key, value in model_kwargs.items())
-        raise ValueError(f'{name} cannot be built with {given} ({type(error).__name__}: {_first_line(error)})'
+        given = ' '.join(f'{key}={value!r}' for key, value in given.items())
+        raise ValueError(f'{where}{name} cannot be built with {given} ({type(error).__name__}: {_first_line(error)})'
                          ) from None
 
 
@@ -206,7 +210,6 @@ def _from_checkpoint(name: str, checkpoint: str, use_ema: bool, model_kwargs: Di
     config = read_hub_config(name) if ':' in name else None  # a published folder or Hub repo: its config.json
     if config:
         architecture, kwargs = config['architecture'], {**config['model_args'], **kwargs}
-    check_model_kwargs(architecture, kwargs)
     state_dict, weights = select_weights(load_weights(checkpoint), use_ema)
     if 'head.weight' in state_dict and 'num_classes' not in kwargs:
         kwargs['num_classes'] = state_dict['head.weight'].shape[0]
@@ -214,7 +217,7 @@ def _from_checkpoint(name: str, checkpoint: str, use_ema: bool, model_kwargs: Di
     if config and kwargs.get('num_classes', config['num_classes']) != config['num_classes']:
         raise ValueError(f'{config["path"]}: num_classes {config["num_classes"]} but the weights in {checkpoint} hold '
                          f'{kwargs["num_classes"]} classes')
-    model = timm.create_model(name if config else architecture, **kwargs)
+    model = _build(name if config else architecture, kwargs, kwargs, f'{where}: ' if config else '')
     _check_fits(state_dict, model.state_dict(), f'{where} do not rebuild the weights in {checkpoint}' if config else
                 f'{checkpoint} does not fit {architecture}')
     model.load_state_dict(state_dict)

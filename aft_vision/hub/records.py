@@ -49,9 +49,9 @@ def _config_file(name: str) -> Path:
 
 def read_hub_config(name: str) -> Dict[str, Any]:
     """A ``local-dir:`` folder's or ``hf-hub:`` repository's config.json in timm's layout, checked: ``architecture``
-    registered, ``model_args`` that build it, ``num_classes`` and ``label_names`` that agree, the data config
-    (``DATA_CONFIG_KEYS``) in range. ``{'path', 'architecture', 'model_args', 'num_classes', 'label_names',
-    'data_config', 'notes'}``; ValueError naming the file and the field."""
+    registered, ``model_args`` an object (``hub.load_model`` builds with them), ``num_classes`` and ``label_names``
+    that agree, the data config (``DATA_CONFIG_KEYS``) present and in range. ``{'path', 'architecture',
+    'model_args', 'num_classes', 'label_names', 'data_config', 'notes'}``; ValueError naming the file and the field."""
     path = _config_file(name)
     try:
         config = json.loads(path.read_text(encoding='utf-8'))
@@ -60,17 +60,21 @@ def read_hub_config(name: str) -> Dict[str, Any]:
     if not isinstance(config, dict):
         raise ValueError(f'{path}: must hold a JSON object (timm\'s config.json), got a {type(config).__name__}')
     cfg = config.get('pretrained_cfg', config)  # timm also reads the older single-object layout
-    architecture, model_args = config.get('architecture'), config.get('model_args') or {}
-    num_classes, labels = config.get('num_classes', cfg.get('num_classes')), config.get('label_names', cfg.get(
-        'label_names', cfg.get('labels')))
+    architecture, model_args = config.get('architecture'), config.get('model_args', {})
     if not isinstance(architecture, str) or not timm.is_model(architecture):
         raise ValueError(f'{path}: "architecture" must name a registered model, got {architecture!r}')
-    if not isinstance(cfg, dict) or not isinstance(model_args, dict):
-        raise ValueError(f'{path}: "pretrained_cfg" and "model_args" must be JSON objects')
+    for key, value in (('pretrained_cfg', cfg), ('model_args', model_args)):
+        if not isinstance(value, dict):
+            raise ValueError(f'{path}: "{key}" must be a JSON object, got {type(value).__name__}')
+    num_classes = config.get('num_classes', cfg.get('num_classes'))
     if not isinstance(num_classes, int) or isinstance(num_classes, bool) or num_classes < 0 or cfg.get(
             'num_classes', num_classes) != num_classes:
         raise ValueError(f'{path}: "num_classes" must be a whole number >= 0 that pretrained_cfg agrees with, got '
                          f'{num_classes!r} and {cfg.get("num_classes")!r}')
+    missing = [key for key in DATA_CONFIG_KEYS if cfg.get(key) is None and key not in ('test_input_size', 'crop_mode')]
+    if missing:  # the model would be fed as the architecture's defaults say, not as its weights were evaluated
+        raise ValueError(f'{path}: "pretrained_cfg" lacks {", ".join(missing)} (how to feed the model; timm writes it)')
+    labels = config.get('label_names', cfg.get('label_names', cfg.get('labels')))
     names = list(labels.values()) if isinstance(labels, dict) else labels
     if labels is not None and not (isinstance(names, list) and len(names) == num_classes
                                    and all(isinstance(label, str) for label in names)):
@@ -78,16 +82,12 @@ def read_hub_config(name: str) -> Dict[str, Any]:
                          f'{type(labels).__name__} of {len(labels) if isinstance(labels, (list, dict)) else 1}')
     model_args = {key: value for key, value in model_args.items() if key != 'num_classes'}  # older folders kept it
     try:
-        with torch.device('meta'):
-            timm.create_model(architecture, **model_args)
         data_config = _check_data_config({k: cfg[k] for k in DATA_CONFIG_KEYS if k in cfg},
                                          model_args.get('in_chans', 3))
-    except Exception as error:  # whatever a constructor raises for arguments it cannot take
-        field = 'pretrained_cfg' if isinstance(error, ValueError) and str(error).startswith(DATA_CONFIG_KEYS) else (
-            f'model_args {model_args}')
-        raise ValueError(f'{path}: {field}: {str(error).splitlines()[0] if str(error) else type(error).__name__}'
-                         ) from None
-    notes = [note for note in cfg.get('notes') or [] if isinstance(note, str)]
+    except ValueError as error:
+        raise ValueError(f'{path}: "pretrained_cfg": {error}') from None
+    notes = cfg.get('notes') if isinstance(cfg.get('notes'), list) else []
+    notes = [note for note in notes if isinstance(note, str)]
     return {'path': path, 'architecture': architecture, 'model_args': model_args, 'num_classes': num_classes,
             'label_names': names, 'data_config': data_config, 'notes': notes}
 
@@ -198,10 +198,11 @@ def _check_data_config(config: Dict[str, Any], in_chans: int) -> Dict[str, Any]:
             raise ValueError(f'interpolation must be one of {INTERPOLATIONS}, got {value!r}')
         elif key in ('mean', 'std'):
             values = [value] if isinstance(value, (int, float)) else list(value)
-            if len(values) not in (1, in_chans) or not all(isinstance(v, (int, float)) for v in values):
-                raise ValueError(f'{key} must be 1 or {in_chans} numbers, got {value!r}')
-            if key == 'std' and not all(v > 0 for v in values):
-                raise ValueError(f'std must be positive, got {value!r}')
+            numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+            if len(values) not in (1, in_chans) or not numbers or not all(
+                    v > 0 if key == 'std' else 0 <= v <= 1 for v in values):
+                raise ValueError(f'{key} must be 1 or {in_chans} numbers, '
+                                 f'{"positive" if key == "std" else "in [0, 1]"}, got {value!r}')
             value = tuple(float(v) for v in values) * (in_chans if len(values) == 1 else 1)
         checked[key] = value
     small, large = checked.get('input_size'), checked.get('test_input_size')
