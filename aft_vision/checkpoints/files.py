@@ -62,7 +62,7 @@ def _refusal(path: Path, error: BaseException) -> str:
                 'only safetensors or weights-only PyTorch files are read')
     detail = (text.split('WeightsUnpickler error:')[-1].split('Check the documentation')[0].strip().splitlines()
               or [type(error).__name__])[0]
-    if objects is not None and 'WeightsUnpickler error' in text:  # a whole pickle, of a kind torch does not read
+    if objects is not None:  # a whole pickle, of a kind torch's weights-only loader does not read
         return f'{path} is not a weights-only PyTorch file ({detail}); save a state dict of tensors with torch.save'
     return f'{path} is truncated or corrupted and cannot be read as a PyTorch file ({detail})'
 

@@ -6,7 +6,6 @@ and the patch embedding and keeps AFT's window convolution in float (docs/deploy
 has no INT8 or OpenVINO path.
 """
 import os
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence
@@ -17,7 +16,7 @@ import torch
 from ..models import export_layout
 
 __all__ = ['FORMATS', 'PRECISIONS', 'export_onnx', 'convert_openvino', 'quantize_onnx', 'quantize_openvino',
-           'float_convolutions', 'load_runner', 'onnx_runner', 'openvino_runner', 'temporary_onnx']
+           'float_convolutions', 'load_runner', 'onnx_runner', 'openvino_runner']
 
 FORMATS = ('onnx', 'openvino')
 # what a runner computes in: OpenVINO's inference precision hint, or INT8 (a quantized model, float parts in float32)
@@ -136,11 +135,3 @@ def load_runner(path: os.PathLike, precision: str = 'fp32', threads: Optional[in
 
         return openvino_runner(ov.Core().read_model(str(path)), precision, threads)
     raise ValueError(f'{path}: not an ONNX file (.onnx) or an OpenVINO IR (.xml)')
-
-
-def temporary_onnx(model: torch.nn.Module, example: torch.Tensor, dynamic_size: bool = True) -> str:
-    """``export_onnx`` into a new temporary folder (the caller removes it); the file's path."""
-    folder = tempfile.mkdtemp(prefix='aft-onnx-')
-    path = os.path.join(folder, 'model.onnx')
-    export_onnx(model, example, path, dynamic_size)
-    return path

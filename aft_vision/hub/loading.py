@@ -122,12 +122,8 @@ def check_source(name: str) -> None:
     if source == 'hf-hub':
         _check_hub(model_id)
     elif source == 'local-dir':
-        folder = Path(model_id)
         source_architecture(name)  # config.json there and readable
-        weights = next((folder / file for file in WEIGHT_FILES if (folder / file).is_file()), None)
-        if weights is None:
-            raise ValueError(f'{name}: no weights in {folder} (one of {", ".join(WEIGHT_FILES)})')
-        load_weights(weights)  # damaged, empty or hostile: one line naming the file
+        load_weights(_source_weights(name))  # there; damaged, empty or hostile: one line naming the file
 
 
 def _check_fits(state_dict: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor], what: str) -> None:
@@ -178,7 +174,7 @@ def _source_weights(name: str) -> str:
             except (EntryNotFoundError, LocalEntryNotFoundError):
                 found = None
     if found is None:
-        raise ValueError(f'{name}: no weights there (one of {", ".join(WEIGHT_FILES)})')
+        raise ValueError(f'{name}: no weights in {model_id} (one of {", ".join(WEIGHT_FILES)})')
     return str(found)
 
 

@@ -20,11 +20,9 @@ from timm.models._hub import generate_readme  # push_to_hf_hub's card writer
 from ..checkpoints.files import atomic_dir, sha256sum
 from ..version import __version__
 from .loading import check_runs_at_data_config, load_model
-from .records import (CROP_MODES, DATA_CONFIG_KEYS, INTERPOLATIONS, TrainingRecord, _read_json_object,
-                      read_training_record, resolve_publish_data_config, source_architecture)
+from .records import _read_json_object, read_training_record, resolve_publish_data_config, source_architecture
 
-__all__ = ['build_hub_folder', 'publish', 'source_architecture', 'read_training_record',
-           'resolve_publish_data_config', 'TrainingRecord', 'DATA_CONFIG_KEYS', 'CROP_MODES', 'INTERPOLATIONS']
+__all__ = ['build_hub_folder', 'publish']
 
 # numeric entries of the main job's results.json that are settings of the run, not metrics for the model card
 _RUN_SETTINGS = ('epochs', 'img_size', 'eval_img_size', 'world_size', 'wall_seconds', 'seed')

@@ -53,12 +53,7 @@ def read_hub_config(name: str) -> Dict[str, Any]:
     that agree, the data config (``DATA_CONFIG_KEYS``) present and in range. ``{'path', 'architecture',
     'model_args', 'num_classes', 'label_names', 'data_config', 'notes'}``; ValueError naming the file and the field."""
     path = _config_file(name)
-    try:
-        config = json.loads(path.read_text(encoding='utf-8'))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f'{path}: not readable JSON ({error})') from None
-    if not isinstance(config, dict):
-        raise ValueError(f'{path}: must hold a JSON object (timm\'s config.json), got a {type(config).__name__}')
+    config = _read_json_object(path, 'Hub config')
     cfg = config.get('pretrained_cfg', config)  # timm also reads the older single-object layout
     architecture, model_args = config.get('architecture'), config.get('model_args', {})
     if not isinstance(architecture, str) or not timm.is_model(architecture):
@@ -104,13 +99,14 @@ class TrainingRecord:
     notes: List[str] = field(default_factory=list)  # how it was trained, for the published pretrained_cfg
 
 
-def _read_json_object(path: Path) -> Dict[str, Any]:
+def _read_json_object(path: Path, what: str = 'results file') -> Dict[str, Any]:
+    """A JSON object from ``path``; ValueError naming ``what`` and the file otherwise."""
     try:
-        value = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise ValueError(f'cannot read results file {path}: {error}') from None
+        value = json.loads(path.read_text(encoding='utf-8'))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f'{what} {path}: not readable JSON ({error})') from None
     if not isinstance(value, dict):
-        raise ValueError(f'results file {path} must hold a JSON object of metric -> value')
+        raise ValueError(f'{what} {path} must hold a JSON object, got a {type(value).__name__}')
     return value
 
 
