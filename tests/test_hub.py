@@ -209,7 +209,8 @@ def test_source_architecture_reads_a_folder_or_hub_repo_and_names_a_missing_conf
     folder.mkdir()
     (folder / 'config.json').write_text(json.dumps({  # the layout timm's save_config_for_hf writes
         'architecture': 'aft_conv_test', 'num_classes': 10, 'pretrained_cfg': {
-            'input_size': [3, 32, 32], 'crop_pct': 1.0, 'interpolation': 'bicubic', 'mean': [0.5] * 3, 'std': [0.5] * 3},
+            'input_size': [3, 32, 32], 'crop_pct': 1.0, 'interpolation': 'bicubic', 'mean': [0.5] * 3,
+            'std': [0.5] * 3},
         'model_args': {'patch_size': 4, 'num_classes': 10, 'kernel_size': 15}}))
     assert source_architecture(f'local-dir:{folder}', {'kernel_size': 3}) == (
         'aft_conv_test', {'patch_size': 4, 'kernel_size': 3})  # the class count comes from the checkpoint's head
