@@ -219,8 +219,9 @@ def _from_checkpoint(name: str, checkpoint: str, use_ema: bool, model_kwargs: Di
     model.load_state_dict(state_dict)
     check_finite(model, checkpoint)
     data_config, source = resolve_publish_data_config(model, record)  # as ``publish`` would publish it
-    model.pretrained_cfg = {**model.pretrained_cfg, **(data_config or {})}
-    check_runs_at_data_config(model, str(config['path']) if config else record.source if record else checkpoint)
+    if data_config:  # read from a file: one the model runs
+        model.pretrained_cfg = {**model.pretrained_cfg, **data_config}
+        check_runs_at_data_config(model, str(config['path']) if config else record.source)
     return model.eval(), f'{weights}; data config: {source}'
 
 
