@@ -157,6 +157,24 @@ def test_a_folder_without_model_args_is_refused_not_resampled(files, tmp_path, c
     _refused(code, err, 'model_args', 'config.json', 'model.safetensors')
 
 
+def test_an_hf_hub_repository_is_read_as_a_folder_is(files, offline_hub, tmp_path, intact_answer, capsys):
+    """The same checks for a repository in the (offline) Hub cache: the intact one answers as its folder does, one
+    without model_args or weights is refused naming what is missing."""
+    broken = tmp_path / 'broken'
+    shutil.copytree(files / 'good', broken)
+    config = json.loads((broken / 'config.json').read_text())
+    del config['model_args']
+    (broken / 'config.json').write_text(json.dumps(config))
+    offline_hub('me/good', files / 'good')
+    offline_hub('me/broken', broken)
+    (broken / 'model.safetensors').unlink()
+    offline_hub('me/no-weights', broken)
+    image = files / 'img.png'
+    assert _run(['predict', image, '--model', 'hf-hub:me/good'], capsys)[1] == intact_answer
+    _refused(*_run(['predict', image, '--model', 'hf-hub:me/broken'], capsys)[::2], 'model_args', 'config.json')
+    _refused(*_run(['predict', image, '--model', 'hf-hub:me/no-weights'], capsys)[::2], 'no weights')
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Weights holding NaN or infinity, by every loading path.
 # ---------------------------------------------------------------------------------------------------------------------
