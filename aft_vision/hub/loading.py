@@ -141,6 +141,7 @@ def _check_fits(state_dict: Dict[str, torch.Tensor], expected: Dict[str, torch.T
 def check_init_weights(path: str, name: str, model_kwargs: Dict[str, Any], num_classes: int) -> None:
     """ValueError unless ``--init-from`` weights fit the model: its own (every key and shape) or a ViT / DeiT's."""
     weights = unwrap_state_dict(load_weights(path))
+    check_finite(weights, path)
     with torch.device('meta'):
         model = timm.create_model(name, num_classes=num_classes, **model_kwargs)
     expected = model.state_dict()
@@ -178,9 +179,9 @@ def _source_weights(name: str) -> str:
     return str(found)
 
 
-def check_finite(model: torch.nn.Module, what: str) -> None:
-    """ValueError naming the first weight of ``model`` that holds NaN or infinity."""
-    bad = next((key for key, tensor in model.state_dict().items()
+def check_finite(state_dict: Dict[str, torch.Tensor], what: str) -> None:
+    """ValueError naming the first tensor of ``state_dict`` that holds NaN or infinity."""
+    bad = next((key for key, tensor in state_dict.items()
                 if tensor.is_floating_point() and not torch.isfinite(tensor).all()), None)
     if bad is not None:
         raise ValueError(f'{what}: weight {bad!r} holds NaN or infinite values')
@@ -217,7 +218,7 @@ def _from_checkpoint(name: str, checkpoint: str, use_ema: bool, model_kwargs: Di
     _check_fits(state_dict, model.state_dict(), f'{where} do not rebuild the weights in {checkpoint}' if config else
                 f'{checkpoint} does not fit {architecture}')
     model.load_state_dict(state_dict)
-    check_finite(model, checkpoint)
+    check_finite(state_dict, checkpoint)
     data_config, source = resolve_publish_data_config(model, record)  # as ``publish`` would publish it
     if data_config:  # read from a file: one the model runs
         model.pretrained_cfg = {**model.pretrained_cfg, **data_config}
@@ -246,5 +247,5 @@ def load_model(name: str, checkpoint: Optional[str] = None, pretrained: bool = F
     except (SafetensorError, RuntimeError, OSError, ValueError) as error:  # weights that do not fit or read
         raise ValueError(f'{name}: its weights cannot be loaded ({type(error).__name__}: '
                          f'{_first_line(error)})') from None
-    check_finite(model, name)
+    check_finite(model.state_dict(), name)
     return model.eval(), 'pretrained weights' if pretrained else RANDOM_WEIGHTS
