@@ -1,8 +1,9 @@
 """The one loader every command runs a model through (``load_model``), and the checks a command line makes before it.
 
 A registered name (with its tag), a checkpoint with the run record beside it, a ``local-dir:`` folder or an
-``hf-hub:`` repository all become the model, its weights and the preprocessing they were evaluated with. Every
-failure is one ValueError line naming the file, the model or the key.
+``hf-hub:`` repository all become the model, its weights and the preprocessing they were evaluated with: a file's
+weights loaded strictly (never resampled to fit, as timm's source loading would) and finite. Every failure is one
+ValueError line naming the file, the field, the model or the key.
 """
 import difflib
 import os

@@ -1,8 +1,9 @@
 """Publishing an AFT checkpoint in timm's Hub layout: timm's ``save_for_hf`` writes ``model.safetensors`` and
 ``config.json``, timm's ``generate_readme`` the model card, huggingface_hub uploads the folder (as timm's
 ``push_to_hf_hub`` does). Written here: the client-only ``model_args`` taken out of config.json, the preprocessing
-read from the run that made the checkpoint (``records``), a dry run into a local folder that is
-written atomically and never replaced without ``force``, and upload errors that name their step.
+and the run's notes read from the run that made the checkpoint (``records``), checked against the model, card text
+kept as data, a folder written atomically and never replaced without ``force``, an upload only when asked, and upload
+errors that name their step.
 """
 import inspect
 import json
