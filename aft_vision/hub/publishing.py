@@ -7,6 +7,7 @@ errors that name their step.
 """
 import inspect
 import json
+import re
 import tempfile
 import warnings
 from pathlib import Path
@@ -14,7 +15,6 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 from huggingface_hub import ModelCard
-from huggingface_hub.utils import validate_repo_id
 from timm.models import parse_model_name, save_for_hf
 from timm.models._hub import generate_readme  # push_to_hf_hub's card writer
 
@@ -113,13 +113,13 @@ def build_hub_folder(model: torch.nn.Module, folder: Path, model_name: str, repo
     (folder / 'README.md').write_text(text, encoding='utf-8')
 
 
-def _check_text(option: str, values: Sequence[str], lines: bool = False) -> None:
-    """ValueError naming ``option`` for user text the card cannot hold as data: control characters (newlines too,
-    unless ``lines``)."""
-    for value in values:
-        if not isinstance(value, str) or any(ord(c) < 32 and not (lines and c == '\n') or ord(c) == 127 for c in value):
-            raise ValueError(f'{option} {value!r}: control characters{"" if lines else " or line breaks"} cannot go '
-                             'into the model card')
+def _check_card_text(texts: Dict[str, Sequence[Optional[str]]]) -> None:
+    """ValueError naming the option of user text the card cannot hold as data: control characters, line breaks
+    included (but in ``--training``)."""
+    for option, values in texts.items():
+        for value in filter(None, values):
+            if any(ord(c) < 32 and not (option == '--training' and c == '\n') or ord(c) == 127 for c in value):
+                raise ValueError(f'{option} {value!r}: control characters or line breaks cannot go into the card')
 
 
 def publish(checkpoint: str, model_name: Optional[str], repo_id: str, out_dir: Optional[str] = None,
@@ -137,18 +137,11 @@ def publish(checkpoint: str, model_name: Optional[str], repo_id: str, out_dir: O
         ``{'folder', 'url' (None where not written), 'sha256' (of model.safetensors), 'data_config_source',
         'weights'}``.
     """
-    try:
-        validate_repo_id(repo_id)
-        ok = repo_id.count('/') == 1
-    except ValueError:
-        ok = False
-    if not ok:
+    if not re.fullmatch(r'[\w.-]{1,96}/[\w.-]{1,96}', repo_id, re.ASCII):  # the Hub's characters, in one line
         raise ValueError(f"--repo-id must look like 'org/name' (letters, digits, '-', '_', '.'), got {repo_id!r}")
     if (upload and dry_run) or not (upload or out_dir):
         raise ValueError('say where to publish: --out-dir for a folder, --upload for the Hub (not with --dry-run)')
-    _check_text('--dataset', datasets)
-    _check_text('--base-model', [base_model] if base_model else [])
-    _check_text('--training', [training] if training else [], lines=True)
+    _check_card_text({'--dataset': datasets, '--base-model': [base_model], '--training': [training]})
     source, model_id = parse_model_name(model_name or '')
     sources = [Path(checkpoint).parent] + ([Path(model_id)] if source == 'local-dir' else [])
     if out_dir and any((folder / 'config.json').is_file() and folder.resolve() == Path(out_dir).resolve()
