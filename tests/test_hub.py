@@ -260,6 +260,10 @@ def test_config_json_follows_timms_convention_and_round_trips(digits_job):
     assert cfg['input_size'] == [3, 32, 32] and cfg['crop_pct'] == 1.0 and cfg['crop_mode'] == 'center'
     assert 'test_input_size' not in cfg or results['top1_at_48'] >= results['top1']
     assert results['data_config']['input_size'] == [3, 32, 32]
+    # the run, not the architecture's untrained entry: its tag, the sizes it trained at, how, where its preprocessing
+    sizes = ', '.join(map(str, results['train_img_sizes']))
+    assert cfg['tag'] == 'digits-demo' and cfg['notes'][0] == f'trained by aft_vision.train at {sizes} px'
+    assert 'AdamW' in cfg['notes'][1] and 'results.json' in cfg['notes'][2] and 'untrained' not in json.dumps(cfg)
 
     pretrained_cfg, architecture, model_args = load_model_config_from_path(out / 'hub')
     assert architecture == 'aft_conv_test' and model_args == config['model_args']
