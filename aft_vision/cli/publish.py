@@ -49,11 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _read_labels(path: str) -> List[str]:
-    text = Path(path).read_text(encoding='utf-8')
     try:
+        text = Path(path).read_text(encoding='utf-8')
         labels = json.loads(text) if text.lstrip().startswith('[') else [line.strip() for line in text.splitlines()]
-    except json.JSONDecodeError as error:
-        raise ValueError(f'--labels {path}: not a JSON list ({error})') from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f'--labels {path}: not UTF-8 text or a JSON list ({error})') from None
     if not all(isinstance(label, str) for label in labels):
         raise ValueError(f'--labels {path}: class names must be strings, got {str(labels)[:60]}')
     return [label for label in labels if label]
