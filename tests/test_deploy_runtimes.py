@@ -16,7 +16,8 @@ import aft_vision  # noqa: F401  registers the models
 from aft_vision import deploy
 from aft_vision.cli import main as cli_main
 from aft_vision.models.aft_conv import AFTConvTransformer, export_layout
-from deploy_cases import OPENVINO_CASES, TEST_CASES, assert_agrees, build_case, export_sizes, quiet, random_images
+from deploy_cases import (OPENVINO_CASES, TEST_CASES, assert_agrees, build_case, export_sizes, quiet, random_images,
+                          references)
 
 # the deployment toolchains (the test extra): without them this part is skipped
 onnx = pytest.importorskip('onnx')
@@ -275,17 +276,34 @@ def test_export_and_predict_rebuild_an_aft_conv_model_for_img_size(checkpoint):
 
 @pytest.mark.parametrize('fmt,suffix', [('onnx', '.onnx'), ('openvino', '.xml')])
 def test_export_writes_a_file_its_runtime_reads_back(fmt, suffix, checkpoint, tmp_path, capsys):
+    """The written graph agrees with the model at its size and another batch, and refuses another height and width:
+    the model rebuilt for that size resamples its windows (``resize_mode='window'``), which a graph cannot follow."""
     out = tmp_path / f'model{suffix}'
     assert cli_main(['export', '--model', 'aft_conv_test', '--checkpoint', str(checkpoint), '--format', fmt,
                      '--out', str(out)]) == 0
-    assert 'largest logit error' in capsys.readouterr().out
+    assert '64x64 px only' in capsys.readouterr().out
     run = deploy.load_runner(out)
     model = build_case('aft_conv_test', 'trained')
-    for seed, size in enumerate(export_sizes(model)[1], start=5):  # another batch, and another height and width
-        got = torch.from_numpy(run(random_images(*size, seed).numpy()))
-        assert_agrees('aft_conv_test', 'trained', got, size, seed, f'{out.name} at {size}')
+    (batch, *other_size) = export_sizes(model)[1]
+    got = torch.from_numpy(run(random_images(*batch, 5).numpy()))
+    assert_agrees('aft_conv_test', 'trained', got, batch, 5, f'{out.name} at {batch}')
+    with pytest.raises(Exception, match='(?i)dimension|shape'):  # the runtime's own refusal
+        run(random_images(*other_size[0], 6).numpy())
     written = [out.name, 'model.bin'] if fmt == 'openvino' else [out.name]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(written)
+
+
+def test_export_of_a_model_that_keeps_its_windows_takes_any_size(tmp_path, capsys):
+    """With ``resize_mode='keep'`` the model takes every size with the same parameters: one graph serves them all."""
+    model = build_case('aft_conv_test', 'trained')
+    model.resize_mode = 'keep'
+    try:
+        report = deploy.export(model, tmp_path / 'keep.onnx')
+    finally:
+        model.resize_mode = 'window'
+    size = export_sizes(model)[1][1]
+    got = torch.from_numpy(deploy.load_runner(tmp_path / 'keep.onnx')(random_images(*size, 7).numpy()))
+    assert report['any_size'] and torch.allclose(got, references('aft_conv_test', 'trained', size, 7)[0], atol=1e-4)
 
 
 def test_export_int8_reports_agreement_on_held_out_images(checkpoint, tmp_path, capsys):

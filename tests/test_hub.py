@@ -196,7 +196,7 @@ def test_failed_upload_says_what_failed_and_leaves_nothing(tmp_path, monkeypatch
 
     monkeypatch.setattr(huggingface_hub.HfApi, 'create_repo', refuse)
     with pytest.raises(RuntimeError, match='creating Hub repository me/x failed: ConnectionError') as error:
-        publish(str(checkpoint), 'aft_conv_test', 'me/x', data_config={'input_size': 64})
+        publish(str(checkpoint), 'aft_conv_test', 'me/x', data_config={'input_size': 64}, upload=True)
     assert 'hf_secret' not in str(error.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ['w.safetensors']
 
@@ -208,7 +208,9 @@ def test_source_architecture_reads_a_folder_or_hub_repo_and_names_a_missing_conf
     folder = tmp_path / 'published'
     folder.mkdir()
     (folder / 'config.json').write_text(json.dumps({  # the layout timm's save_config_for_hf writes
-        'architecture': 'aft_conv_test', 'num_classes': 10, 'pretrained_cfg': {'input_size': [3, 32, 32]},
+        'architecture': 'aft_conv_test', 'num_classes': 10, 'pretrained_cfg': {
+            'input_size': [3, 32, 32], 'crop_pct': 1.0, 'interpolation': 'bicubic', 'mean': [0.5] * 3,
+            'std': [0.5] * 3},
         'model_args': {'patch_size': 4, 'num_classes': 10, 'kernel_size': 15}}))
     assert source_architecture(f'local-dir:{folder}', {'kernel_size': 3}) == (
         'aft_conv_test', {'patch_size': 4, 'kernel_size': 3})  # the class count comes from the checkpoint's head
@@ -258,6 +260,10 @@ def test_config_json_follows_timms_convention_and_round_trips(digits_job):
     assert cfg['input_size'] == [3, 32, 32] and cfg['crop_pct'] == 1.0 and cfg['crop_mode'] == 'center'
     assert 'test_input_size' not in cfg or results['top1_at_48'] >= results['top1']
     assert results['data_config']['input_size'] == [3, 32, 32]
+    # the run, not the architecture's untrained entry: its tag, the sizes it trained at, how, where its preprocessing
+    sizes = ', '.join(map(str, results['train_img_sizes']))
+    assert cfg['tag'] == 'digits-demo' and cfg['notes'][0] == f'trained by aft_vision.train at {sizes} px'
+    assert 'AdamW' in cfg['notes'][1] and 'results.json' in cfg['notes'][2] and 'untrained' not in json.dumps(cfg)
 
     pretrained_cfg, architecture, model_args = load_model_config_from_path(out / 'hub')
     assert architecture == 'aft_conv_test' and model_args == config['model_args']

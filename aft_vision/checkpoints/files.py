@@ -6,26 +6,31 @@ import contextlib
 import hashlib
 import os
 import pickle
+import pickletools
 import re
 import shutil
 import tempfile
+import warnings
 import zipfile
 from pathlib import Path
-from typing import Dict, Iterator, Mapping, Optional, Sequence, Union
+from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 
-__all__ = ['load_weights', 'save_weights', 'atomic_file', 'atomic_dir', 'output_dir', 'check_output_dir', 'swap_in',
-           'sha256sum', 'umask_mode']
+__all__ = ['load_weights', 'save_weights', 'atomic_file', 'atomic_files', 'atomic_dir', 'output_dir',
+           'check_output_dir', 'swap_in', 'sha256sum', 'umask_mode']
 
 PathLike = Union[str, os.PathLike]
+# globals of a weights-only pickle: torch's tensor rebuilders and storages, and what timm train.py checkpoints hold
+_TENSOR_GLOBALS = ('torch.', 'collections.OrderedDict', 'argparse.Namespace', '_codecs.encode')
 
 
 def load_weights(path: PathLike) -> Dict[str, torch.Tensor]:
-    """Read safetensors or a weights-only PyTorch file (and timm ``train.py``'s ``args``); ValueError if damaged."""
+    """Read safetensors or a weights-only PyTorch file (and timm ``train.py``'s ``args``); ValueError naming the file
+    and what is wrong: damaged, or pickled objects other than tensors (found without running them)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f'weight file not found: {path}')
@@ -37,19 +42,50 @@ def load_weights(path: PathLike) -> Dict[str, torch.Tensor]:
         except (SafetensorError, OSError, ValueError) as error:
             raise ValueError(f'{path} is not a readable safetensors file ({error})') from None
     try:
-        with torch.serialization.safe_globals([argparse.Namespace]):  # the arguments in timm train.py checkpoints
+        with torch.serialization.safe_globals([argparse.Namespace]), warnings.catch_warnings():
+            warnings.simplefilter('ignore')  # its note on pickle protocols: the refusal below says what matters
             checkpoint = torch.load(path, map_location='cpu', weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, OSError, UnicodeDecodeError) as error:
-        # the refused global, as torch names it ('Unsupported global: GLOBAL x', 'unsupported GLOBAL x', ...)
-        found = re.search(r'unsupported (?:global\w*:? )+([\w.]*\w)', str(error), re.IGNORECASE)
-        if found:
-            raise ValueError(f'refused to load {path}: it holds pickled objects other than tensors ({found.group(1)}); '
-                             'only safetensors or weights-only PyTorch files are read') from None
-        detail = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise ValueError(f'{path} is truncated or corrupted and cannot be read as a PyTorch file ({detail})') from None
+        raise ValueError(_refusal(path, error)) from None
     if not isinstance(checkpoint, Mapping):
         raise ValueError(f'{path} holds a {type(checkpoint).__name__}, not a state dict')
     return dict(checkpoint)
+
+
+def _refusal(path: Path, error: BaseException) -> str:
+    """Why torch's weights-only loader refused ``path``, in our words (never its advice to unpickle anyway)."""
+    text = str(error)
+    found = re.search(r'unsupported (?:global\w*:? )+([\w.]*\w)', text, re.IGNORECASE)  # as torch names it
+    objects = [found.group(1)] if found else _pickled_objects(path)
+    if objects:
+        return (f'refused to load {path}: it holds pickled objects other than tensors ({", ".join(objects[:3])}); '
+                'only safetensors or weights-only PyTorch files are read')
+    detail = (text.split('WeightsUnpickler error:')[-1].split('Check the documentation')[0].strip().splitlines()
+              or [type(error).__name__])[0]
+    if objects is not None:  # a whole pickle, of a kind torch's weights-only loader does not read
+        return f'{path} is not a weights-only PyTorch file ({detail}); save a state dict of tensors with torch.save'
+    return f'{path} is truncated or corrupted and cannot be read as a PyTorch file ({detail})'
+
+
+def _pickled_objects(path: Path) -> Optional[List[str]]:
+    """The globals other than torch's tensor rebuilders that the pickle in ``path`` (or a torch zip's ``data.pkl``)
+    would call, read by ``pickletools`` without running anything; None if it is no readable pickle."""
+    try:
+        data = path.read_bytes()
+        if zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as archive:
+                data = archive.read(next(name for name in archive.namelist() if name.endswith('data.pkl')))
+        names, strings = [], []
+        for opcode, arg, _ in pickletools.genops(data):
+            if opcode.name == 'GLOBAL':
+                names.append(arg.replace(' ', '.'))
+            elif isinstance(arg, str):
+                strings.append(arg)
+            elif opcode.name == 'STACK_GLOBAL' and len(strings) >= 2:
+                names.append('.'.join(strings[-2:]))
+    except (ValueError, KeyError, StopIteration, OSError, zipfile.BadZipFile, EOFError):
+        return None
+    return [name for name in dict.fromkeys(names) if not name.startswith(_TENSOR_GLOBALS)]
 
 
 def umask_mode(mode: int = 0o777) -> int:
@@ -73,76 +109,82 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
-@contextlib.contextmanager
-def _staged(target: Path, force: bool) -> Iterator[Path]:
-    if target.exists() and not force and not (target.is_dir() and not any(target.iterdir())):
-        raise FileExistsError(f'{target} exists; pass force=True (--force) to overwrite it')
-    staging = _temporary_dir(target)
-    try:
-        yield staging
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+def _check_free(paths: Sequence[Path], force: bool) -> None:
+    for path in paths:
+        if path.exists() and not force and not (path.is_dir() and not any(path.iterdir())):
+            raise FileExistsError(f'{path} exists; pass force=True (--force) to overwrite it')
+
+
+def _with_umask(folder: Path) -> None:
+    # what writers left in a staging folder, given the modes of the user's umask (tempfile and safetensors: 0700 / 0600)
+    for entry in [folder, *folder.rglob('*')]:
+        if not entry.is_symlink():
+            entry.chmod(umask_mode(0o777 if entry.is_dir() else 0o666))
 
 
 def save_weights(state_dict: Mapping[str, torch.Tensor], path: PathLike, force: bool = False,
                  metadata: Optional[Mapping[str, str]] = None) -> str:
     """Write ``state_dict`` as safetensors to ``path`` atomically (FileExistsError unless ``force``); its sha256."""
-    path = Path(path)
-    with _staged(path, force) as staging:
-        temp_file = staging / path.name
-        tensors = {key: value.detach().contiguous().cpu() for key, value in state_dict.items()}
-        save_file(tensors, str(temp_file), metadata=dict(metadata or {}))
-        temp_file.chmod(umask_mode(0o666))  # safetensors writes 0600
-        digest = sha256sum(temp_file)
-        os.replace(temp_file, path)
-        shutil.rmtree(staging, ignore_errors=True)
+    with atomic_file(path, force) as temp:
+        save_file({key: value.detach().contiguous().cpu() for key, value in state_dict.items()}, str(temp),
+                  metadata=dict(metadata or {}))
+        digest = sha256sum(temp)
     return digest
 
 
 @contextlib.contextmanager
-def atomic_file(path: PathLike, force: bool = False) -> Iterator[Path]:
-    """A temporary sibling path to write; it replaces ``path`` (mode from the umask) if the block succeeds, and is
-    removed if it fails. FileExistsError if ``path`` exists, unless ``force``."""
-    path = Path(path)
-    if path.exists() and not force:
-        raise FileExistsError(f'{path} exists; pass force=True (--force) to overwrite it')
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp = tempfile.mkstemp(prefix=f'.{path.name}.', suffix=path.suffix, dir=path.parent)
-    os.close(handle)
-    temp = Path(temp)
+def atomic_files(paths: Sequence[PathLike], force: bool = False) -> Iterator[List[Path]]:
+    """Temporary paths (in a hidden sibling folder) for files of one folder written together, e.g. an OpenVINO .xml
+    and .bin: all replace ``paths`` (``swap_in``, modes from the umask) if the block succeeds, none if it fails.
+    FileExistsError if one exists, unless ``force``."""
+    paths = [Path(path) for path in paths]
+    _check_free(paths, force)
+    staging = _temporary_dir(paths[0])
     try:
-        yield temp
-        temp.chmod(umask_mode(0o666))  # mkstemp makes 0600
-        os.replace(temp, path)
+        yield [staging / path.name for path in paths]
+        _with_umask(staging)
+        swap_in(staging, paths[0].parent, [path.name for path in paths])
     finally:
-        temp.unlink(missing_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_file(path: PathLike, force: bool = False) -> Iterator[Path]:
+    """``atomic_files`` for one file: the temporary path to write (same name and suffix)."""
+    with atomic_files([path], force) as (temp,):
+        yield temp
 
 
 @contextlib.contextmanager
 def atomic_dir(path: PathLike, force: bool = False) -> Iterator[Path]:
     """A temporary sibling whose entries reach ``path`` if the block succeeds (``force``: through ``swap_in``)."""
     path = Path(path)
-    with _staged(path, force) as staging:
+    _check_free([path], force)
+    staging = _temporary_dir(path)
+    try:
         yield staging
+        _with_umask(staging)
         if path.is_dir():
             swap_in(staging, path)
         else:
-            if path.exists():
+            if path.exists() or path.is_symlink():
                 path.unlink()
             os.replace(staging, path)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
-def swap_in(staging: Path, target: Path) -> None:
-    """Move ``staging``'s entries into ``target``: all, or (a move failed) none, the replaced ones put back."""
+def swap_in(staging: Path, target: Path, names: Optional[Sequence[str]] = None) -> None:
+    """Move ``staging``'s entries (or those ``names``) into ``target``: all, or (a move failed) none, the replaced
+    ones put back."""
     retired = _temporary_dir(target, 'old.')
     moved = []
     try:
-        for entry in sorted(staging.iterdir()):
-            if (target / entry.name).exists() or (target / entry.name).is_symlink():
-                os.replace(target / entry.name, retired / entry.name)
-            moved.append(entry.name)
-            os.replace(entry, target / entry.name)
+        for name in names or sorted(entry.name for entry in staging.iterdir()):
+            if (target / name).exists() or (target / name).is_symlink():
+                os.replace(target / name, retired / name)
+            moved.append(name)
+            os.replace(staging / name, target / name)
     except BaseException:
         for name in reversed(moved):
             if not (staging / name).exists():  # the new entry had moved in: take it out again

@@ -38,8 +38,8 @@ def run(args: argparse.Namespace) -> int:
             root = write_digits(Path(scratch) / 'data')  # the main job's split: the same seed, the same files
             calibration, held_out = root / 'train', root / 'val'
         report = export(model, args.out, args.format, args.img_size, calibration, args.force, args.seed, held_out)
-    size = 'x'.join(map(str, report['img_size']))
-    line = (f"wrote {' and '.join(report['files'])} ({report['format']}, {report['precision']}, {size} px): "
+    size = 'x'.join(map(str, report['img_size'])) + (' px and other sizes' if report['any_size'] else ' px only')
+    line = (f"wrote {' and '.join(report['files'])} ({report['format']}, {report['precision']}, {size}): "
             f"largest logit error {report['max_abs_error']:.3g} ({report['max_rel_error']:.2g} of the largest logit) "
             'on 3 random images')
     if 'agreement' in report:

@@ -9,7 +9,7 @@ from typing import List
 from ..hub import CROP_MODES, DATA_CONFIG_KEYS, INTERPOLATIONS, publish
 from .args import ModelKwargs
 
-HELP = 'publish an AFT checkpoint in timm\'s Hub layout (or --dry-run)'
+HELP = 'publish an AFT checkpoint in timm\'s Hub layout: a folder (--out-dir) and, asked, the Hub (--upload)'
 DESCRIPTION = ('The data config (input size, crop, interpolation, mean, std) comes from the run that made the '
                'checkpoint (the main job\'s results.json, --results or beside it; timm train.py\'s args.yaml beside '
                'it), under the flags below; without either, the default config, with a warning (and in the card).')
@@ -23,9 +23,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--model-kwargs', nargs='*', default={}, action=ModelKwargs, metavar='KEY=VALUE',
                         help='architecture arguments of the weights, e.g. patch_size=4 (over the record\'s)')
     parser.add_argument('--repo-id', required=True, help='Hub repository, org/name')
-    parser.add_argument('--dry-run', action='store_true', help='write the folder locally (--out-dir); upload nothing')
-    parser.add_argument('--out-dir', default=None, help='output folder for --dry-run')
-    parser.add_argument('--force', action='store_true', help='replace --out-dir if it exists')
+    parser.add_argument('--out-dir', default=None, help='write the folder here (with --upload: once it is uploaded)')
+    parser.add_argument('--upload', action='store_true', help='upload to the Hub (nothing is uploaded without it)')
+    parser.add_argument('--dry-run', action='store_true', help='upload nothing (the default without --upload)')
+    parser.add_argument('--force', action='store_true', help='replace what publish writes in --out-dir if it exists')
     parser.add_argument('--labels', default=None, help='class names: a text file, one per line, or a JSON list')
     parser.add_argument('--results', default=None, help='JSON file of metric -> value for the model card (the main '
                                                         'job\'s results.json also gives the data config)')
@@ -48,9 +49,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _read_labels(path: str) -> List[str]:
-    text = Path(path).read_text(encoding='utf-8')
-    labels = json.loads(text) if text.lstrip().startswith('[') else [line.strip() for line in text.splitlines()]
-    return [str(label) for label in labels if str(label)]
+    try:
+        text = Path(path).read_text(encoding='utf-8')
+        labels = json.loads(text) if text.lstrip().startswith('[') else [line.strip() for line in text.splitlines()]
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f'--labels {path}: not UTF-8 text or a JSON list ({error})') from None
+    if not all(isinstance(label, str) for label in labels):
+        raise ValueError(f'--labels {path}: class names must be strings, got {str(labels)[:60]}')
+    return [label for label in labels if label]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -61,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
             args.checkpoint, args.model, args.repo_id, out_dir=args.out_dir, dry_run=args.dry_run, force=args.force,
             label_names=args.labels and _read_labels(args.labels), results_file=args.results, datasets=args.dataset,
             base_model=args.base_model, training=args.training, private=args.private,
-            model_kwargs=args.model_kwargs, data_config=overrides, use_ema=args.use_ema)
+            model_kwargs=args.model_kwargs, data_config=overrides, use_ema=args.use_ema, upload=args.upload)
     for warning in caught:
         if str(warning.message).startswith('publishing '):
             print(f'warning: {warning.message}', file=sys.stderr)
@@ -69,6 +75,6 @@ def run(args: argparse.Namespace) -> int:
             warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
     print(f'weights: {result["weights"]}')
     print(f'data config: {result["data_config_source"]}')
-    where = result.get('folder') or result.get('url')
-    print(f'{"wrote" if args.dry_run else "uploaded"} {where}  model.safetensors sha256 {result["sha256"]}')
+    for done, where in (('wrote', result['folder']), ('uploaded', result['url'])):
+        print(f'{done} {where}  model.safetensors sha256 {result["sha256"]}') if where else None
     return 0

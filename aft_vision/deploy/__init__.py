@@ -2,4 +2,4 @@
 ``aft-vision export``. May import ``layers``, ``models`` and ``checkpoints``."""
 from .checked_export import calibration_files, export, write_model
 from .runtimes import (FORMATS, PRECISIONS, convert_openvino, export_onnx, float_convolutions, load_runner, onnx_runner,
-                       openvino_runner, quantize_onnx, quantize_openvino, temporary_onnx)
+                       openvino_runner, quantize_onnx, quantize_openvino)

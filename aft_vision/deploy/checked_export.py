@@ -2,7 +2,6 @@
 images), read back by its runtime and compared with eager PyTorch in a temporary folder before it is moved into
 place, so a failed export leaves nothing. timm's ``onnx_export`` checks one example and writes in place."""
 import os
-import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -10,10 +9,11 @@ import numpy as np
 import torch
 from timm.data import create_transform, resolve_data_config
 
+from ..checkpoints.files import atomic_files
 from ..images import read_image
 from . import runtimes
 
-__all__ = ['export', 'calibration_files', 'write_model']
+__all__ = ['export', 'calibration_files', 'write_model', 'runs_any_size']
 
 IMAGE_SUFFIXES = ('.png', '.jpg', '.jpeg', '.bmp', '.webp', '.tif', '.tiff', '.gif')
 MAX_CALIBRATION = 300  # images calibrated on at most (NNCF's default subset)
@@ -55,7 +55,8 @@ def _folder_images(folder: os.PathLike, at_least: int) -> List[Path]:
 
 def write_model(model: torch.nn.Module, example: torch.Tensor, fmt: str, target: Path, calibration: List[np.ndarray],
                 dynamic_size: bool = True) -> None:
-    """``model`` as an .onnx file (dynamic batch; size: ``dynamic_size``) or an .xml and .bin; INT8 where calibrated."""
+    """``model`` as an .onnx file or an .xml and .bin (a dynamic batch; height and width: ``dynamic_size``, else
+    ``example``'s); INT8 where calibrated."""
     if fmt == 'onnx':
         float_file = target.with_name('float.onnx') if calibration else target
         runtimes.export_onnx(model, example, float_file, dynamic_size)
@@ -65,10 +66,18 @@ def write_model(model: torch.nn.Module, example: torch.Tensor, fmt: str, target:
         return
     import openvino as ov
 
-    ov_model = runtimes.convert_openvino(model, example)
+    ov_model = runtimes.convert_openvino(model, example, dynamic_size)
     if calibration:
         ov_model = runtimes.quantize_openvino(ov_model, calibration)
     ov.save_model(ov_model, str(target), compress_to_fp16=False)  # float32 weights, as the model holds them
+
+
+def runs_any_size(model: torch.nn.Module) -> bool:
+    """Whether one graph serves every input size: the model takes any size with the same parameters (AFT-conv with
+    ``resize_mode='keep'``). Otherwise the graph takes only the size it was recorded at, as a model rebuilt for another
+    size (``set_input_size``: windows or patch resampled) computes something else."""
+    fixed = getattr(model, '_fixed_img_size', lambda: ())()
+    return fixed is None and getattr(model, 'resize_mode', 'keep') == 'keep'
 
 
 def _outputs(out: Path, fmt: str) -> List[Path]:
@@ -100,21 +109,18 @@ def export(model: torch.nn.Module, out: os.PathLike, fmt: str = 'onnx', img_size
             model(example)
     except (ValueError, RuntimeError, AssertionError) as error:
         raise ValueError(f'--img-size: the model refuses {size[0]} x {size[1]} images ({error})') from None
-    report = {'format': fmt, 'precision': 'int8' if calibration else 'fp32', 'img_size': list(size)}
+    report = {'format': fmt, 'precision': 'int8' if calibration else 'fp32', 'img_size': list(size),
+              'any_size': runs_any_size(model)}
     batches, checking = [], None
     if calibration:
         calibrate, checked = calibration_files(calibration, seed, held_out)
         transform = create_transform(**config)
         batches = [batch.numpy() for batch in _load(calibrate, transform).split(32)]
         checking = (_load(checked, transform), checked if held_out else None)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f'.{out.name}.', dir=out.parent) as staging:
-        staged = Path(staging) / out.name
-        write_model(model, example, fmt, staged, batches, model._fixed_img_size() is None)  # any size it takes
-        run = runtimes.load_runner(staged, 'int8' if calibration else 'fp32')
+    with atomic_files(_outputs(out, fmt), force) as staged:  # all files in place once checked, or none
+        write_model(model, example, fmt, staged[0], batches, report['any_size'])
+        run = runtimes.load_runner(staged[0], 'int8' if calibration else 'fp32')
         report.update(_check(model, run, size, checking, seed))
-        for src, dst in zip(_outputs(staged, fmt), _outputs(out, fmt)):
-            os.replace(src, dst)
     report['files'] = [str(path) for path in _outputs(out, fmt)]
     return report
 

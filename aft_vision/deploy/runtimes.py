@@ -6,7 +6,6 @@ and the patch embedding and keeps AFT's window convolution in float (docs/deploy
 has no INT8 or OpenVINO path.
 """
 import os
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence
@@ -17,7 +16,7 @@ import torch
 from ..models import export_layout
 
 __all__ = ['FORMATS', 'PRECISIONS', 'export_onnx', 'convert_openvino', 'quantize_onnx', 'quantize_openvino',
-           'float_convolutions', 'load_runner', 'onnx_runner', 'openvino_runner', 'temporary_onnx']
+           'float_convolutions', 'load_runner', 'onnx_runner', 'openvino_runner']
 
 FORMATS = ('onnx', 'openvino')
 # what a runner computes in: OpenVINO's inference precision hint, or INT8 (a quantized model, float parts in float32)
@@ -35,14 +34,16 @@ def export_onnx(model: torch.nn.Module, example: torch.Tensor, path: os.PathLike
                           output_names=['logits'], dynamic_axes={'x': axes, 'logits': {0: 'batch'}})
 
 
-def convert_openvino(model: torch.nn.Module, example: torch.Tensor):
-    """``openvino.convert_model`` with AFT-conv recorded channel-first: an ``openvino.Model``."""
+def convert_openvino(model: torch.nn.Module, example: torch.Tensor, dynamic_size: bool = True):
+    """``openvino.convert_model`` with AFT-conv recorded channel-first: an ``openvino.Model`` (a dynamic batch; height
+    and width: ``dynamic_size``, else ``example``'s)."""
     import openvino as ov
 
     model.eval()
+    shape = {} if dynamic_size else {'input': [ov.PartialShape([-1, *example.shape[1:]])]}
     with warnings.catch_warnings(), torch.no_grad(), export_layout(model, 'NCHW'):
         warnings.simplefilter('ignore')
-        return ov.convert_model(model, example_input=example)
+        return ov.convert_model(model, example_input=example, **shape)
 
 
 def _graph(path: os.PathLike):
@@ -114,8 +115,14 @@ def openvino_runner(ov_model, precision: str = 'fp32', threads: Optional[int] = 
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     config = {'INFERENCE_PRECISION_HINT': 'bf16' if precision == 'bf16' else 'f32',
               'INFERENCE_NUM_THREADS': threads or torch.get_num_threads()}
-    request = ov.Core().compile_model(ov_model, 'CPU', config).create_infer_request()
-    return lambda images: request.infer({0: np.ascontiguousarray(images, dtype=np.float32)})[0].copy()
+    compiled = ov.Core().compile_model(ov_model, 'CPU', config)
+    request, shape = compiled.create_infer_request(), compiled.inputs[0].get_partial_shape()
+
+    def run(images: np.ndarray) -> np.ndarray:
+        if not shape.compatible(ov.PartialShape(list(images.shape))):  # OpenVINO would answer for the last input
+            raise ValueError(f'the model takes images of shape {shape} (? any), got {list(images.shape)}')
+        return request.infer({0: np.ascontiguousarray(images, dtype=np.float32)})[0].copy()
+    return run
 
 
 def load_runner(path: os.PathLike, precision: str = 'fp32', threads: Optional[int] = None) -> Runner:
@@ -128,11 +135,3 @@ def load_runner(path: os.PathLike, precision: str = 'fp32', threads: Optional[in
 
         return openvino_runner(ov.Core().read_model(str(path)), precision, threads)
     raise ValueError(f'{path}: not an ONNX file (.onnx) or an OpenVINO IR (.xml)')
-
-
-def temporary_onnx(model: torch.nn.Module, example: torch.Tensor, dynamic_size: bool = True) -> str:
-    """``export_onnx`` into a new temporary folder (the caller removes it); the file's path."""
-    folder = tempfile.mkdtemp(prefix='aft-onnx-')
-    path = os.path.join(folder, 'model.onnx')
-    export_onnx(model, example, path, dynamic_size)
-    return path

@@ -1,8 +1,9 @@
 """The one loader every command runs a model through (``load_model``), and the checks a command line makes before it.
 
 A registered name (with its tag), a checkpoint with the run record beside it, a ``local-dir:`` folder or an
-``hf-hub:`` repository all become the model, its weights and the preprocessing they were evaluated with. Every
-failure is one ValueError line naming the file, the model or the key.
+``hf-hub:`` repository all become the model, its weights and the preprocessing they were evaluated with: a file's
+weights loaded strictly (never resampled to fit, as timm's source loading would) and finite. Every failure is one
+ValueError line naming the file, the field, the model or the key.
 """
 import difflib
 import os
@@ -20,10 +21,11 @@ from timm.models import parse_model_name
 from ..checkpoints.files import load_weights
 from ..checkpoints.transfer import is_vit_state_dict, select_weights, unwrap_state_dict
 from ..models.aft_conv import AFTConvTransformer, checkpoint_filter_fn as aft_conv_filter
-from .records import read_training_record, resolve_publish_data_config, source_architecture
+from .records import read_hub_config, read_training_record, resolve_publish_data_config, source_architecture
 
 __all__ = ['load_model', 'create_aft_model', 'check_model_name', 'check_pretrained', 'check_aft_model',
-           'check_init_weights', 'check_model_kwargs', 'check_source', 'warn_random_weights', 'RANDOM_WEIGHTS']
+           'check_init_weights', 'check_model_kwargs', 'check_source', 'warn_random_weights', 'RANDOM_WEIGHTS',
+           'check_finite', 'check_runs_at_data_config']
 
 HUB_TIMEOUT_S = 3.0  # how long a connection to the Hub may take before it counts as offline
 WEIGHT_FILES = ('model.safetensors', 'pytorch_model.bin', 'open_clip_pytorch_model.bin')  # timm's order
@@ -81,14 +83,18 @@ def check_aft_model(name: str) -> None:
 
 def check_model_kwargs(name: str, model_kwargs: Dict[str, Any], defaults: Optional[Dict[str, Any]] = None) -> None:
     """ValueError in one line unless ``name`` builds with ``model_kwargs`` (over ``defaults``), on the meta device."""
-    if not model_kwargs:
-        return
-    try:
+    if model_kwargs:
         with torch.device('meta'):
-            timm.create_model(name.split('.')[0] if ':' not in name else name, **{**(defaults or {}), **model_kwargs})
+            _build(name.split('.')[0] if ':' not in name else name, {**(defaults or {}), **model_kwargs}, model_kwargs)
+
+
+def _build(name: str, kwargs: Dict[str, Any], given: Dict[str, Any], where: str = '') -> torch.nn.Module:
+    # timm.create_model, a failure in one line naming the arguments ``given`` (and ``where`` they came from)
+    try:
+        return timm.create_model(name, **kwargs)
     except _BUILD_ERRORS as error:
-        given = ' '.join(f'{key}={value}' for key, value in model_kwargs.items())
-        raise ValueError(f'{name} cannot be built with {given} ({type(error).__name__}: {_first_line(error)})'
+        given = ' '.join(f'{key}={value!r}' for key, value in given.items())
+        raise ValueError(f'{where}{name} cannot be built with {given} ({type(error).__name__}: {_first_line(error)})'
                          ) from None
 
 
@@ -117,12 +123,8 @@ def check_source(name: str) -> None:
     if source == 'hf-hub':
         _check_hub(model_id)
     elif source == 'local-dir':
-        folder = Path(model_id)
         source_architecture(name)  # config.json there and readable
-        weights = next((folder / file for file in WEIGHT_FILES if (folder / file).is_file()), None)
-        if weights is None:
-            raise ValueError(f'{name}: no weights in {folder} (one of {", ".join(WEIGHT_FILES)})')
-        load_weights(weights)  # damaged, empty or hostile: one line naming the file
+        load_weights(_source_weights(name))  # there; damaged, empty or hostile: one line naming the file
 
 
 def _check_fits(state_dict: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor], what: str) -> None:
@@ -140,6 +142,7 @@ def _check_fits(state_dict: Dict[str, torch.Tensor], expected: Dict[str, torch.T
 def check_init_weights(path: str, name: str, model_kwargs: Dict[str, Any], num_classes: int) -> None:
     """ValueError unless ``--init-from`` weights fit the model: its own (every key and shape) or a ViT / DeiT's."""
     weights = unwrap_state_dict(load_weights(path))
+    check_finite(weights, path)
     with torch.device('meta'):
         model = timm.create_model(name, num_classes=num_classes, **model_kwargs)
     expected = model.state_dict()
@@ -157,31 +160,79 @@ def warn_random_weights(name: str, weights: str) -> None:
               'its outputs mean nothing', file=sys.stderr)
 
 
+def _source_weights(name: str) -> str:
+    """The weight file of a ``local-dir:`` folder or (downloaded, or from the cache) an ``hf-hub:`` repository."""
+    source, model_id = parse_model_name(name)
+    if source == 'local-dir':
+        found = next((Path(model_id) / file for file in WEIGHT_FILES if (Path(model_id) / file).is_file()), None)
+    else:
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub.utils import EntryNotFoundError, LocalEntryNotFoundError
+
+        repo, _, revision = model_id.partition('@')
+        for file in WEIGHT_FILES:
+            try:
+                return hf_hub_download(repo, file, revision=revision or None)
+            except (EntryNotFoundError, LocalEntryNotFoundError):
+                found = None
+    if found is None:
+        raise ValueError(f'{name}: no weights in {model_id} (one of {", ".join(WEIGHT_FILES)})')
+    return str(found)
+
+
+def check_finite(state_dict: Dict[str, torch.Tensor], what: str) -> None:
+    """ValueError naming the first tensor of ``state_dict`` that holds NaN or infinity."""
+    bad = next((key for key, tensor in state_dict.items()
+                if tensor.is_floating_point() and not torch.isfinite(tensor).all()), None)
+    if bad is not None:
+        raise ValueError(f'{what}: weight {bad!r} holds NaN or infinite values')
+
+
+def check_runs_at_data_config(model: torch.nn.Module, what: str) -> None:
+    """ValueError unless ``model`` takes an image of its ``pretrained_cfg``'s ``input_size`` and ``test_input_size``."""
+    for key in ('input_size', 'test_input_size'):
+        size = model.pretrained_cfg.get(key)
+        try:
+            with torch.no_grad():
+                model.eval()(torch.zeros(1, *size)) if size else None
+        except (ValueError, RuntimeError, AssertionError) as error:
+            raise ValueError(f'{what}: {key} {tuple(size)} is a size the model cannot run ({_first_line(error)})'
+                             ) from None
+
+
 def _from_checkpoint(name: str, checkpoint: str, use_ema: bool, model_kwargs: Dict) -> Tuple[torch.nn.Module, str]:
-    # name built with its run record's arguments under model_kwargs, sized to the head; strict load; its data config
+    # name built (a source: as timm builds it, its config.json in pretrained_cfg) with the run record's arguments
+    # under model_kwargs, sized to the head; loaded strictly (a source's weights are never resampled to fit); finite
     record = read_training_record(checkpoint)
     architecture, kwargs = name, {**(record.model_kwargs if record else {}), **model_kwargs}
-    if ':' in name:  # a published folder or Hub repo: its architecture and saved arguments
-        architecture, kwargs = source_architecture(name, kwargs)
-    check_model_kwargs(architecture, kwargs)
+    config = read_hub_config(name) if ':' in name else None  # a published folder or Hub repo: its config.json
+    if config:
+        architecture, kwargs = config['architecture'], {**config['model_args'], **kwargs}
     state_dict, weights = select_weights(load_weights(checkpoint), use_ema)
     if 'head.weight' in state_dict and 'num_classes' not in kwargs:
         kwargs['num_classes'] = state_dict['head.weight'].shape[0]
-    model = timm.create_model(architecture, **kwargs)
-    _check_fits(state_dict, model.state_dict(), f'{checkpoint} does not fit {architecture}')
+    where = f'{config["path"]}: model_args{"" if config["model_args"] else " (none: the defaults)"}' if config else ''
+    if config and kwargs.get('num_classes', config['num_classes']) != config['num_classes']:
+        raise ValueError(f'{config["path"]}: num_classes {config["num_classes"]} but the weights in {checkpoint} hold '
+                         f'{kwargs["num_classes"]} classes')
+    model = _build(name if config else architecture, kwargs, kwargs, f'{where}: ' if config else '')
+    _check_fits(state_dict, model.state_dict(), f'{where} do not rebuild the weights in {checkpoint}' if config else
+                f'{checkpoint} does not fit {architecture}')
     model.load_state_dict(state_dict)
-    config, source = resolve_publish_data_config(model, record)  # as ``publish`` would publish it
-    if config:
-        model.pretrained_cfg = {**model.pretrained_cfg, **config}
+    check_finite(state_dict, checkpoint)
+    data_config, source = resolve_publish_data_config(model, record)  # as ``publish`` would publish it
+    if data_config:  # read from a file: one the model runs
+        model.pretrained_cfg = {**model.pretrained_cfg, **data_config}
+        check_runs_at_data_config(model, str(config['path']) if config else record.source)
     return model.eval(), f'{weights}; data config: {source}'
 
 
 def load_model(name: str, checkpoint: Optional[str] = None, pretrained: bool = False, use_ema: bool = True,
                model_kwargs: Optional[Dict[str, Any]] = None, aft_only: bool = True) -> Tuple[torch.nn.Module, str]:
     """``(model in eval mode, which weights it holds in words)`` for a registered ``name`` (random weights:
-    ``RANDOM_WEIGHTS``, or its tag's with ``pretrained``), a ``local-dir:`` / ``hf-hub:`` source, or a ``checkpoint``
-    (``_from_checkpoint``); ``model.pretrained_cfg`` holds the data config. ``use_ema``: timm's rule; ``aft_only``:
-    refuse other models. ValueError in one line naming the file, the model or the key."""
+    ``RANDOM_WEIGHTS``, or its tag's with ``pretrained``), a ``local-dir:`` / ``hf-hub:`` source or a ``checkpoint``
+    (both ``_from_checkpoint``); ``model.pretrained_cfg`` holds the data config. ``use_ema``: timm's rule; ``aft_only``:
+    refuse other models. ValueError in one line naming the file, the field, the model or the key."""
     if checkpoint and pretrained:
         raise ValueError(f'{name}: pass a checkpoint or pretrained, not both')
     model_kwargs = dict(model_kwargs or {})
@@ -189,13 +240,13 @@ def load_model(name: str, checkpoint: Optional[str] = None, pretrained: bool = F
     check_source(name)
     if aft_only:
         check_aft_model(name)
-    if checkpoint:
-        return _from_checkpoint(name, checkpoint, use_ema, model_kwargs)
+    if checkpoint or ':' in name:
+        return _from_checkpoint(name, checkpoint or _source_weights(name), use_ema, model_kwargs)
     check_model_kwargs(name, model_kwargs)
-    loads = pretrained or ':' in name
     try:
-        model = timm.create_model(name, pretrained=loads, **model_kwargs)
+        model = timm.create_model(name, pretrained=pretrained, **model_kwargs)
     except (SafetensorError, RuntimeError, OSError, ValueError) as error:  # weights that do not fit or read
         raise ValueError(f'{name}: its weights cannot be loaded ({type(error).__name__}: '
                          f'{_first_line(error)})') from None
-    return model.eval(), 'pretrained weights' if loads else RANDOM_WEIGHTS
+    check_finite(model.state_dict(), name)
+    return model.eval(), 'pretrained weights' if pretrained else RANDOM_WEIGHTS

@@ -1,11 +1,13 @@
 """Publishing an AFT checkpoint in timm's Hub layout: timm's ``save_for_hf`` writes ``model.safetensors`` and
 ``config.json``, timm's ``generate_readme`` the model card, huggingface_hub uploads the folder (as timm's
 ``push_to_hf_hub`` does). Written here: the client-only ``model_args`` taken out of config.json, the preprocessing
-read from the run that made the checkpoint (``records``), a dry run into a local folder that is
-written atomically and never replaced without ``force``, and upload errors that name their step.
+and the run's notes read from the run that made the checkpoint (``records``), checked against the model, card text
+kept as data, a folder written atomically and never replaced without ``force``, an upload only when asked, and upload
+errors that name their step.
 """
 import inspect
 import json
+import re
 import tempfile
 import warnings
 from pathlib import Path
@@ -18,12 +20,10 @@ from timm.models._hub import generate_readme  # push_to_hf_hub's card writer
 
 from ..checkpoints.files import atomic_dir, sha256sum
 from ..version import __version__
-from .loading import load_model
-from .records import (CROP_MODES, DATA_CONFIG_KEYS, INTERPOLATIONS, TrainingRecord, _read_json_object,
-                      read_training_record, resolve_publish_data_config, source_architecture)
+from .loading import check_runs_at_data_config, load_model
+from .records import _read_json_object, read_training_record, resolve_publish_data_config, source_architecture
 
-__all__ = ['build_hub_folder', 'publish', 'source_architecture', 'read_training_record',
-           'resolve_publish_data_config', 'TrainingRecord', 'DATA_CONFIG_KEYS', 'CROP_MODES', 'INTERPOLATIONS']
+__all__ = ['build_hub_folder', 'publish']
 
 # numeric entries of the main job's results.json that are settings of the run, not metrics for the model card
 _RUN_SETTINGS = ('epochs', 'img_size', 'eval_img_size', 'world_size', 'wall_seconds', 'seed')
@@ -77,7 +77,7 @@ def _model_card(model: torch.nn.Module, model_name: str, repo_id: str, cfg: Dict
                          f'std {tuple(cfg.get("std", ()))}',
         'Preprocessing from': data_config_source or 'the publisher',
         'Paper': '[An Attention Free Transformer](https://arxiv.org/abs/2105.14103)',
-        'Dataset': ', '.join(datasets) or None, 'Initialised from': base_model,
+        'Trained on': ', '.join(datasets) or None, 'Initialised from': base_model,
         'Training': training or 'No training details were provided by the publisher.'}
     metrics = {name: value for name, value in (results or {}).items()
                if isinstance(value, (int, float)) and not isinstance(value, bool) and name not in _RUN_SETTINGS}
@@ -97,34 +97,56 @@ def _model_card(model: torch.nn.Module, model_name: str, repo_id: str, cfg: Dict
 
 def build_hub_folder(model: torch.nn.Module, folder: Path, model_name: str, repo_id: str,
                      label_names: Optional[List[str]] = None, data_config: Optional[Dict[str, Any]] = None,
-                     **card) -> None:
+                     run: Optional[Dict[str, Any]] = None, **card) -> None:
     """Write ``config.json``, ``model.safetensors`` and ``README.md`` for ``model`` into ``folder``; ``data_config``
-    (``DATA_CONFIG_KEYS``) None publishes the architecture's default config; ``card``: ``_model_card``'s."""
-    if label_names is not None and len(label_names) != model.num_classes:
-        raise ValueError(f'{len(label_names)} label names given for a model with {model.num_classes} classes')
-    model_config = {'label_names': list(label_names)} if label_names else None
-    save_for_hf(model, str(folder), model_config=model_config, safe_serialization=True, data_config=data_config)
+    (``DATA_CONFIG_KEYS``) None publishes the architecture's default config; ``run``: the pretrained_cfg entries
+    that name the run (``tag``, ``notes``); ``card``: ``_model_card``'s."""
+    if label_names is not None and (len(label_names) != model.num_classes
+                                    or not all(isinstance(name, str) for name in label_names)):
+        raise ValueError(f'--labels: {model.num_classes} names (strings, one per class) are needed, got '
+                         f'{len(label_names)}: {str(label_names)[:60]}')
+    model_config = {'label_names': list(label_names)} if label_names else {}
+    save_for_hf(model, str(folder), model_config={**model_config, 'pretrained_cfg': dict(run or {})},
+                safe_serialization=True, data_config=data_config)
     config = _strip_client_args(model, folder / 'config.json')
     text = _model_card(model, model_name, repo_id, config['pretrained_cfg'], **card)
     (folder / 'README.md').write_text(text, encoding='utf-8')
+
+
+def _check_card_text(texts: Dict[str, Sequence[Optional[str]]]) -> None:
+    """ValueError naming the option of user text the card cannot hold as data: control characters, line breaks
+    included (but in ``--training``)."""
+    for option, values in texts.items():
+        for value in filter(None, values):
+            if any(ord(c) < 32 and not (option == '--training' and c == '\n') or ord(c) == 127 for c in value):
+                raise ValueError(f'{option} {value!r}: control characters or line breaks cannot go into the card')
 
 
 def publish(checkpoint: str, model_name: Optional[str], repo_id: str, out_dir: Optional[str] = None,
             dry_run: bool = False, force: bool = False, label_names: Optional[List[str]] = None,
             results_file: Optional[str] = None, datasets: Sequence[str] = (), base_model: Optional[str] = None,
             training: Optional[str] = None, private: bool = False, model_kwargs: Optional[Dict] = None,
-            data_config: Optional[Dict[str, Any]] = None, use_ema: bool = True) -> Dict[str, str]:
-    """Publish ``checkpoint`` into ``out_dir`` (``dry_run``; FileExistsError unless ``force``) or to the Hub
-    (RuntimeError naming the failed step), as ``model_name`` (None: the run record's; or a published folder's) with
-    ``model_kwargs`` and ``data_config`` over the run record's (neither: the default config, with a UserWarning).
+            data_config: Optional[Dict[str, Any]] = None, use_ema: bool = True, upload: bool = False
+            ) -> Dict[str, Optional[str]]:
+    """Publish ``checkpoint`` as ``model_name`` (None: the run record's; or a published folder's) with ``model_kwargs``
+    and ``data_config`` over the run record's (neither: the default config, with a UserWarning): a folder in
+    ``out_dir`` (FileExistsError unless ``force``; never the folder it reads) and, only with ``upload`` (not with
+    ``dry_run``), the Hub (RuntimeError naming the failed step; ``out_dir`` then written only if it succeeds).
 
     Returns:
-        ``{'folder' or 'url', 'sha256' (of model.safetensors), 'data_config_source', 'weights'}``.
+        ``{'folder', 'url' (None where not written), 'sha256' (of model.safetensors), 'data_config_source',
+        'weights'}``.
     """
-    if repo_id.count('/') != 1 or not all(repo_id.split('/')):
-        raise ValueError(f"repo id must look like 'org/name', got {repo_id!r}")
-    if dry_run and not out_dir:
-        raise ValueError('a dry run needs an output folder (--out-dir)')
+    if not re.fullmatch(r'[\w.-]{1,96}/[\w.-]{1,96}', repo_id, re.ASCII):  # the Hub's characters, in one line
+        raise ValueError(f"--repo-id must look like 'org/name' (letters, digits, '-', '_', '.'), got {repo_id!r}")
+    if (upload and dry_run) or not (upload or out_dir):
+        raise ValueError('say where to publish: --out-dir for a folder, --upload for the Hub (not with --dry-run)')
+    _check_card_text({'--dataset': datasets, '--base-model': [base_model], '--training': [training]})
+    source, model_id = parse_model_name(model_name or '')
+    sources = [Path(checkpoint).parent] + ([Path(model_id)] if source == 'local-dir' else [])
+    if out_dir and any((folder / 'config.json').is_file() and folder.resolve() == Path(out_dir).resolve()
+                       for folder in sources):
+        raise ValueError(f'--out-dir {out_dir} is the published folder read here: publish into another folder')
     results = _read_json_object(Path(results_file)) if results_file else None
     record = read_training_record(checkpoint, results_file)
     kwargs = {**(record.model_kwargs if record else {}), **(model_kwargs or {})}
@@ -138,15 +160,20 @@ def publish(checkpoint: str, model_name: Optional[str], repo_id: str, out_dir: O
     if data_config is None:
         warnings.warn(f'publishing {checkpoint} with {source}; give the run record or --input-size / --crop-pct',
                       UserWarning, stacklevel=2)
-    staged = atomic_dir(out_dir, force=force) if dry_run else tempfile.TemporaryDirectory(prefix='aft-publish-')
+    model.pretrained_cfg = {**model.pretrained_cfg, **(data_config or {})}
+    check_runs_at_data_config(model, 'the data config to publish')
+    label_names = label_names or (record.label_names if record else None)
+    notes = [*(record.notes if record else [f'{Path(checkpoint).name}: no record of how it was trained']),
+             *([training] if training else []), f'preprocessing from {source}']
+    run = {'tag': repo_id.split('/')[1], 'notes': notes}
+    staged = atomic_dir(out_dir, force=force) if out_dir else tempfile.TemporaryDirectory(prefix='aft-publish-')
     with staged as staging:
-        build_hub_folder(model, Path(staging), model_name, repo_id, label_names, data_config, results=results,
+        build_hub_folder(model, Path(staging), model_name, repo_id, label_names, data_config, run, results=results,
                          datasets=datasets, base_model=base_model, training=training, data_config_source=source)
         digest = sha256sum(Path(staging) / 'model.safetensors')
-        if dry_run:
-            return {'folder': str(out_dir), 'sha256': digest, 'data_config_source': source, 'weights': weights}
-        url = _upload(Path(staging), repo_id, private)
-    return {'url': url, 'sha256': digest, 'data_config_source': source, 'weights': weights}
+        url = _upload(Path(staging), repo_id, private) if upload else None
+    return {'folder': out_dir and str(out_dir), 'url': url, 'sha256': digest, 'data_config_source': source,
+            'weights': weights}
 
 
 def _upload(folder: Path, repo_id: str, private: bool) -> str:

@@ -6,16 +6,16 @@ gaps but checks nothing."""
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
+import timm
 import torch
 from timm.data import resolve_data_config
-from timm.models import load_model_config_from_hf, parse_model_name, split_model_name_tag
-from timm.models._hub import load_model_config_from_path  # what timm's local-dir: reads (not exported)
+from timm.models import parse_model_name, split_model_name_tag
 
 from ..checkpoints.files import load_weights
 
-__all__ = ['source_architecture', 'read_training_record', 'TrainingRecord', 'DATA_CONFIG_KEYS',
+__all__ = ['source_architecture', 'read_hub_config', 'read_training_record', 'TrainingRecord', 'DATA_CONFIG_KEYS',
            'resolve_publish_data_config', 'CROP_MODES', 'INTERPOLATIONS']
 
 # pretrained_cfg entries that say how weights were trained and evaluated (timm's resolve_data_config reads them)
@@ -31,14 +31,60 @@ def source_architecture(name: str, model_kwargs: Optional[Dict[str, Any]] = None
     source, model_id = parse_model_name(name)
     if not source:
         return split_model_name_tag(model_id)[0], model_kwargs
+    config = read_hub_config(name)
+    return config['architecture'], {**config['model_args'], **model_kwargs}
+
+
+def _config_file(name: str) -> Path:
+    source, model_id = parse_model_name(name)
     if source == 'hf-hub':
-        _, architecture, saved = load_model_config_from_hf(model_id)
-    else:
-        if not (Path(model_id) / 'config.json').is_file():
-            raise FileNotFoundError(f'{name}: no config.json in {model_id} (write one with aft-vision publish)')
-        _, architecture, saved = load_model_config_from_path(model_id)
-    saved = {key: value for key, value in (saved or {}).items() if key != 'num_classes'}  # older folders kept it
-    return architecture, {**saved, **model_kwargs}
+        from huggingface_hub import hf_hub_download
+
+        repo, _, revision = model_id.partition('@')
+        return Path(hf_hub_download(repo, 'config.json', revision=revision or None))
+    if not (Path(model_id) / 'config.json').is_file():
+        raise FileNotFoundError(f'{name}: no config.json in {model_id} (write one with aft-vision publish)')
+    return Path(model_id) / 'config.json'
+
+
+def read_hub_config(name: str) -> Dict[str, Any]:
+    """A ``local-dir:`` folder's or ``hf-hub:`` repository's config.json in timm's layout, checked: ``architecture``
+    registered, ``model_args`` an object (``hub.load_model`` builds with them), ``num_classes`` and ``label_names``
+    that agree, the data config (``DATA_CONFIG_KEYS``) present and in range. ``{'path', 'architecture',
+    'model_args', 'num_classes', 'label_names', 'data_config', 'notes'}``; ValueError naming the file and the field."""
+    path = _config_file(name)
+    config = _read_json_object(path, 'Hub config')
+    cfg = config.get('pretrained_cfg', config)  # timm also reads the older single-object layout
+    architecture, model_args = config.get('architecture'), config.get('model_args', {})
+    if not isinstance(architecture, str) or not timm.is_model(architecture):
+        raise ValueError(f'{path}: "architecture" must name a registered model, got {architecture!r}')
+    for key, value in (('pretrained_cfg', cfg), ('model_args', model_args)):
+        if not isinstance(value, dict):
+            raise ValueError(f'{path}: "{key}" must be a JSON object, got {type(value).__name__}')
+    num_classes = config.get('num_classes', cfg.get('num_classes'))
+    if not isinstance(num_classes, int) or isinstance(num_classes, bool) or num_classes < 0 or cfg.get(
+            'num_classes', num_classes) != num_classes:
+        raise ValueError(f'{path}: "num_classes" must be a whole number >= 0 that pretrained_cfg agrees with, got '
+                         f'{num_classes!r} and {cfg.get("num_classes")!r}')
+    missing = [key for key in DATA_CONFIG_KEYS if cfg.get(key) is None and key not in ('test_input_size', 'crop_mode')]
+    if missing:  # the model would be fed as the architecture's defaults say, not as its weights were evaluated
+        raise ValueError(f'{path}: "pretrained_cfg" lacks {", ".join(missing)} (how to feed the model; timm writes it)')
+    labels = config.get('label_names', cfg.get('label_names', cfg.get('labels')))
+    names = list(labels.values()) if isinstance(labels, dict) else labels
+    if labels is not None and not (isinstance(names, list) and len(names) == num_classes
+                                   and all(isinstance(label, str) for label in names)):
+        raise ValueError(f'{path}: "label_names" must be {num_classes} strings, one per class (num_classes), got '
+                         f'{type(labels).__name__} of {len(labels) if isinstance(labels, (list, dict)) else 1}')
+    model_args = {key: value for key, value in model_args.items() if key != 'num_classes'}  # older folders kept it
+    try:
+        data_config = _check_data_config({k: cfg[k] for k in DATA_CONFIG_KEYS if k in cfg},
+                                         model_args.get('in_chans', 3))
+    except ValueError as error:
+        raise ValueError(f'{path}: "pretrained_cfg": {error}') from None
+    notes = cfg.get('notes') if isinstance(cfg.get('notes'), list) else []
+    notes = [note for note in notes if isinstance(note, str)]
+    return {'path': path, 'architecture': architecture, 'model_args': model_args, 'num_classes': num_classes,
+            'label_names': names, 'data_config': data_config, 'notes': notes}
 
 
 @dataclass
@@ -49,15 +95,18 @@ class TrainingRecord:
     architecture: Optional[str] = None  # a registered name, or a local-dir: / hf-hub: source
     model_kwargs: Dict[str, Any] = field(default_factory=dict)
     timm_args: Optional[Dict[str, Any]] = None  # train.py's: the data config resolves from them as train.py did
+    label_names: Optional[List[str]] = None  # a published folder's
+    notes: List[str] = field(default_factory=list)  # how it was trained, for the published pretrained_cfg
 
 
-def _read_json_object(path: Path) -> Dict[str, Any]:
+def _read_json_object(path: Path, what: str = 'results file') -> Dict[str, Any]:
+    """A JSON object from ``path``; ValueError naming ``what`` and the file otherwise."""
     try:
-        value = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise ValueError(f'cannot read results file {path}: {error}') from None
+        value = json.loads(path.read_text(encoding='utf-8'))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f'{what} {path}: not readable JSON ({error})') from None
     if not isinstance(value, dict):
-        raise ValueError(f'results file {path} must hold a JSON object of metric -> value')
+        raise ValueError(f'{what} {path} must hold a JSON object, got a {type(value).__name__}')
     return value
 
 
@@ -72,7 +121,9 @@ def _record_from_results(results: Dict[str, Any], path: Path) -> Optional[Traini
         source = f'{path.name} (aft_vision.train: evaluated at img_size with crop_pct 1.0)'
     else:
         return None
-    return TrainingRecord(source, data_config, results.get('architecture'), dict(results.get('model_kwargs') or {}))
+    sizes = results.get('train_img_sizes') or [results.get('img_size') or data_config.get('input_size', [0])[-1]]
+    return TrainingRecord(source, data_config, results.get('architecture'), dict(results.get('model_kwargs') or {}),
+                          notes=[f'trained by aft_vision.train at {", ".join(map(str, sizes))} px'])
 
 
 def read_training_record(checkpoint: str, results_file: Optional[str] = None) -> Optional[TrainingRecord]:
@@ -86,6 +137,11 @@ def read_training_record(checkpoint: str, results_file: Optional[str] = None) ->
         record = _record_from_results(_read_json_object(path), path)
         if record is not None:
             return record
+    if (folder / 'config.json').is_file():  # a published folder: what it was published with
+        config = read_hub_config(f'local-dir:{folder}')
+        notes = [note for note in config['notes'] if not note.startswith(('preprocessing from', 'No weights'))]
+        return TrainingRecord('config.json (the published folder)', config['data_config'], f'local-dir:{folder}',
+                              config['model_args'], label_names=config['label_names'], notes=notes)
     args_file, args = folder / 'args.yaml', None
     if args_file.is_file():
         import yaml  # a timm dependency; train.py writes args.yaml with yaml.safe_dump(vars(args))
@@ -102,8 +158,10 @@ def read_training_record(checkpoint: str, results_file: Optional[str] = None) ->
         source = f'the train.py arguments inside {Path(checkpoint).name}'
     if args is None:
         return None
+    size = args.get('img_size') or (args.get('input_size') or [None])[-1]
     return TrainingRecord(source, architecture=args.get('model') or None,
-                          model_kwargs=dict(args.get('model_kwargs') or {}), timm_args=dict(args))
+                          model_kwargs=dict(args.get('model_kwargs') or {}), timm_args=dict(args),
+                          notes=[f'trained by timm train.py at {size or "default"} px, {args.get("epochs")} epochs'])
 
 
 def _spatial(value: Any, in_chans: int, name: str) -> Tuple[int, int, int]:
@@ -136,12 +194,17 @@ def _check_data_config(config: Dict[str, Any], in_chans: int) -> Dict[str, Any]:
             raise ValueError(f'interpolation must be one of {INTERPOLATIONS}, got {value!r}')
         elif key in ('mean', 'std'):
             values = [value] if isinstance(value, (int, float)) else list(value)
-            if len(values) not in (1, in_chans) or not all(isinstance(v, (int, float)) for v in values):
-                raise ValueError(f'{key} must be 1 or {in_chans} numbers, got {value!r}')
-            if key == 'std' and not all(v > 0 for v in values):
-                raise ValueError(f'std must be positive, got {value!r}')
+            numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+            if len(values) not in (1, in_chans) or not numbers or not all(
+                    v > 0 if key == 'std' else 0 <= v <= 1 for v in values):
+                raise ValueError(f'{key} must be 1 or {in_chans} numbers, '
+                                 f'{"positive" if key == "std" else "in [0, 1]"}, got {value!r}')
             value = tuple(float(v) for v in values) * (in_chans if len(values) == 1 else 1)
         checked[key] = value
+    small, large = checked.get('input_size'), checked.get('test_input_size')
+    if small and large and (large[1] < small[1] or large[2] < small[2]):
+        raise ValueError(f'test_input_size {large} is below input_size {small}: it names a larger size that scores at '
+                         'least as well')
     return checked
 
 
