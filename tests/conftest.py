@@ -10,10 +10,11 @@ The suite follows the package: a folder or files per part, one topic per file, p
   model and export test uses. floor_check.py: the script test_dependency_floors.py runs on the minimum dependencies.
   fused_check.py: the fused operator's cases, run by Triton's interpreter from layers/test_fused_operator.py.
 * layers/: the operators against the reference (exactness, properties, device policy, dispatch, the depthwise
-  backward, capture, the one-hot mixer, the modules, the Triton kernel).
+  backward, capture, the one-hot mixer, the modules, the fused operator).
 * models/: the zoo against timm's contract and the paper's Tables 7 and 8 (models_common.PAPER_TABLES), resizing,
   reliability, the pyramid and the dense clients on it, the recipes, and timm's own tests/test_models.py.
-* test_checkpoints.py: weight files, the DeiT -> AFT transfer, training checkpoints, bad files refused.
+* test_checkpoints.py: weight files, the DeiT -> AFT transfer, training checkpoints, bad files refused. test_files.py:
+  the atomic writers.
 * test_hub.py: tags, publishing and Hub / local-dir loading, offline, in timm, transformers and timm's config reader.
 * test_deploy.py, test_deploy_runtimes.py (cases in deploy_cases.py): every export path against the float64 model;
   OpenVINO, the INT8 recipes, ``aft-vision export``, bench in the deployment runtimes.
@@ -21,7 +22,9 @@ The suite follows the package: a folder or files per part, one topic per file, p
 * test_tasks_classify.py, _segment, _study, _visualize: the main job, DDP, the transfer; the segment job; the study;
   position-bias and key maps.
 * test_cli.py, test_cli_sweep.py: every option of every subcommand checked before it starts; ``predict``; the
-  entry points.
+  entry points. test_cli_sweep_inputs.py, test_sweep_files.py: generated inputs (image modes and EXIF tags, hostile
+  names, odd data folders; edited config.json fields, non-finite weights, pickles with code, card text), each held
+  to its class's rule.
 * test_imports.py (the import floors), test_docs.py (README.md and docs/ against the code), test_dependency_floors.py
   (the package on the minimum timm, huggingface_hub and safetensors).
 

@@ -154,7 +154,7 @@ def _problems(args: argparse.Namespace) -> Iterator[Optional[str]]:
         except OSError as error:
             yield f'--out: {str(error).split(": ", 1)[1]}'
     writer = int(os.environ.get('RANK', 0)) == 0  # under torchrun the other ranks only read (rank 0 has begun)
-    if options.get('out_dir') is not None and writer and (command != 'publish' or options.get('dry_run')):
+    if options.get('out_dir') is not None and writer:
         yield _fails('', check_output_dir, options['out_dir'], options.get('force', False), command in RESUMES)
     data_dir = options.get('data_dir')
     if data_dir is not None:
