@@ -42,6 +42,10 @@ class AFTConvTransformer(AFTTransformerBase):
         mixer_layer: 'aft_conv' (dense bias), 'aft_conv_onehot' (Sec. 8's one-hot bias; the same parameters), or a
             class taking ``AFTConv2d``'s arguments; ``mixer_kwargs`` go to it (e.g. ``{'tau': 0.5}``).
         dynamic_img_pad: Zero-pad images to a multiple of the patch size instead of rejecting them.
+        pre_norm: A norm between the patch embedding and the blocks (``norm_pre``, CLIP's), the patch embedding then
+            without bias, as in timm's ``VisionTransformer``.
+        mlp_layer: The blocks' MLP, a class or a name of ``MLP_LAYERS`` ('mlp', timm's ViT MLP; 'swiglu_packed',
+            EVA-02's).
         resize_mode: How the model follows an ``img_size`` other than ``base_img_size`` (here and in
             ``set_input_size``): 'window' resamples each block's window by the size ratio (the default, the best in
             docs/results.md), 'keep' keeps it ``kernel_size`` tokens wide, 'patch' resizes the patch (FlexiViT).
@@ -57,10 +61,11 @@ class AFTConvTransformer(AFTTransformerBase):
             depth: int = 12, num_heads: int = 32, kernel_size: int = 11,
             mixer_layer: Union[str, Callable[..., nn.Module]] = 'aft_conv',
             mixer_kwargs: Optional[Dict[str, Any]] = None, mlp_ratio: float = 4., qkv_bias: bool = True,
-            init_values: Optional[float] = None, dynamic_img_pad: bool = False, drop_rate: float = 0.,
-            proj_drop_rate: float = 0., drop_path_rate: float = 0., weight_init: str = '',
+            init_values: Optional[float] = None, pre_norm: bool = False, dynamic_img_pad: bool = False,
+            drop_rate: float = 0., proj_drop_rate: float = 0., drop_path_rate: float = 0., weight_init: str = '',
             norm_layer: Optional[LayerType] = None, act_layer: Optional[LayerType] = None,
-            block_fn: Type[nn.Module] = Block, resize_mode: str = 'window',
+            block_fn: Type[nn.Module] = Block, mlp_layer: Union[str, Type[nn.Module]] = 'mlp',
+            resize_mode: str = 'window',
             base_img_size: Optional[Union[int, Tuple[int, int]]] = None, device=None, dtype=None,
     ):
         super().__init__(num_classes, in_chans, embed_dim, weight_init)
@@ -74,7 +79,7 @@ class AFTConvTransformer(AFTTransformerBase):
         patch_size, kernel_size = self._size_plan(to_2tuple(img_size))
         self.output_fmt = 'NHWC'
 
-        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, output_fmt='NHWC',
+        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, output_fmt='NHWC', bias=not pre_norm,
                                       strict_img_size=False, dynamic_img_pad=dynamic_img_pad, **dd)
         if isinstance(mixer_layer, str):
             if mixer_layer not in MIXER_LAYERS:
@@ -84,7 +89,8 @@ class AFTConvTransformer(AFTTransformerBase):
         mixer_layer = partial(mixer_layer, num_heads=num_heads, kernel_size=kernel_size, **(mixer_kwargs or {}))
         self._build_trunk(
             depth, mixer_layer, block_fn, norm_layer, act_layer, drop_rate, drop_path_rate, weight_init, dd,
-            mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, proj_drop=proj_drop_rate, init_values=init_values)
+            pre_norm=pre_norm, mlp_layer=mlp_layer, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, proj_drop=proj_drop_rate,
+            init_values=init_values)
 
     def _set_global_pool(self, global_pool: str) -> None:
         if global_pool not in GLOBAL_POOLS:
@@ -199,6 +205,8 @@ class AFTConvTransformer(AFTTransformerBase):
                             ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
         """``forward_intermediates`` through ``num_blocks`` blocks in the channel-first layout: the same values."""
         x = self.patch_embed(x).permute(0, 3, 1, 2)  # (B, C, H, W): this permute cancels PatchEmbed's own
+        if not isinstance(self.norm_pre, nn.Identity):
+            x = norm_nchw(self.norm_pre, x)
         intermediates = []
         for i, blk in enumerate(self.blocks[:num_blocks]):
             x = blk.forward_nchw(x)

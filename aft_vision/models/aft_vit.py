@@ -94,6 +94,9 @@ class AFTVisionTransformer(AFTTransformerBase):
         global_pool: 'token' (class token), 'avg', 'max', 'avgmax' (of the patch tokens) or '' (no pooling).
         mixer: 'full' (AFT-full, Eqs. 2 and 7) or 'simple' (AFT-simple, Eq. 5).
         pos_dim: Width d' of AFT-full's factorised bias (Eq. 7).
+        pre_norm: A norm between the position embedding and the blocks (``norm_pre``, CLIP's), the patch embedding
+            then without bias, as in timm's ``VisionTransformer``.
+        mlp_layer: The blocks' MLP, a class or a name of ``MLP_LAYERS`` ('mlp', 'swiglu_packed').
         dynamic_img_size: Take any multiple of the patch size per call, the position embedding and AFT-full's bias
             resampled to the grid on the fly.
 
@@ -105,10 +108,12 @@ class AFTVisionTransformer(AFTTransformerBase):
             self, img_size: Union[int, Tuple[int, int]] = 224, patch_size: Union[int, Tuple[int, int]] = 16,
             in_chans: int = 3, num_classes: int = 1000, global_pool: str = 'token', embed_dim: int = 768,
             depth: int = 12, mixer: str = 'full', pos_dim: int = 128, mlp_ratio: float = 4., qkv_bias: bool = True,
-            class_token: bool = True, init_values: Optional[float] = None, dynamic_img_size: bool = False,
-            dynamic_img_pad: bool = False, drop_rate: float = 0., pos_drop_rate: float = 0., proj_drop_rate: float = 0.,
-            drop_path_rate: float = 0., weight_init: str = '', norm_layer: Optional[LayerType] = None,
-            act_layer: Optional[LayerType] = None, block_fn: Type[nn.Module] = Block, device=None, dtype=None,
+            class_token: bool = True, init_values: Optional[float] = None, pre_norm: bool = False,
+            dynamic_img_size: bool = False, dynamic_img_pad: bool = False, drop_rate: float = 0.,
+            pos_drop_rate: float = 0., proj_drop_rate: float = 0., drop_path_rate: float = 0., weight_init: str = '',
+            norm_layer: Optional[LayerType] = None, act_layer: Optional[LayerType] = None,
+            block_fn: Type[nn.Module] = Block, mlp_layer: Union[str, Type[nn.Module]] = 'mlp', device=None,
+            dtype=None,
     ):
         super().__init__(num_classes, in_chans, embed_dim, weight_init)
         dd = {'device': device, 'dtype': dtype}
@@ -121,7 +126,7 @@ class AFTVisionTransformer(AFTTransformerBase):
 
         embed_args = dict(strict_img_size=False, output_fmt='NHWC') if dynamic_img_size else {}
         self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, dynamic_img_pad=dynamic_img_pad,
-                                      **embed_args, **dd)
+                                      bias=not pre_norm, **embed_args, **dd)
         grid_size = self.patch_embed.grid_size
 
         self.cls_token = nn.Parameter(torch.empty(1, 1, embed_dim, **dd)) if class_token else None
@@ -136,7 +141,8 @@ class AFTVisionTransformer(AFTTransformerBase):
             mixer_layer = AFTSimple
         self._build_trunk(
             depth, mixer_layer, block_fn, norm_layer, act_layer, drop_rate, drop_path_rate, weight_init, dd,
-            mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, proj_drop=proj_drop_rate, init_values=init_values)
+            pre_norm=pre_norm, mlp_layer=mlp_layer, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, proj_drop=proj_drop_rate,
+            init_values=init_values)
 
     def init_weights(self, mode: str = '') -> None:
         super().init_weights(mode)
