@@ -40,13 +40,18 @@ class TransferReport:
         """A short human-readable report, one section per outcome."""
         lines = [f'copied {len(self.copied)} tensors, resampled {len(self.resampled)}, partially copied '
                  f'{len(self.partial)}, skipped {len(self.skipped)} source tensors, fresh {len(self.fresh)}']
+        carried = dict.fromkeys(re.sub(r'\.(weight|bias|gamma)$', '', key) for key in _collapse(
+            dict.fromkeys(self.copied, '')))
+        if carried:
+            lines.append(f'  copied    {", ".join(carried)}')
         lines += [f'  {title:9s} {key}: {why}' for title, items in (
             ('renamed', self.renamed), ('resampled', self.resampled), ('partial', self.partial),
             ('skipped', self.skipped))
             for key, why in _collapse(items).items()]
         lines += [f'  fresh     {key}' for key in _collapse(dict.fromkeys(self.fresh, ''))]
         if self.weights:
-            lines.append(f'  source    {self.weights}' + (f' of {self.source}' if self.source else ''))
+            of = f' of {self.source}' if self.source and self.source != 'a state dict' else ''
+            lines.append(f'  source    {self.weights}{of}')
         return '\n'.join(lines)
 
 
@@ -101,7 +106,9 @@ def _map_pos_embed(pos_embed: torch.Tensor, target: torch.Tensor, num_prefix: in
     resampled over the source's grid (timm's ``resample_abs_pos_embed``), prefix rows kept, or zero where the source
     gives its class token no position (DeiT III, DINOv2 with registers)."""
     src_prefix, grid = layout.pos_prefix, layout.grid_size
-    dst_tokens = target.shape[1] - num_prefix
+    src_tokens, dst_tokens = pos_embed.shape[1] - src_prefix, target.shape[1] - num_prefix
+    if grid is None or grid[0] * grid[1] != src_tokens:  # weights at another size than the architecture's default
+        grid = (math.isqrt(src_tokens),) * 2 if math.isqrt(src_tokens) ** 2 == src_tokens else None
     dst_side = math.isqrt(dst_tokens)
     if grid is None or dst_side * dst_side != dst_tokens or src_prefix > 1:
         raise ValueError(f'pos_embed: cannot map source {list(pos_embed.shape)} (grid {grid}, {src_prefix} prefix '
