@@ -37,6 +37,7 @@ class SourceLayout:
         act_layer: The MLP's activation by timm name; None where the weights alone cannot say (GELU is assumed).
         mlp_layer: 'mlp' or 'swiglu_packed'; mlp_hidden: fc1's width.
         fc_norm: The final norm follows the pooling (EVA-02's); rotary: rotary positions (no tensors).
+        norm_eps: The LayerNorms' epsilon (CLIP's 1e-5, others' 1e-6; a state dict alone cannot say: 1e-6).
     """
     name: str
     embed_dim: int
@@ -53,6 +54,7 @@ class SourceLayout:
     mlp_hidden: int
     fc_norm: bool = False
     rotary: bool = False
+    norm_eps: float = 1e-6
 
     def model_args(self, family: str) -> Dict[str, Any]:
         """The AFT model arguments for ``family`` 'conv' or 'vit': patch size and MLP ratio, and those of the rest
@@ -64,6 +66,8 @@ class SourceLayout:
             args['init_values'] = 1e-5  # the value is the source's, loaded over this
         if self.pre_norm:
             args['pre_norm'] = True
+        if self.norm_eps != 1e-6:
+            args['norm_eps'] = self.norm_eps
         if self.act_layer not in (None, 'gelu'):
             args['act_layer'] = self.act_layer
         if self.mlp_layer != 'mlp':
@@ -122,7 +126,7 @@ def read_layout(model: nn.Module, name: str = '') -> SourceLayout:
         pre_norm=not isinstance(getattr(model, 'norm_pre', nn.Identity()), nn.Identity),
         act_layer=act_layer, mlp_layer=mlp_layer, mlp_hidden=hidden,
         fc_norm=not isinstance(getattr(model, 'fc_norm', nn.Identity()), nn.Identity),
-        rotary=getattr(model, 'rope', None) is not None)
+        rotary=getattr(model, 'rope', None) is not None, norm_eps=getattr(block.norm1, 'eps', 1e-6))
 
 
 def infer_layout(state_dict: Mapping[str, torch.Tensor]) -> SourceLayout:

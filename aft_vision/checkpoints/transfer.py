@@ -154,7 +154,7 @@ def _canonical(source: Dict[str, torch.Tensor], layout: SourceLayout,
             continue  # the v bias, taken with the q bias
         elif key.startswith('fc_norm.') and layout.fc_norm:
             new = 'norm.' + key.split('.', 1)[1]
-            report.renamed[new] = f'{key} (the source norms after its pooling, the AFT model before)'
+            report.renamed[new] = f'{key} (after the pooling there; before it here)'
             mapped[new] = tensor
         else:
             mapped[key] = tensor

@@ -121,11 +121,14 @@ class AFTTransformerBase(nn.Module):
     def _build_trunk(self, depth: int, mixer_layer: Callable[..., nn.Module], block_fn: Type[nn.Module],
                      norm_layer: Optional[LayerType], act_layer: Optional[LayerType], drop_rate: float,
                      drop_path_rate: float, weight_init: str, dd: Dict[str, Any], pre_norm: bool = False,
-                     mlp_layer: Union[str, Type[nn.Module]] = Mlp, **block_kwargs) -> None:
+                     mlp_layer: Union[str, Type[nn.Module]] = Mlp, norm_eps: Optional[float] = None,
+                     **block_kwargs) -> None:
         """The norm before the blocks (``pre_norm``, CLIP's ``norm_pre``), ``depth`` blocks (stochastic depth linear
         over them), their ``feature_info``, final norm and head (norm, activation and MLP by name or class, None:
-        LayerNorm, GELU), then timm's ViT init unless ``weight_init='skip'``."""
+        LayerNorm, GELU; ``norm_eps`` sets the norms' epsilon), then timm's ViT init unless ``weight_init='skip'``."""
         norm_layer = get_norm_layer(norm_layer) or LayerNorm
+        if norm_eps is not None:
+            norm_layer = partial(norm_layer, eps=norm_eps)
         act_layer = get_act_layer(act_layer) or nn.GELU
         if isinstance(mlp_layer, str):
             if mlp_layer not in MLP_LAYERS:

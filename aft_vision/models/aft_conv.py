@@ -44,6 +44,8 @@ class AFTConvTransformer(AFTTransformerBase):
         dynamic_img_pad: Zero-pad images to a multiple of the patch size instead of rejecting them.
         pre_norm: A norm between the patch embedding and the blocks (``norm_pre``, CLIP's), the patch embedding then
             without bias, as in timm's ``VisionTransformer``.
+        norm_eps: The norms' epsilon (None: the norm layer's own, 1e-6 for timm's LayerNorm; OpenAI / LAION CLIP
+            weights were trained with 1e-5).
         mlp_layer: The blocks' MLP, a class or a name of ``MLP_LAYERS`` ('mlp', timm's ViT MLP; 'swiglu_packed',
             EVA-02's).
         resize_mode: How the model follows an ``img_size`` other than ``base_img_size`` (here and in
@@ -65,6 +67,7 @@ class AFTConvTransformer(AFTTransformerBase):
             drop_rate: float = 0., proj_drop_rate: float = 0., drop_path_rate: float = 0., weight_init: str = '',
             norm_layer: Optional[LayerType] = None, act_layer: Optional[LayerType] = None,
             block_fn: Type[nn.Module] = Block, mlp_layer: Union[str, Type[nn.Module]] = 'mlp',
+            norm_eps: Optional[float] = None,
             resize_mode: str = 'window',
             base_img_size: Optional[Union[int, Tuple[int, int]]] = None, device=None, dtype=None,
     ):
@@ -89,8 +92,8 @@ class AFTConvTransformer(AFTTransformerBase):
         mixer_layer = partial(mixer_layer, num_heads=num_heads, kernel_size=kernel_size, **(mixer_kwargs or {}))
         self._build_trunk(
             depth, mixer_layer, block_fn, norm_layer, act_layer, drop_rate, drop_path_rate, weight_init, dd,
-            pre_norm=pre_norm, mlp_layer=mlp_layer, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, proj_drop=proj_drop_rate,
-            init_values=init_values)
+            pre_norm=pre_norm, mlp_layer=mlp_layer, norm_eps=norm_eps, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias,
+            proj_drop=proj_drop_rate, init_values=init_values)
 
     def _set_global_pool(self, global_pool: str) -> None:
         if global_pool not in GLOBAL_POOLS:

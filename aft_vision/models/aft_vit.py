@@ -96,6 +96,8 @@ class AFTVisionTransformer(AFTTransformerBase):
         pos_dim: Width d' of AFT-full's factorised bias (Eq. 7).
         pre_norm: A norm between the position embedding and the blocks (``norm_pre``, CLIP's), the patch embedding
             then without bias, as in timm's ``VisionTransformer``.
+        norm_eps: The norms' epsilon (None: the norm layer's own, 1e-6 for timm's LayerNorm; OpenAI / LAION CLIP
+            weights were trained with 1e-5).
         mlp_layer: The blocks' MLP, a class or a name of ``MLP_LAYERS`` ('mlp', 'swiglu_packed').
         dynamic_img_size: Take any multiple of the patch size per call, the position embedding and AFT-full's bias
             resampled to the grid on the fly.
@@ -112,7 +114,8 @@ class AFTVisionTransformer(AFTTransformerBase):
             dynamic_img_size: bool = False, dynamic_img_pad: bool = False, drop_rate: float = 0.,
             pos_drop_rate: float = 0., proj_drop_rate: float = 0., drop_path_rate: float = 0., weight_init: str = '',
             norm_layer: Optional[LayerType] = None, act_layer: Optional[LayerType] = None,
-            block_fn: Type[nn.Module] = Block, mlp_layer: Union[str, Type[nn.Module]] = 'mlp', device=None,
+            block_fn: Type[nn.Module] = Block, mlp_layer: Union[str, Type[nn.Module]] = 'mlp',
+            norm_eps: Optional[float] = None, device=None,
             dtype=None,
     ):
         super().__init__(num_classes, in_chans, embed_dim, weight_init)
@@ -141,8 +144,8 @@ class AFTVisionTransformer(AFTTransformerBase):
             mixer_layer = AFTSimple
         self._build_trunk(
             depth, mixer_layer, block_fn, norm_layer, act_layer, drop_rate, drop_path_rate, weight_init, dd,
-            pre_norm=pre_norm, mlp_layer=mlp_layer, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, proj_drop=proj_drop_rate,
-            init_values=init_values)
+            pre_norm=pre_norm, mlp_layer=mlp_layer, norm_eps=norm_eps, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias,
+            proj_drop=proj_drop_rate, init_values=init_values)
 
     def init_weights(self, mode: str = '') -> None:
         super().init_weights(mode)
