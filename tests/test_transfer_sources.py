@@ -124,3 +124,50 @@ def test_cli_reads_a_files_layout_from_src_model(tmp_path, capsys):
     assert torch.equal(model.norm_pre.weight, source.norm_pre.weight)
     assert cli_main(args + ['--force']) == 0  # without --src-model: GELU assumed, and said
     assert 'GELU assumed' in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Backbone tags: the source's own Hub files converted on load, offline (a Hub cache the test fills itself).
+# ---------------------------------------------------------------------------------------------------------------------
+BACKBONE_TAGS = [t for t in timm.list_pretrained('aft_*') if not t.endswith('.deit_in1k')]
+
+
+def test_every_backbone_tag_builds_its_sources_layout_with_its_preprocessing():
+    assert len(BACKBONE_TAGS) == 14
+    for tag in BACKBONE_TAGS:
+        cfg = timm.models.get_pretrained_cfg(tag)
+        source = cfg.notes[0].split(' ')[0]
+        src_cfg = timm.models.get_pretrained_cfg(source)
+        assert cfg.hf_hub_id == src_cfg.hf_hub_id and (cfg.mean, cfg.std) == (src_cfg.mean, src_cfg.std), tag
+        assert cfg.num_classes == 0 and 'initialisation for fine-tuning' in cfg.notes[0]
+        model = timm.create_model(tag, pretrained=False, device='meta')
+        layout = read_layout(timm.create_model(source.split('.')[0], pretrained=False, device='meta'))
+        family = 'conv' if tag.startswith('aft_conv') else 'vit'
+        for key, value in layout.model_args(family).items():
+            assert model._model_args[key] == value, (tag, key)  # what save_for_hf's config.json records
+        assert tuple(model.patch_embed.patch_size) == layout.patch_size
+        assert isinstance(model.blocks[0].ls1, torch.nn.Identity) != layout.layer_scale
+        if cfg.pool_size:
+            assert cfg.pool_size == tuple(s // p for s, p in zip(cfg.input_size[1:], layout.patch_size)), tag
+
+
+@pytest.mark.parametrize('tag', ['aft_conv_small.dinov2_reg4_lvd142m', 'aft_full_small.eva02_mim_in22k'])
+def test_backbone_tag_loads_its_sources_hub_file(tag, tmp_path, offline_hub):
+    source_name = timm.models.get_pretrained_cfg(tag).notes[0].split(' ')[0]
+    torch.manual_seed(0)
+    source = timm.create_model(source_name, pretrained=False).eval()
+    folder = tmp_path / 'source'
+    timm.models.save_for_hf(source, str(folder), safe_serialization=True)
+    offline_hub(source.pretrained_cfg['hf_hub_id'], folder)
+    model = timm.create_model(tag, pretrained=True).eval()
+    state = model.state_dict()
+    for key in ('blocks.3.mlp.fc1.weight', 'blocks.3.norm2.bias', 'patch_embed.proj.weight'):
+        assert torch.equal(state[key], source.state_dict()[key]), key
+    if 'dinov2' in tag:
+        assert torch.equal(state['blocks.5.ls2.gamma'], source.blocks[5].ls2.gamma)
+    else:  # EVA-02: q / v biases into one, fc_norm as the final norm
+        assert torch.equal(state['norm.weight'], source.fc_norm.weight)
+        assert torch.equal(state['blocks.0.attn.qkv.bias'][-384:], source.blocks[0].attn.v_bias)
+    size = model.pretrained_cfg['input_size'][-1]
+    out = model(torch.randn(1, 3, size, size))
+    assert out.shape == (1, 384) and torch.isfinite(out).all()

@@ -1,6 +1,7 @@
 """The layout of a ViT-family transfer source (DeiT / DeiT III, DINOv2, CLIP, SigLIP, EVA-02), read from timm's own
 model where there is one and inferred from the state dict's keys where there is not, and the AFT model arguments
 that hold it. ``transfer.py`` maps the tensors; which tensors each source gives and loses: docs/weights.md."""
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple
@@ -158,6 +159,7 @@ def infer_layout(state_dict: Mapping[str, torch.Tensor]) -> SourceLayout:
         fc_norm='fc_norm.weight' in state_dict and 'norm.weight' not in state_dict)
 
 
+@functools.lru_cache(maxsize=None)
 def source_layout(arch: str) -> SourceLayout:
     """The layout of timm architecture ``arch`` (a registered name, tag allowed), built on the meta device: no
     weights are made or downloaded."""

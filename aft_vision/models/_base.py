@@ -12,11 +12,12 @@ from torch.jit import Final
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import DropPath, LayerNorm, LayerScale, LayerType, Mlp, SwiGLUPacked, calculate_drop_path_rates, \
     get_act_layer, get_device_dtype, get_norm_layer
-from timm.models import checkpoint, named_apply, register_notrace_function
+from timm.models import checkpoint, get_pretrained_cfg, named_apply, register_notrace_function
 from timm.models._features import feature_take_indices  # as timm's own models import it (not re-exported)
 from timm.models.vision_transformer import init_weights_vit_timm
 
 from ..layers import layer_norm_nchw, linear_nchw
+from ..checkpoints.sources import source_layout
 from ..checkpoints.transfer import is_vit_state_dict, transfer_vit_weights, unwrap_state_dict
 
 _logger = logging.getLogger(__name__)
@@ -273,7 +274,10 @@ def adapt_vit_checkpoint(state_dict: Dict[str, torch.Tensor], model: nn.Module) 
     (``transfer_vit_weights``, logged). One with exactly the model's keys (an AFT-simple's are a ViT's) loads as is."""
     state_dict = unwrap_state_dict(state_dict)
     if is_vit_state_dict(state_dict) and set(state_dict) != set(model.state_dict()):
-        state_dict, report = transfer_vit_weights(state_dict, model)
+        cfg = getattr(model, 'pretrained_cfg', None) or {}
+        source = BACKBONE_SOURCES.get(f"{cfg.get('architecture')}.{cfg.get('tag')}")
+        layout = source_layout(source) if source else None  # a backbone tag's source, read from its timm model
+        state_dict, report = transfer_vit_weights(state_dict, model, layout=layout)
         _logger.info('DeiT -> %s transfer: %s', type(model).__name__, report.summary())
     return state_dict
 
@@ -299,6 +303,34 @@ UNTRAINED_NOTE = 'No weights: the DeiT recipe\'s preprocessing only. The .deit_i
 def deit_init_cfg(cfg_fn: Callable[..., Dict[str, Any]], deit_tag: str, **kwargs) -> Dict[str, Any]:
     """A ``.deit_in1k`` tag: ``deit_tag``'s weights from timm's Hub, converted on load into a backbone."""
     return cfg_fn(hf_hub_id=f'timm/{deit_tag}', num_classes=0, notes=(DEIT_INIT_NOTE,), **kwargs)
+
+
+# backbone tags ('arch.tag' -> the timm source 'arch.tag' whose Hub weights they convert on load), filled by
+# ``backbone_cfg`` as each family registers its tags
+BACKBONE_SOURCES: Dict[str, str] = {}
+BACKBONE_NOTE = (
+    '{source} weights converted on load by the ViT -> AFT transfer (the model built to hold their layout): a '
+    'backbone initialisation for fine-tuning, not a trained AFT model and not a classifier. AFT-specific tensors '
+    '(position biases, AFT-conv\'s query and key projections) start fresh; the source\'s head is dropped '
+    '(num_classes=0): pass num_classes=N for a fresh N-class head. Preprocessing: the source\'s.'
+)
+
+
+def backbone_cfg(cfg_fn: Callable[..., Dict[str, Any]], tag: str, source: str, **kwargs) -> Dict[str, Any]:
+    """Backbone tag ``tag`` ('arch.tag'): timm model ``source``'s Hub weights (with its mean, std, license),
+    converted on load into the model ``backbone_args`` builds."""
+    src = get_pretrained_cfg(source)
+    BACKBONE_SOURCES[tag] = source
+    return cfg_fn(hf_hub_id=src.hf_hub_id, num_classes=0, mean=src.mean, std=src.std, license=src.license,
+                  notes=(BACKBONE_NOTE.format(source=source),), **kwargs)
+
+
+def backbone_args(variant: str, family: str, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """The model arguments of the backbone tag ``kwargs['pretrained_cfg']`` names (as ``create_model`` passes a tag):
+    what the source's layout needs (patch, LayerScale, pre-norm, activation, MLP); empty for any other tag."""
+    tag = kwargs.get('pretrained_cfg')
+    source = BACKBONE_SOURCES.get(f'{variant}.{tag}') if isinstance(tag, str) else None
+    return source_layout(source).model_args(family) if source else {}
 
 
 def untrained_cfg(cfg_fn: Callable[..., Dict[str, Any]], **kwargs) -> Dict[str, Any]:

@@ -19,7 +19,8 @@ from timm.models._features import feature_take_indices
 from timm.models._input import update_model_args, update_model_input_size  # what timm's ViT records on a resize
 
 from aft_vision.layers import AFTConv2d, AFTConv2dOneHot, exporting, resize_window_bias, scaled_kernel_size
-from ._base import AFTTransformerBase, Block, adapt_vit_checkpoint, aft_cfg, deit_init_cfg, norm_nchw, untrained_cfg
+from ._base import AFTTransformerBase, Block, adapt_vit_checkpoint, aft_cfg, backbone_args, backbone_cfg, \
+    deit_init_cfg, norm_nchw, untrained_cfg
 
 # register_model adds each entry point
 __all__ = ['AFTConvTransformer', 'EXPORT_LAYOUTS', 'export_layout', 'forward_at_size']
@@ -299,18 +300,33 @@ _INIT = {  # each model's cfg and the DeiT weights its '.deit_in1k' tag converts
 }
 # '.untrained*' (no weights) is each default, listed after the tags with weights as generate_default_cfgs requires, so
 # pretrained=True needs a tag. No test_input_size: Table 7's gain at 384 is for its trained weights.
+_PATCH14 = dict(pool_size=(16, 16))  # 224 px in 14-px patches
+_BACKBONES = {  # backbone tags: (the timm source whose Hub weights they convert, cfg changes); docs/weights.md
+    'aft_conv_small.deit3_in1k': ('deit3_small_patch16_224.fb_in1k', {}),
+    'aft_conv_small.dinov2_lvd142m': ('vit_small_patch14_dinov2.lvd142m', _PATCH14),
+    'aft_conv_small.dinov2_reg4_lvd142m': ('vit_small_patch14_reg4_dinov2.lvd142m', _PATCH14),
+    'aft_conv_small.eva02_mim_in22k': ('eva02_small_patch14_224.mim_in22k', _PATCH14),
+    'aft_conv_base_25_h32.clip_laion2b': ('vit_base_patch16_clip_224.laion2b', {}),
+    'aft_conv_base_25_h32.clip_openai': ('vit_base_patch16_clip_quickgelu_224.openai', {}),
+    'aft_conv_base_25_h32.siglip_webli': ('vit_base_patch16_siglip_224.webli', {}),
+}
 default_cfgs = generate_default_cfgs({
     **{f'{name}.deit_in1k': deit_init_cfg(cfg, deit) for name, (cfg, deit) in _INIT.items()},
+    **{tag: backbone_cfg(_INIT[tag.split('.')[0]][0], tag, source, **cfg) for tag, (source, cfg) in _BACKBONES.items()},
     **{f'{name}.untrained*': untrained_cfg(cfg) for name, (cfg, _) in _INIT.items()},
     'aft_conv_test.untrained*': untrained_cfg(_cfg, input_size=(3, 64, 64), pool_size=(8, 8), crop_pct=.95),
 })
 
 
 def _model(variant: str, pretrained: bool, kwargs: Dict[str, Any], **model_args) -> AFTConvTransformer:
-    kwargs = dict(model_args, **kwargs)
+    tag_args = backbone_args(variant, 'conv', kwargs)  # a backbone tag's model holds its source's layout
+    kwargs = {**model_args, **tag_args, **kwargs}
     feature_cfg = dict(out_indices=kwargs.pop('out_indices', 3), feature_cls='getter')
-    return build_model_with_cfg(AFTConvTransformer, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn,
-                                feature_cfg=feature_cfg, **kwargs)
+    model = build_model_with_cfg(AFTConvTransformer, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn,
+                                 feature_cfg=feature_cfg, **kwargs)
+    if tag_args:
+        update_model_args(model, **tag_args)  # config.json rebuilds it
+    return model
 
 
 @register_model

@@ -17,11 +17,13 @@ from torch.jit import Final
 from timm.layers import LayerType, PatchEmbed, global_pool_nlc, resample_abs_pos_embed, to_2tuple, trunc_normal_
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
-from timm.models._input import get_pretrained_grid_size, update_model_input_size  # as timm's ViT (not re-exported)
+from timm.models._input import (  # as timm's ViT (not re-exported)
+    get_pretrained_grid_size, update_model_args, update_model_input_size)
 from timm.models.vision_transformer import checkpoint_filter_fn as vit_checkpoint_filter_fn
 
 from aft_vision.layers import AFTFull, AFTSimple, aft_full
-from ._base import AFTTransformerBase, Block, adapt_vit_checkpoint, aft_cfg, deit_init_cfg, untrained_cfg
+from ._base import AFTTransformerBase, Block, adapt_vit_checkpoint, aft_cfg, backbone_args, backbone_cfg, \
+    deit_init_cfg, untrained_cfg
 
 __all__ = ['AFTVisionTransformer', 'GridAFTFull']  # register_model adds each entry point
 
@@ -289,8 +291,18 @@ _DEIT = {  # each model's '.deit_in1k' tag converts these DeiT weights
 }
 # '.untrained*' (no weights) is each default, listed after the tags with weights as generate_default_cfgs requires, so
 # pretrained=True needs a tag
+_BACKBONES = {  # backbone tags: the timm source whose Hub weights they convert on load; docs/weights.md
+    'aft_full_small.deit3_in1k': 'deit3_small_patch16_224.fb_in1k',
+    'aft_full_small.dinov2_lvd142m': 'vit_small_patch14_dinov2.lvd142m',
+    'aft_full_small.dinov2_reg4_lvd142m': 'vit_small_patch14_reg4_dinov2.lvd142m',
+    'aft_full_small.eva02_mim_in22k': 'eva02_small_patch14_224.mim_in22k',
+    'aft_full_base.clip_laion2b': 'vit_base_patch16_clip_224.laion2b',
+    'aft_full_base.clip_openai': 'vit_base_patch16_clip_quickgelu_224.openai',
+    'aft_full_base.siglip_webli': 'vit_base_patch16_siglip_224.webli',
+}
 default_cfgs = generate_default_cfgs({
     **{f'{name}.deit_in1k': deit_init_cfg(_cfg, deit) for name, deit in _DEIT.items()},
+    **{tag: backbone_cfg(_cfg, tag, source) for tag, source in _BACKBONES.items()},
     **{f'{name}.untrained*': untrained_cfg(_cfg) for name in _DEIT},
     'aft_full_test.untrained*': untrained_cfg(_cfg, input_size=(3, 64, 64), crop_pct=.95),
     'aft_simple_test.untrained*': untrained_cfg(_cfg, input_size=(3, 64, 64), crop_pct=.95),
@@ -298,10 +310,14 @@ default_cfgs = generate_default_cfgs({
 
 
 def _model(variant: str, pretrained: bool, kwargs: Dict[str, Any], **model_args) -> AFTVisionTransformer:
-    kwargs = dict(model_args, **kwargs)
+    tag_args = backbone_args(variant, 'vit', kwargs)  # a backbone tag's model holds its source's layout
+    kwargs = {**model_args, **tag_args, **kwargs}
     feature_cfg = dict(out_indices=kwargs.pop('out_indices', 3), feature_cls='getter')
-    return build_model_with_cfg(AFTVisionTransformer, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn,
-                                feature_cfg=feature_cfg, **kwargs)
+    model = build_model_with_cfg(AFTVisionTransformer, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn,
+                                 feature_cfg=feature_cfg, **kwargs)
+    if tag_args:
+        update_model_args(model, **tag_args)  # config.json rebuilds it
+    return model
 
 
 @register_model
