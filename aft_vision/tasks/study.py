@@ -5,7 +5,6 @@ from the ViT baseline (Table 8), ``window`` (Tables 9, 10) and ``resolution`` (d
 import copy
 import difflib
 import json
-import os
 import platform
 import statistics
 import time
@@ -18,7 +17,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
 
-from ..checkpoints.files import load_weights, save_weights
+from ..checkpoints.files import atomic_file, load_weights, save_weights
 from ..checkpoints.transfer import transfer_vit_weights
 from ..hub import create_aft_model
 from .classify import DIGITS_MODEL, ClassifySettings, at_size, check_model_and_sizes
@@ -158,10 +157,10 @@ def check_settings(settings: StudySettings) -> Dict[str, Dict]:
     return kwargs
 
 
-def _write(path: Path, text: str) -> None:  # through a temporary sibling: a record is whole or absent
-    temp = path.with_name(f'.{path.name}.tmp')
-    temp.write_text(text)
-    os.replace(temp, path)
+def _write(path: Path, text: str) -> None:
+    """A record or report, whole or absent (``atomic_file``); the study rewrites its own files as it resumes."""
+    with atomic_file(path, force=True) as temp:
+        temp.write_text(text)
 
 
 def count_macs(model_name: str, model_kwargs: Dict, img_size: int, num_classes: int) -> int:
