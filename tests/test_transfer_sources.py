@@ -171,3 +171,25 @@ def test_backbone_tag_loads_its_sources_hub_file(tag, tmp_path, offline_hub):
     size = model.pretrained_cfg['input_size'][-1]
     out = model(torch.randn(1, 3, size, size))
     assert out.shape == (1, 384) and torch.isfinite(out).all()
+
+
+def test_hf_hub_source_through_the_command(tmp_path, offline_hub, capsys):
+    """An ``hf-hub:`` source (timm's save_for_hf layout, offline): its layout read from the model timm rebuilds from
+    config.json. The command's ``run`` is called directly: ``cli/args.py`` still refuses an ``hf-hub:`` --src."""
+    import argparse
+    from aft_vision.cli import transfer as transfer_command
+
+    source = tiny_source('vit_small_patch14_reg4_dinov2')
+    folder = tmp_path / 'repo'
+    timm.models.save_for_hf(source, str(folder), safe_serialization=True,
+                            model_args=dict(img_size=56, embed_dim=64, depth=2, num_heads=2))
+    offline_hub('me/tiny-dinov2', folder)
+    out = tmp_path / 'aft.safetensors'
+    args = argparse.Namespace(src='hf-hub:me/tiny-dinov2', src_model=None, model='aft_conv_test', out=str(out),
+                              model_kwargs={'depth': 2}, num_classes=0, force=False, use_ema=True)
+    assert transfer_command.run(args) == 0
+    printed = capsys.readouterr().out
+    assert 'patch_size=14' in printed and 'init_values=1e-05' in printed and 'reg_token: 4 register tokens' in printed
+    converted_weights = load_file(str(out))
+    for key in ('blocks.1.ls2.gamma', 'blocks.1.mlp.fc2.weight', 'patch_embed.proj.weight'):
+        assert torch.equal(converted_weights[key], source.state_dict()[key]), key
