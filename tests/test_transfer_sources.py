@@ -193,3 +193,19 @@ def test_hf_hub_source_through_the_command(tmp_path, offline_hub, capsys):
     converted_weights = load_file(str(out))
     for key in ('blocks.1.ls2.gamma', 'blocks.1.mlp.fc2.weight', 'patch_embed.proj.weight'):
         assert torch.equal(converted_weights[key], source.state_dict()[key]), key
+
+
+@pytest.mark.parametrize('mlp_layer', ['mlp', 'swiglu_packed'])
+def test_new_block_arguments_record_in_the_channel_first_layout(mlp_layer):
+    """AFT-conv with LayerScale, pre-norm, QuickGELU, CLIP's epsilon (and EVA's MLP) records the same function in the
+    NCHW layout exported graphs use as it runs eagerly."""
+    from aft_vision.models.aft_conv import export_layout
+
+    torch.manual_seed(0)
+    model = timm.create_model('aft_conv_test', init_values=0.1, pre_norm=True, act_layer='quick_gelu', norm_eps=1e-5,
+                              mlp_layer=mlp_layer).eval()
+    assert model.norm_pre.eps == model.blocks[0].norm1.eps == 1e-5 and model.patch_embed.proj.bias is None
+    images = torch.randn(2, 3, 64, 64)
+    with torch.no_grad(), export_layout(model, 'NCHW'):
+        traced = torch.jit.trace(model, images)
+        torch.testing.assert_close(traced(images), model(images), rtol=1e-4, atol=1e-5)
