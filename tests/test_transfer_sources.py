@@ -104,6 +104,8 @@ def test_refusals_name_the_key():
     hybrid = timm.create_model('vit_tiny_r_s16_p8_224', pretrained=False, depth=1, img_size=64)
     with pytest.raises(ValueError, match="hybrid CNN stem \\(key 'patch_embed.backbone'\\)"):
         read_layout(hybrid)
+    with pytest.raises(ValueError, match="hybrid CNN stem \\(key 'patch_embed.backbone.conv.weight'\\)"):
+        transfer_vit_weights(hybrid.state_dict(), plain)  # the keys alone say it too
     eva_base = timm.create_model('eva02_base_patch14_224', pretrained=False, depth=1, embed_dim=64, num_heads=2)
     with pytest.raises(ValueError, match="SwiGLU \\(key 'blocks.0.mlp.fc1_g.weight'\\)"):
         read_layout(eva_base)

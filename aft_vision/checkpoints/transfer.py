@@ -205,6 +205,10 @@ def transfer_vit_weights(state_dict: Mapping[str, torch.Tensor], model: torch.nn
         if required not in source:
             raise ValueError(f'not a ViT / DeiT checkpoint: key {required!r} is missing '
                              f'(found e.g. {sorted(source)[:5]})')
+    stem = next((key for key in source if key.startswith('patch_embed.backbone.')), None)
+    if stem:
+        raise ValueError(f'a hybrid CNN stem (key {stem!r}), which no AFT patch embedding holds: only a '
+                         f'single-convolution patch embedding maps')
     layout = layout or infer_layout(source)
     target = model.state_dict()
     report = TransferReport(weights=weights, source=layout.name)
