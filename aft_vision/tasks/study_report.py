@@ -93,7 +93,8 @@ def plot_study(summary: Dict, records: Dict[str, Dict], folder: Path) -> List[st
         save_figure(fig, folder / f'{part}.png')
         written.append(f'{part}.png')
     for part in (part for part in ('transfer', 'transfer_ls') if part in tables):
-        models = [(r['key'], r['label'].split(' (')[0]) for r in tables[part] if r['start'] != 'random']
+        models = [(r['key'], r['label'].split(' (')[0].split(' with ')[0])  # short titles: the model's name
+                  for r in tables[part] if r['start'] != 'random']
         fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 3.6), squeeze=False)
         for ax, (key, title) in zip(axes[0], models):
             for r in (r for r in tables[part] if r['key'] == key):
