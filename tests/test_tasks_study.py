@@ -49,11 +49,15 @@ def test_plan_covers_every_part_once_and_trains_the_baseline_before_the_transfer
         for key in ('aft_conv', 'aft_full'):
             assert ids.index(f'{key}-vit-e2-s{seed}') > baseline
             assert f'{key}-random-e2-s{seed}' in ids and f'{key}-random-e6-s{seed}' in ids
+            # transfer_ls: from the ViT with LayerScale and pre-norm, trained first, into both families built alike
+            assert ids.index(f'{key}_ls-vit_ls-e2-s{seed}') > ids.index(f'vit_ls-random-e6-s{seed}')
+            assert f'{key}_ls-random-e2-s{seed}' in ids
         for kernel, heads in ((3, 64), (5, 64), (7, 64), (5, 1), (5, 4)):
             assert f'aft_conv_k{kernel}_h{heads}-random-e6-s{seed}' in ids
         for key in ('vit', 'aft_full', 'aft_simple', 'aft_conv'):  # resolution: the families at several sizes too
             assert f'{key}_ms-random-e6-s{seed}' in ids
-    assert len(ids) == 2 * (4 + 4 + 5 + 4)  # families, transfer's short runs, window and heads (k5 h64 shared), sizes
+    # families, transfer's short runs, transfer_ls (its ViT and short runs), window and heads (k5 h64 shared), sizes
+    assert len(ids) == 2 * (4 + 4 + 5 + 5 + 4)
     only = [run.id for run in plan_runs(StudySettings(epochs=6, seeds=1, parts=('window',)))]
     assert only == [i for i in ids if i.startswith('aft_conv_k') and i.endswith('s0')]
 
@@ -81,14 +85,21 @@ def test_study_writes_a_record_per_run_the_tables_and_the_plots(finished_study):
         transferred['transfer']
     table = (out / 'study.md').read_text()
     for title in ('## Families at equal size', '## Transfer from the ViT baseline', '## AFT-conv: window and heads',
-                  '## Resolution: one set of weights at every size'):
+                  '## Resolution: one set of weights at every size', '## Transfer from a ViT with LayerScale'):
         assert title in table
     assert len(summary['tables']['families']) == 4 and len(summary['tables']['window']) == 5
     assert len(summary['tables']['transfer']) == 1 + 2 * 2  # ViT; AFT-conv, AFT-full from ViT and random (1 == 1/3)
     rows = [line for line in table.splitlines() if line.startswith('| ') and ' ± ' in line]
     # resolution: ViT, AFT-full, AFT-simple resampled; AFT-conv keep, window, patch; each trained at 1 and 2 sizes
     assert len(summary['tables']['resolution']) == 2 * (3 + 3)
-    assert len(rows) == 4 + 5 + 5 + 12
+    assert len(rows) == 4 + 5 + 5 + 5 + 12
+    # transfer_ls: the models hold the ViT's LayerScale and pre-norm; the head start is the first epochs' difference
+    transferred = json.loads((out / 'runs' / 'aft_full_ls-vit_ls-e1-s0.json').read_text())
+    control = json.loads((out / 'runs' / 'aft_full_ls-random-e1-s0.json').read_text())
+    assert transferred['model_kwargs']['init_values'] == 0.1 and transferred['model_kwargs']['pre_norm'] is True
+    assert 'blocks.*.ls1' in transferred['transfer'] and 'norm_pre' in transferred['transfer']
+    row = next(r for r in summary['tables']['transfer_ls'] if r['key'] == 'aft_full_ls' and r['start'] == 'vit_ls')
+    assert row['head_start'] == [transferred['history'][0]['val_top1'] - control['history'][0]['val_top1']]
     # the record's figures at every size are what its weights score, rebuilt for each size in each mode
     record = json.loads((out / 'runs' / 'aft_conv_ms-random-e1-s0.json').read_text())
     assert record['model_kwargs']['resize_mode'] == 'window'
@@ -99,10 +110,10 @@ def test_study_writes_a_record_per_run_the_tables_and_the_plots(finished_study):
         resized = copy.deepcopy(model)
         resized.set_input_size(img_size=24, resize_mode=mode)
         assert evaluate(resized, val, 24) == record['top1_at'][mode]['24'], mode
-    for name in ('families.png', 'transfer.png', 'window.png', 'resolution.png'):
+    for name in ('families.png', 'transfer.png', 'transfer_ls.png', 'window.png', 'resolution.png'):
         assert (out / 'plots' / name).read_bytes()[:4] == b'\x89PNG'
     assert json.loads((out / 'study.json').read_text())['tables'] == summary['tables']
-    assert not list(out.rglob('.*.tmp'))  # every temporary file renamed into place
+    assert not list(out.rglob('.*'))  # every temporary file (a hidden sibling) renamed into place
 
 
 def test_second_call_skips_finished_runs(finished_study, monkeypatch):
@@ -126,7 +137,7 @@ def test_second_call_skips_finished_runs(finished_study, monkeypatch):
     (['--img-size', '30'], '--img-size 30: 30 px is not a multiple of the patch size 4x4'),
     (['--eval-img-size', '50'], '--eval-img-size 50: 50 px is not a multiple of the patch size 4x4'),
     (['--seeds', '0'], '--seeds: must be >= 1, got 0'),
-    (['--parts', 'families', 'tables'], '--parts: tables: choose from families, transfer, window'),
+    (['--parts', 'families', 'tables'], '--parts: tables: choose from families, transfer, transfer_ls, window'),
 ])
 def test_bad_configuration_is_one_line_and_writes_nothing(tmp_path, capsys, args, message):
     out = tmp_path / 'study'

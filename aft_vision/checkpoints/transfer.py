@@ -1,20 +1,24 @@
-"""DeiT / ViT -> AFT weight transfer (Sec. 5.3, Table 8 of the AFT paper), and a checkpoint's weights taken as timm
-takes them. Which tensors are copied, resampled or started fresh per family: docs/weights.md. timm maps other
-families' weights only inside each model's checkpoint filter, with no report of what it took."""
+"""ViT -> AFT weight transfer (Sec. 5.3, Table 8 of the AFT paper) from DeiT, DeiT III, DINOv2, CLIP, SigLIP and
+EVA-02 (their layouts: ``sources.py``), and a checkpoint's weights taken as timm takes them. Which tensors are copied,
+resampled, dropped or started fresh per source and family: docs/weights.md. timm maps other families' weights only
+inside each model's checkpoint filter, with no report of what it took."""
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
-from timm.layers import resample_abs_pos_embed
+from timm.layers import GluMlp, Mlp, resample_abs_pos_embed
 from timm.models import clean_state_dict
+
+from .sources import SourceLayout, act_name, infer_layout
 
 __all__ = ['TransferReport', 'transfer_vit_weights', 'select_weights', 'unwrap_state_dict', 'is_vit_state_dict']
 
 _QKV = re.compile(r'blocks\.(\d+)\.attn\.qkv\.(weight|bias)$')
 _DISTILLATION = ('dist_token', 'head_dist.weight', 'head_dist.bias')
 _CLASSIFIER = ('head.weight', 'head.bias')
+MLP_KINDS = {'mlp': Mlp, 'swiglu_packed': GluMlp}  # the MLPs of the blocks a source may have (``SourceLayout``)
 # the entries of a training checkpoint that hold weights, in the order timm's load_state_dict takes them
 EMA_KEYS = ('state_dict_ema', 'model_ema')
 WEIGHT_KEYS = EMA_KEYS + ('state_dict', 'model')
@@ -28,25 +32,38 @@ class TransferReport:
     partial: Dict[str, str] = field(default_factory=dict)
     skipped: Dict[str, str] = field(default_factory=dict)  # source key -> reason
     fresh: List[str] = field(default_factory=list)
+    renamed: Dict[str, str] = field(default_factory=dict)  # target key -> the source tensors it was taken from
     weights: str = ''  # which of the source checkpoint's weights were taken (``select_weights``)
+    source: str = ''  # the source's architecture, or 'a state dict'
 
     def summary(self) -> str:
         """A short human-readable report, one section per outcome."""
         lines = [f'copied {len(self.copied)} tensors, resampled {len(self.resampled)}, partially copied '
                  f'{len(self.partial)}, skipped {len(self.skipped)} source tensors, fresh {len(self.fresh)}']
+        carried = dict.fromkeys(re.sub(r'\.(weight|bias|gamma)$', '', key) for key in _collapse(
+            dict.fromkeys(self.copied, '')))
+        if carried:
+            lines.append(f'  copied    {", ".join(carried)}')
         lines += [f'  {title:9s} {key}: {why}' for title, items in (
-            ('resampled', self.resampled), ('partial', self.partial), ('skipped', self.skipped))
+            ('renamed', self.renamed), ('resampled', self.resampled), ('partial', self.partial),
+            ('skipped', self.skipped))
             for key, why in _collapse(items).items()]
         lines += [f'  fresh     {key}' for key in _collapse(dict.fromkeys(self.fresh, ''))]
         if self.weights:
-            lines.append(f'  source    {self.weights}')
+            of = f' of {self.source}' if self.source and self.source != 'a state dict' else ''
+            lines.append(f'  source    {self.weights}{of}')
         return '\n'.join(lines)
+
+
+def _star(match: re.Match) -> str:
+    return 'blocks.*.' if match.group(0).startswith('blocks.') else 'attn_pool.*'
 
 
 def _collapse(items: Mapping[str, str]) -> Dict[str, str]:
     folded: Dict[str, str] = {}
     for key, why in items.items():
-        folded.setdefault(re.sub(r'^blocks\.\d+\.', 'blocks.*.', key), re.sub(r'blocks\.\d+\.', 'blocks.*.', why))
+        folded.setdefault(re.sub(r'^blocks\.\d+\.|^attn_pool\..*', _star, key),
+                          re.sub(r'blocks\.\d+\.', 'blocks.*.', why))
     return folded
 
 
@@ -83,14 +100,80 @@ def _num_blocks(keys) -> int:
     return max(indices) + 1 if indices else 0
 
 
-def _resample_pos_embed(pos_embed: torch.Tensor, target: torch.Tensor, num_prefix: int) -> torch.Tensor:
-    # (1, prefix + h*w, C) over a square source grid -> the target's token count
-    src_tokens, dst_tokens = pos_embed.shape[1] - num_prefix, target.shape[1] - num_prefix
-    src_side, dst_side = math.isqrt(src_tokens), math.isqrt(dst_tokens)
-    if src_side * src_side != src_tokens or dst_side * dst_side != dst_tokens:
-        raise ValueError(f'pos_embed: cannot resample a non-square grid, source {list(pos_embed.shape)} '
-                         f'-> model {list(target.shape)}')
-    return resample_abs_pos_embed(pos_embed, [dst_side, dst_side], [src_side, src_side], num_prefix_tokens=num_prefix)
+def _map_pos_embed(pos_embed: torch.Tensor, target: torch.Tensor, num_prefix: int, layout: SourceLayout,
+                   report: TransferReport) -> torch.Tensor:
+    """The source's (1, prefix + h*w, C) position embedding onto the model's (1, num_prefix + H*W, C): grid rows
+    resampled over the source's grid (timm's ``resample_abs_pos_embed``), prefix rows kept, or zero where the source
+    gives its class token no position (DeiT III, DINOv2 with registers)."""
+    src_prefix, grid = layout.pos_prefix, layout.grid_size
+    src_tokens, dst_tokens = pos_embed.shape[1] - src_prefix, target.shape[1] - num_prefix
+    if grid is None or grid[0] * grid[1] != src_tokens:  # weights at another size than the architecture's default
+        grid = (math.isqrt(src_tokens),) * 2 if math.isqrt(src_tokens) ** 2 == src_tokens else None
+    dst_side = math.isqrt(dst_tokens)
+    if grid is None or dst_side * dst_side != dst_tokens or src_prefix > 1:
+        raise ValueError(f'pos_embed: cannot map source {list(pos_embed.shape)} (grid {grid}, {src_prefix} prefix '
+                         f'rows) onto model {list(target.shape)}')
+    rows = pos_embed[:, src_prefix:]  # (1, h*w, C)
+    if list(grid) != [dst_side, dst_side]:
+        rows = resample_abs_pos_embed(rows, [dst_side, dst_side], list(grid), num_prefix_tokens=0)
+    notes = []
+    if num_prefix and not src_prefix:
+        prefix = torch.zeros_like(target[:, :num_prefix])
+        notes.append('class-token row zero: the source adds no position to its class token')
+    else:
+        prefix = pos_embed[:, :src_prefix][:, :num_prefix]
+        if src_prefix > num_prefix:
+            notes.append('class-token row dropped: the model has no class token')
+    mapped = torch.cat([prefix, rows], dim=1)
+    if mapped.shape == pos_embed.shape and torch.equal(mapped, pos_embed):
+        report.copied.append('pos_embed')
+    else:
+        report.resampled['pos_embed'] = '; '.join([f'{list(pos_embed.shape)} -> {list(target.shape)}'] + notes)
+    return mapped
+
+
+def _canonical(source: Dict[str, torch.Tensor], layout: SourceLayout,
+               report: TransferReport) -> Dict[str, torch.Tensor]:
+    """EVA's names as timm's ViT names them: LayerScale ``gamma_1`` / ``gamma_2`` as ``ls1`` / ``ls2``, the q / v
+    biases as one q / k / v bias (k zero: EVA has none), ``fc_norm`` as the final ``norm`` (before the pooling here)."""
+    mapped: Dict[str, torch.Tensor] = {}
+    for key, tensor in source.items():
+        block = re.match(r'(blocks\.\d+\.)(gamma_[12]|attn\.q_bias|attn\.v_bias)$', key)
+        if block and block.group(2).startswith('gamma'):
+            new = f'{block.group(1)}ls{block.group(2)[-1]}.gamma'
+            report.renamed[new] = key
+            mapped[new] = tensor
+        elif block and block.group(2) == 'attn.q_bias':
+            v_bias = source.get(f'{block.group(1)}attn.v_bias')
+            if v_bias is None:
+                raise ValueError(f'{key}: an EVA q bias without its v bias (key {block.group(1)}attn.v_bias)')
+            new = f'{block.group(1)}attn.qkv.bias'
+            mapped[new] = torch.cat([tensor, torch.zeros_like(tensor), v_bias])  # (3C,)
+            report.renamed[new] = f'{key}, zeros (no key bias), {block.group(1)}attn.v_bias'
+        elif block:
+            continue  # the v bias, taken with the q bias
+        elif key.startswith('fc_norm.') and layout.fc_norm:
+            new = 'norm.' + key.split('.', 1)[1]
+            report.renamed[new] = f'{key} (after the pooling there; before it here)'
+            mapped[new] = tensor
+        else:
+            mapped[key] = tensor
+    return mapped
+
+
+def _skip_reason(key: str, layout: SourceLayout) -> str:
+    """Why a source tensor with no counterpart in the model is dropped; '' where it must not be dropped."""
+    if key in _DISTILLATION:
+        return 'DeiT distillation token / head: AFT models have none'
+    if key in _CLASSIFIER:
+        return 'the source\'s classifier / projection, trained on its features: the AFT model is a backbone (fresh)'
+    if key == 'reg_token':
+        return f'{layout.reg_tokens} register tokens: AFT models have none (no attention to route through them)'
+    if key.startswith('attn_pool.'):
+        return 'attention-pool head (SigLIP\'s MAP): attention, which AFT models do not have; pooled by average'
+    if key in ('cls_token', 'pos_embed'):
+        return 'AFT-conv has no class token or position embedding (fully convolutional)'
+    return ''
 
 
 def _map_qkv(key: str, source: torch.Tensor, target: torch.Tensor, values_only: bool,
@@ -112,15 +195,25 @@ def _map_qkv(key: str, source: torch.Tensor, target: torch.Tensor, values_only: 
     return mapped
 
 
-def transfer_vit_weights(state_dict: Mapping[str, torch.Tensor], model: torch.nn.Module,
-                         use_ema: bool = True) -> Tuple[Dict[str, torch.Tensor], TransferReport]:
-    """A complete state dict for ``model`` from a DeiT / ViT one, and the report; ValueError naming what misfits."""
+def transfer_vit_weights(state_dict: Mapping[str, torch.Tensor], model: torch.nn.Module, use_ema: bool = True,
+                         layout: Optional[SourceLayout] = None) -> Tuple[Dict[str, torch.Tensor], TransferReport]:
+    """A complete state dict for ``model`` from a ViT-family one (DeiT / DeiT III, DINOv2, CLIP, SigLIP, EVA-02), and
+    the report; ValueError naming what misfits. ``layout``: the source's, read from its timm model
+    (``sources.read_layout``); None infers it from the keys, which cannot tell the activation (GELU assumed)."""
     source, weights = select_weights(state_dict, use_ema)
-    target = model.state_dict()
     for required in ('patch_embed.proj.weight', 'blocks.0.attn.qkv.weight'):
         if required not in source:
             raise ValueError(f'not a ViT / DeiT checkpoint: key {required!r} is missing '
                              f'(found e.g. {sorted(source)[:5]})')
+    stem = next((key for key in source if key.startswith('patch_embed.backbone.')), None)
+    if stem:
+        raise ValueError(f'a hybrid CNN stem (key {stem!r}), which no AFT patch embedding holds: only a '
+                         f'single-convolution patch embedding maps')
+    layout = layout or infer_layout(source)
+    target = model.state_dict()
+    report = TransferReport(weights=weights, source=layout.name)
+    _check_structure(layout, model)
+    source = _canonical(source, layout, report)
     src_depth, dst_depth = _num_blocks(source), _num_blocks(target)
     if src_depth != dst_depth:
         raise ValueError(f'depth mismatch: the checkpoint has {src_depth} blocks (blocks.0-{src_depth - 1}), '
@@ -129,26 +222,20 @@ def transfer_vit_weights(state_dict: Mapping[str, torch.Tensor], model: torch.nn
     if src_patch.shape[0] != dst_patch.shape[0] or src_patch.shape[2:] != dst_patch.shape[2:]:
         raise ValueError(f'width mismatch at patch_embed.proj.weight: checkpoint {list(src_patch.shape)}, '
                          f'model {list(dst_patch.shape)}')
-    report = TransferReport(weights=weights)
     mapped = dict(target)
     num_prefix = getattr(model, 'num_prefix_tokens', 1)
     values_only = any(key.endswith('.attn.pos_weight') for key in target)  # AFT-conv
     for key, tensor in source.items():
-        if key in _DISTILLATION:
-            report.skipped[key] = 'DeiT distillation token / head: AFT models have none'
-        elif key in _CLASSIFIER:
-            report.skipped[key] = 'DeiT classifier, trained on DeiT features: the AFT model is a backbone (head fresh)'
-        elif key not in target:
-            if key in ('cls_token', 'pos_embed'):
-                report.skipped[key] = 'AFT-conv has no class token or position embedding (fully convolutional)'
-                continue
-            raise ValueError(f'not a ViT / DeiT layout this model accepts: checkpoint key {key!r} '
-                             f'{list(tensor.shape)} has no counterpart in {type(model).__name__}')
+        if key not in target or key in _CLASSIFIER:
+            why = _skip_reason(key, layout)
+            if not why:
+                raise ValueError(f'not a ViT layout this model accepts: checkpoint key {key!r} {list(tensor.shape)} '
+                                 f'has no counterpart in {type(model).__name__}{_hint(key)}')
+            report.skipped[key] = why
         elif _QKV.match(key):
             mapped[key] = _map_qkv(key, tensor, target[key], values_only, report)
-        elif key == 'pos_embed' and tensor.shape != target[key].shape:
-            mapped[key] = _resample_pos_embed(tensor, target[key], num_prefix)
-            report.resampled[key] = f'{list(tensor.shape)} -> {list(target[key].shape)}'
+        elif key == 'pos_embed':
+            mapped[key] = _map_pos_embed(tensor, target[key], num_prefix, layout, report)
         elif key == 'patch_embed.proj.weight' and tensor.shape != target[key].shape:
             # other input channels: kept as they are for timm's loader, which adapts them (``first_conv``)
             mapped[key] = tensor
@@ -160,8 +247,36 @@ def transfer_vit_weights(state_dict: Mapping[str, torch.Tensor], model: torch.nn
         else:
             mapped[key] = tensor
             report.copied.append(key)
+    if layout.rotary:
+        report.skipped['rope'] = 'rotary positions (no tensors): the AFT position biases start fresh in their place'
     written = set(report.copied) | set(report.resampled) | set(report.partial)
     report.fresh = [key for key in target if key not in written]
     for key in written:
         mapped[key] = mapped[key].to(dtype=target[key].dtype)
     return mapped, report
+
+
+def _hint(key: str) -> str:
+    """What to build the AFT model with for a source key it lacks."""
+    for part, arg in (('.ls1.', 'init_values=1e-5 (LayerScale)'), ('.ls2.', 'init_values=1e-5 (LayerScale)'),
+                      ('norm_pre.', 'pre_norm=True'), ('cls_token', 'class_token=True')):
+        if part in key:
+            return f': build it with {arg}'
+    return ''
+
+
+def _check_structure(layout: SourceLayout, model: torch.nn.Module) -> None:
+    """ValueError where the model's blocks compute another function than the source's in what no key shows: the
+    MLP's activation and kind."""
+    blocks = getattr(model, 'blocks', None)
+    if not blocks:
+        return
+    mlp = blocks[0].mlp
+    kind = next((name for name, cls in MLP_KINDS.items() if type(mlp) is cls and (
+        name != 'swiglu_packed' or not mlp.gate_last)), type(mlp).__name__)
+    if kind != layout.mlp_layer:
+        raise ValueError(f'blocks.0.mlp: the source ({layout.name}) has a {layout.mlp_layer!r} MLP, the model a '
+                         f'{kind!r} one: build it with mlp_layer={layout.mlp_layer!r}')
+    if layout.act_layer is not None and act_name(mlp.act) != layout.act_layer:
+        raise ValueError(f'blocks.0.mlp.act: the source ({layout.name}) uses {layout.act_layer}, the model '
+                         f'{type(mlp.act).__name__}: build it with act_layer={layout.act_layer!r}')

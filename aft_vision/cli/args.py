@@ -159,7 +159,7 @@ def _problems(args: argparse.Namespace) -> Iterator[Optional[str]]:
     data_dir = options.get('data_dir')
     if data_dir is not None:
         yield _fails('', check_image_folders, data_dir)
-    if command == 'transfer' and not Path(args.src).is_file():
+    if command == 'transfer' and not Path(args.src).is_file() and not args.src.startswith(('hf-hub:', 'local-dir:')):
         if Path(args.src).suffix in WEIGHT_SUFFIXES or not timm.is_model(args.src):
             yield f'--src: {args.src} not found: neither a checkpoint file nor a timm model name'
     for name in [options.get('model')] + list(options.get('models') or []):

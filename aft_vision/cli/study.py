@@ -6,7 +6,8 @@ from pathlib import Path
 from ..tasks.study import PARTS, StudySettings, render_markdown, run_study
 from .args import settings_from
 
-HELP = 'families, DeiT/ViT transfer, window, heads, resolution on the digits over seeds (resumable; tables, plots)'
+HELP = ('families, ViT transfer (plain, and with LayerScale and pre-norm), window, heads, resolution on the digits '
+        'over seeds (resumable; tables, plots)')
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

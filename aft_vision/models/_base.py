@@ -10,22 +10,26 @@ from torch import nn
 from torch.jit import Final
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, LayerNorm, LayerScale, LayerType, Mlp, calculate_drop_path_rates, get_act_layer, \
-    get_device_dtype, get_norm_layer
-from timm.models import checkpoint, named_apply, register_notrace_function
+from timm.layers import DropPath, LayerNorm, LayerScale, LayerType, Mlp, SwiGLUPacked, calculate_drop_path_rates, \
+    get_act_layer, get_device_dtype, get_norm_layer
+from timm.models import checkpoint, get_pretrained_cfg, named_apply, register_notrace_function
 from timm.models._features import feature_take_indices  # as timm's own models import it (not re-exported)
 from timm.models.vision_transformer import init_weights_vit_timm
 
 from ..layers import layer_norm_nchw, linear_nchw
+from ..checkpoints.sources import source_layout
 from ..checkpoints.transfer import is_vit_state_dict, transfer_vit_weights, unwrap_state_dict
 
 _logger = logging.getLogger(__name__)
 
-__all__ = ['AFTTransformerBase', 'Block', 'norm_nchw']
+__all__ = ['AFTTransformerBase', 'Block', 'MLP_LAYERS', 'norm_nchw']
 
 # position parameters, kept out of weight decay like timm's position embeddings and relative position tables
 NO_DECAY_NAMES = ('pos_embed', 'cls_token')
 NO_DECAY_SUFFIXES = ('.attn.pos_u', '.attn.pos_v', '.attn.pos_weight')
+# MLPs by name (names travel in config.json): timm's ViT MLP, and the packed SwiGLU of EVA-02 (fc1 holds gate and
+# value, ``mlp_ratio`` gives fc1's width; the gate's activation is the model's ``act_layer``, 'silu' for SwiGLU)
+MLP_LAYERS: Dict[str, Type[nn.Module]] = {'mlp': Mlp, 'swiglu_packed': SwiGLUPacked}
 
 
 class Block(nn.Module):
@@ -117,15 +121,25 @@ class AFTTransformerBase(nn.Module):
 
     def _build_trunk(self, depth: int, mixer_layer: Callable[..., nn.Module], block_fn: Type[nn.Module],
                      norm_layer: Optional[LayerType], act_layer: Optional[LayerType], drop_rate: float,
-                     drop_path_rate: float, weight_init: str, dd: Dict[str, Any], **block_kwargs) -> None:
-        """``depth`` blocks (stochastic depth linear over them), their ``feature_info``, final norm and head (norm and
-        activation by name or class, None: LayerNorm, GELU), then timm's ViT init unless ``weight_init='skip'``."""
+                     drop_path_rate: float, weight_init: str, dd: Dict[str, Any], pre_norm: bool = False,
+                     mlp_layer: Union[str, Type[nn.Module]] = Mlp, norm_eps: Optional[float] = None,
+                     **block_kwargs) -> None:
+        """The norm before the blocks (``pre_norm``, CLIP's ``norm_pre``), ``depth`` blocks (stochastic depth linear
+        over them), their ``feature_info``, final norm and head (norm, activation and MLP by name or class, None:
+        LayerNorm, GELU; ``norm_eps`` sets the norms' epsilon), then timm's ViT init unless ``weight_init='skip'``."""
         norm_layer = get_norm_layer(norm_layer) or LayerNorm
+        if norm_eps is not None:
+            norm_layer = partial(norm_layer, eps=norm_eps)
         act_layer = get_act_layer(act_layer) or nn.GELU
+        if isinstance(mlp_layer, str):
+            if mlp_layer not in MLP_LAYERS:
+                raise ValueError(f'unknown mlp_layer {mlp_layer!r}: choose one of {sorted(MLP_LAYERS)} or pass a class')
+            mlp_layer = MLP_LAYERS[mlp_layer]
+        self.norm_pre = norm_layer(self.embed_dim, **dd) if pre_norm else nn.Identity()
         dpr = calculate_drop_path_rates(drop_path_rate, depth)
         self.blocks = nn.Sequential(*[
             block_fn(dim=self.embed_dim, mixer_layer=mixer_layer, drop_path=dpr[i], norm_layer=norm_layer,
-                     act_layer=act_layer, **block_kwargs, **dd)
+                     act_layer=act_layer, mlp_layer=mlp_layer, **block_kwargs, **dd)
             for i in range(depth)])
         reduction = self.patch_embed.feat_ratio()
         self.feature_info = [
@@ -153,7 +167,8 @@ class AFTTransformerBase(nn.Module):
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
         """Layer-decay groups: stem, one per block, the final norm with the last block."""
-        return dict(stem=r'^cls_token|pos_embed|patch_embed', blocks=[(r'^blocks\.(\d+)', None), (r'^norm', (99999,))])
+        return dict(stem=r'^cls_token|pos_embed|patch_embed|norm_pre',
+                    blocks=[(r'^blocks\.(\d+)', None), (r'^norm', (99999,))])
 
     @torch.jit.ignore
     def set_grad_checkpointing(self, enable: bool = True) -> None:
@@ -190,9 +205,10 @@ class AFTTransformerBase(nn.Module):
     def _run_blocks(self, x: torch.Tensor, feat_size: Optional[List[int]] = None,
                     take_indices: Optional[List[int]] = None, norm: bool = False,
                     last: Optional[int] = None) -> Tuple[torch.Tensor, List[torch.Tensor]]:
-        """The blocks (through block ``last`` only, outside TorchScript, which cannot slice them) on x of the grid
-        ``feat_size``, and the outputs of the blocks in ``take_indices`` (through ``norm`` if asked)."""
+        """``norm_pre`` and the blocks (through block ``last`` only, outside TorchScript, which cannot slice them) on x
+        of the grid ``feat_size``, and the outputs of the blocks in ``take_indices`` (through ``norm`` if asked)."""
         intermediates: List[torch.Tensor] = []
+        x = self.norm_pre(x)
         if torch.jit.is_scripting() or last is None:
             blocks = self.blocks
         else:
@@ -258,7 +274,10 @@ def adapt_vit_checkpoint(state_dict: Dict[str, torch.Tensor], model: nn.Module) 
     (``transfer_vit_weights``, logged). One with exactly the model's keys (an AFT-simple's are a ViT's) loads as is."""
     state_dict = unwrap_state_dict(state_dict)
     if is_vit_state_dict(state_dict) and set(state_dict) != set(model.state_dict()):
-        state_dict, report = transfer_vit_weights(state_dict, model)
+        cfg = getattr(model, 'pretrained_cfg', None) or {}
+        source = BACKBONE_SOURCES.get(f"{cfg.get('architecture')}.{cfg.get('tag')}")
+        layout = source_layout(source) if source else None  # a backbone tag's source, read from its timm model
+        state_dict, report = transfer_vit_weights(state_dict, model, layout=layout)
         _logger.info('DeiT -> %s transfer: %s', type(model).__name__, report.summary())
     return state_dict
 
@@ -284,6 +303,34 @@ UNTRAINED_NOTE = 'No weights: the DeiT recipe\'s preprocessing only. The .deit_i
 def deit_init_cfg(cfg_fn: Callable[..., Dict[str, Any]], deit_tag: str, **kwargs) -> Dict[str, Any]:
     """A ``.deit_in1k`` tag: ``deit_tag``'s weights from timm's Hub, converted on load into a backbone."""
     return cfg_fn(hf_hub_id=f'timm/{deit_tag}', num_classes=0, notes=(DEIT_INIT_NOTE,), **kwargs)
+
+
+# backbone tags ('arch.tag' -> the timm source 'arch.tag' whose Hub weights they convert on load), filled by
+# ``backbone_cfg`` as each family registers its tags
+BACKBONE_SOURCES: Dict[str, str] = {}
+BACKBONE_NOTE = (
+    '{source} weights converted on load by the ViT -> AFT transfer (the model built to hold their layout): a '
+    'backbone initialisation for fine-tuning, not a trained AFT model and not a classifier. AFT-specific tensors '
+    '(position biases, AFT-conv\'s query and key projections) start fresh; the source\'s head is dropped '
+    '(num_classes=0): pass num_classes=N for a fresh N-class head. Preprocessing: the source\'s.'
+)
+
+
+def backbone_cfg(cfg_fn: Callable[..., Dict[str, Any]], tag: str, source: str, **kwargs) -> Dict[str, Any]:
+    """Backbone tag ``tag`` ('arch.tag'): timm model ``source``'s Hub weights (with its mean, std, license),
+    converted on load into the model ``backbone_args`` builds."""
+    src = get_pretrained_cfg(source)
+    BACKBONE_SOURCES[tag] = source
+    return cfg_fn(hf_hub_id=src.hf_hub_id, num_classes=0, mean=src.mean, std=src.std, license=src.license,
+                  notes=(BACKBONE_NOTE.format(source=source),), **kwargs)
+
+
+def backbone_args(variant: str, family: str, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """The model arguments of the backbone tag ``kwargs['pretrained_cfg']`` names (as ``create_model`` passes a tag):
+    what the source's layout needs (patch, LayerScale, pre-norm, activation, MLP); empty for any other tag."""
+    tag = kwargs.get('pretrained_cfg')
+    source = BACKBONE_SOURCES.get(f'{variant}.{tag}') if isinstance(tag, str) else None
+    return source_layout(source).model_args(family) if source else {}
 
 
 def untrained_cfg(cfg_fn: Callable[..., Dict[str, Any]], **kwargs) -> Dict[str, Any]:

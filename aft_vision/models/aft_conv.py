@@ -19,7 +19,8 @@ from timm.models._features import feature_take_indices
 from timm.models._input import update_model_args, update_model_input_size  # what timm's ViT records on a resize
 
 from aft_vision.layers import AFTConv2d, AFTConv2dOneHot, exporting, resize_window_bias, scaled_kernel_size
-from ._base import AFTTransformerBase, Block, adapt_vit_checkpoint, aft_cfg, deit_init_cfg, norm_nchw, untrained_cfg
+from ._base import AFTTransformerBase, Block, adapt_vit_checkpoint, aft_cfg, backbone_args, backbone_cfg, \
+    deit_init_cfg, norm_nchw, untrained_cfg
 
 # register_model adds each entry point
 __all__ = ['AFTConvTransformer', 'EXPORT_LAYOUTS', 'export_layout', 'forward_at_size']
@@ -42,6 +43,12 @@ class AFTConvTransformer(AFTTransformerBase):
         mixer_layer: 'aft_conv' (dense bias), 'aft_conv_onehot' (Sec. 8's one-hot bias; the same parameters), or a
             class taking ``AFTConv2d``'s arguments; ``mixer_kwargs`` go to it (e.g. ``{'tau': 0.5}``).
         dynamic_img_pad: Zero-pad images to a multiple of the patch size instead of rejecting them.
+        pre_norm: A norm between the patch embedding and the blocks (``norm_pre``, CLIP's), the patch embedding then
+            without bias, as in timm's ``VisionTransformer``.
+        norm_eps: The norms' epsilon (None: the norm layer's own, 1e-6 for timm's LayerNorm; OpenAI / LAION CLIP
+            weights were trained with 1e-5).
+        mlp_layer: The blocks' MLP, a class or a name of ``MLP_LAYERS`` ('mlp', timm's ViT MLP; 'swiglu_packed',
+            EVA-02's).
         resize_mode: How the model follows an ``img_size`` other than ``base_img_size`` (here and in
             ``set_input_size``): 'window' resamples each block's window by the size ratio (the default, the best in
             docs/results.md), 'keep' keeps it ``kernel_size`` tokens wide, 'patch' resizes the patch (FlexiViT).
@@ -57,10 +64,12 @@ class AFTConvTransformer(AFTTransformerBase):
             depth: int = 12, num_heads: int = 32, kernel_size: int = 11,
             mixer_layer: Union[str, Callable[..., nn.Module]] = 'aft_conv',
             mixer_kwargs: Optional[Dict[str, Any]] = None, mlp_ratio: float = 4., qkv_bias: bool = True,
-            init_values: Optional[float] = None, dynamic_img_pad: bool = False, drop_rate: float = 0.,
-            proj_drop_rate: float = 0., drop_path_rate: float = 0., weight_init: str = '',
+            init_values: Optional[float] = None, pre_norm: bool = False, dynamic_img_pad: bool = False,
+            drop_rate: float = 0., proj_drop_rate: float = 0., drop_path_rate: float = 0., weight_init: str = '',
             norm_layer: Optional[LayerType] = None, act_layer: Optional[LayerType] = None,
-            block_fn: Type[nn.Module] = Block, resize_mode: str = 'window',
+            block_fn: Type[nn.Module] = Block, mlp_layer: Union[str, Type[nn.Module]] = 'mlp',
+            norm_eps: Optional[float] = None,
+            resize_mode: str = 'window',
             base_img_size: Optional[Union[int, Tuple[int, int]]] = None, device=None, dtype=None,
     ):
         super().__init__(num_classes, in_chans, embed_dim, weight_init)
@@ -74,7 +83,7 @@ class AFTConvTransformer(AFTTransformerBase):
         patch_size, kernel_size = self._size_plan(to_2tuple(img_size))
         self.output_fmt = 'NHWC'
 
-        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, output_fmt='NHWC',
+        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, output_fmt='NHWC', bias=not pre_norm,
                                       strict_img_size=False, dynamic_img_pad=dynamic_img_pad, **dd)
         if isinstance(mixer_layer, str):
             if mixer_layer not in MIXER_LAYERS:
@@ -84,7 +93,8 @@ class AFTConvTransformer(AFTTransformerBase):
         mixer_layer = partial(mixer_layer, num_heads=num_heads, kernel_size=kernel_size, **(mixer_kwargs or {}))
         self._build_trunk(
             depth, mixer_layer, block_fn, norm_layer, act_layer, drop_rate, drop_path_rate, weight_init, dd,
-            mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, proj_drop=proj_drop_rate, init_values=init_values)
+            pre_norm=pre_norm, mlp_layer=mlp_layer, norm_eps=norm_eps, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias,
+            proj_drop=proj_drop_rate, init_values=init_values)
 
     def _set_global_pool(self, global_pool: str) -> None:
         if global_pool not in GLOBAL_POOLS:
@@ -199,6 +209,8 @@ class AFTConvTransformer(AFTTransformerBase):
                             ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
         """``forward_intermediates`` through ``num_blocks`` blocks in the channel-first layout: the same values."""
         x = self.patch_embed(x).permute(0, 3, 1, 2)  # (B, C, H, W): this permute cancels PatchEmbed's own
+        if not isinstance(self.norm_pre, nn.Identity):
+            x = norm_nchw(self.norm_pre, x)
         intermediates = []
         for i, blk in enumerate(self.blocks[:num_blocks]):
             x = blk.forward_nchw(x)
@@ -288,18 +300,33 @@ _INIT = {  # each model's cfg and the DeiT weights its '.deit_in1k' tag converts
 }
 # '.untrained*' (no weights) is each default, listed after the tags with weights as generate_default_cfgs requires, so
 # pretrained=True needs a tag. No test_input_size: Table 7's gain at 384 is for its trained weights.
+_PATCH14 = dict(pool_size=(16, 16))  # 224 px in 14-px patches
+_BACKBONES = {  # backbone tags: (the timm source whose Hub weights they convert, cfg changes); docs/weights.md
+    'aft_conv_small.deit3_in1k': ('deit3_small_patch16_224.fb_in1k', {}),
+    'aft_conv_small.dinov2_lvd142m': ('vit_small_patch14_dinov2.lvd142m', _PATCH14),
+    'aft_conv_small.dinov2_reg4_lvd142m': ('vit_small_patch14_reg4_dinov2.lvd142m', _PATCH14),
+    'aft_conv_small.eva02_mim_in22k': ('eva02_small_patch14_224.mim_in22k', _PATCH14),
+    'aft_conv_base_25_h32.clip_laion2b': ('vit_base_patch16_clip_224.laion2b', {}),
+    'aft_conv_base_25_h32.clip_openai': ('vit_base_patch16_clip_quickgelu_224.openai', {}),
+    'aft_conv_base_25_h32.siglip_webli': ('vit_base_patch16_siglip_224.webli', {}),
+}
 default_cfgs = generate_default_cfgs({
     **{f'{name}.deit_in1k': deit_init_cfg(cfg, deit) for name, (cfg, deit) in _INIT.items()},
+    **{tag: backbone_cfg(_INIT[tag.split('.')[0]][0], tag, source, **cfg) for tag, (source, cfg) in _BACKBONES.items()},
     **{f'{name}.untrained*': untrained_cfg(cfg) for name, (cfg, _) in _INIT.items()},
     'aft_conv_test.untrained*': untrained_cfg(_cfg, input_size=(3, 64, 64), pool_size=(8, 8), crop_pct=.95),
 })
 
 
 def _model(variant: str, pretrained: bool, kwargs: Dict[str, Any], **model_args) -> AFTConvTransformer:
-    kwargs = dict(model_args, **kwargs)
+    tag_args = backbone_args(variant, 'conv', kwargs)  # a backbone tag's model holds its source's layout
+    kwargs = {**model_args, **tag_args, **kwargs}
     feature_cfg = dict(out_indices=kwargs.pop('out_indices', 3), feature_cls='getter')
-    return build_model_with_cfg(AFTConvTransformer, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn,
-                                feature_cfg=feature_cfg, **kwargs)
+    model = build_model_with_cfg(AFTConvTransformer, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn,
+                                 feature_cfg=feature_cfg, **kwargs)
+    if tag_args:
+        update_model_args(model, **tag_args)  # config.json rebuilds it
+    return model
 
 
 @register_model

@@ -17,11 +17,13 @@ from torch.jit import Final
 from timm.layers import LayerType, PatchEmbed, global_pool_nlc, resample_abs_pos_embed, to_2tuple, trunc_normal_
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
-from timm.models._input import get_pretrained_grid_size, update_model_input_size  # as timm's ViT (not re-exported)
+from timm.models._input import (  # as timm's ViT (not re-exported)
+    get_pretrained_grid_size, update_model_args, update_model_input_size)
 from timm.models.vision_transformer import checkpoint_filter_fn as vit_checkpoint_filter_fn
 
 from aft_vision.layers import AFTFull, AFTSimple, aft_full
-from ._base import AFTTransformerBase, Block, adapt_vit_checkpoint, aft_cfg, deit_init_cfg, untrained_cfg
+from ._base import AFTTransformerBase, Block, adapt_vit_checkpoint, aft_cfg, backbone_args, backbone_cfg, \
+    deit_init_cfg, untrained_cfg
 
 __all__ = ['AFTVisionTransformer', 'GridAFTFull']  # register_model adds each entry point
 
@@ -94,6 +96,11 @@ class AFTVisionTransformer(AFTTransformerBase):
         global_pool: 'token' (class token), 'avg', 'max', 'avgmax' (of the patch tokens) or '' (no pooling).
         mixer: 'full' (AFT-full, Eqs. 2 and 7) or 'simple' (AFT-simple, Eq. 5).
         pos_dim: Width d' of AFT-full's factorised bias (Eq. 7).
+        pre_norm: A norm between the position embedding and the blocks (``norm_pre``, CLIP's), the patch embedding
+            then without bias, as in timm's ``VisionTransformer``.
+        norm_eps: The norms' epsilon (None: the norm layer's own, 1e-6 for timm's LayerNorm; OpenAI / LAION CLIP
+            weights were trained with 1e-5).
+        mlp_layer: The blocks' MLP, a class or a name of ``MLP_LAYERS`` ('mlp', 'swiglu_packed').
         dynamic_img_size: Take any multiple of the patch size per call, the position embedding and AFT-full's bias
             resampled to the grid on the fly.
 
@@ -105,10 +112,13 @@ class AFTVisionTransformer(AFTTransformerBase):
             self, img_size: Union[int, Tuple[int, int]] = 224, patch_size: Union[int, Tuple[int, int]] = 16,
             in_chans: int = 3, num_classes: int = 1000, global_pool: str = 'token', embed_dim: int = 768,
             depth: int = 12, mixer: str = 'full', pos_dim: int = 128, mlp_ratio: float = 4., qkv_bias: bool = True,
-            class_token: bool = True, init_values: Optional[float] = None, dynamic_img_size: bool = False,
-            dynamic_img_pad: bool = False, drop_rate: float = 0., pos_drop_rate: float = 0., proj_drop_rate: float = 0.,
-            drop_path_rate: float = 0., weight_init: str = '', norm_layer: Optional[LayerType] = None,
-            act_layer: Optional[LayerType] = None, block_fn: Type[nn.Module] = Block, device=None, dtype=None,
+            class_token: bool = True, init_values: Optional[float] = None, pre_norm: bool = False,
+            dynamic_img_size: bool = False, dynamic_img_pad: bool = False, drop_rate: float = 0.,
+            pos_drop_rate: float = 0., proj_drop_rate: float = 0., drop_path_rate: float = 0., weight_init: str = '',
+            norm_layer: Optional[LayerType] = None, act_layer: Optional[LayerType] = None,
+            block_fn: Type[nn.Module] = Block, mlp_layer: Union[str, Type[nn.Module]] = 'mlp',
+            norm_eps: Optional[float] = None, device=None,
+            dtype=None,
     ):
         super().__init__(num_classes, in_chans, embed_dim, weight_init)
         dd = {'device': device, 'dtype': dtype}
@@ -121,7 +131,7 @@ class AFTVisionTransformer(AFTTransformerBase):
 
         embed_args = dict(strict_img_size=False, output_fmt='NHWC') if dynamic_img_size else {}
         self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, dynamic_img_pad=dynamic_img_pad,
-                                      **embed_args, **dd)
+                                      bias=not pre_norm, **embed_args, **dd)
         grid_size = self.patch_embed.grid_size
 
         self.cls_token = nn.Parameter(torch.empty(1, 1, embed_dim, **dd)) if class_token else None
@@ -136,7 +146,8 @@ class AFTVisionTransformer(AFTTransformerBase):
             mixer_layer = AFTSimple
         self._build_trunk(
             depth, mixer_layer, block_fn, norm_layer, act_layer, drop_rate, drop_path_rate, weight_init, dd,
-            mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, proj_drop=proj_drop_rate, init_values=init_values)
+            pre_norm=pre_norm, mlp_layer=mlp_layer, norm_eps=norm_eps, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias,
+            proj_drop=proj_drop_rate, init_values=init_values)
 
     def init_weights(self, mode: str = '') -> None:
         super().init_weights(mode)
@@ -280,8 +291,18 @@ _DEIT = {  # each model's '.deit_in1k' tag converts these DeiT weights
 }
 # '.untrained*' (no weights) is each default, listed after the tags with weights as generate_default_cfgs requires, so
 # pretrained=True needs a tag
+_BACKBONES = {  # backbone tags: the timm source whose Hub weights they convert on load; docs/weights.md
+    'aft_full_small.deit3_in1k': 'deit3_small_patch16_224.fb_in1k',
+    'aft_full_small.dinov2_lvd142m': 'vit_small_patch14_dinov2.lvd142m',
+    'aft_full_small.dinov2_reg4_lvd142m': 'vit_small_patch14_reg4_dinov2.lvd142m',
+    'aft_full_small.eva02_mim_in22k': 'eva02_small_patch14_224.mim_in22k',
+    'aft_full_base.clip_laion2b': 'vit_base_patch16_clip_224.laion2b',
+    'aft_full_base.clip_openai': 'vit_base_patch16_clip_quickgelu_224.openai',
+    'aft_full_base.siglip_webli': 'vit_base_patch16_siglip_224.webli',
+}
 default_cfgs = generate_default_cfgs({
     **{f'{name}.deit_in1k': deit_init_cfg(_cfg, deit) for name, deit in _DEIT.items()},
+    **{tag: backbone_cfg(_cfg, tag, source) for tag, source in _BACKBONES.items()},
     **{f'{name}.untrained*': untrained_cfg(_cfg) for name in _DEIT},
     'aft_full_test.untrained*': untrained_cfg(_cfg, input_size=(3, 64, 64), crop_pct=.95),
     'aft_simple_test.untrained*': untrained_cfg(_cfg, input_size=(3, 64, 64), crop_pct=.95),
@@ -289,10 +310,14 @@ default_cfgs = generate_default_cfgs({
 
 
 def _model(variant: str, pretrained: bool, kwargs: Dict[str, Any], **model_args) -> AFTVisionTransformer:
-    kwargs = dict(model_args, **kwargs)
+    tag_args = backbone_args(variant, 'vit', kwargs)  # a backbone tag's model holds its source's layout
+    kwargs = {**model_args, **tag_args, **kwargs}
     feature_cfg = dict(out_indices=kwargs.pop('out_indices', 3), feature_cls='getter')
-    return build_model_with_cfg(AFTVisionTransformer, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn,
-                                feature_cfg=feature_cfg, **kwargs)
+    model = build_model_with_cfg(AFTVisionTransformer, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn,
+                                 feature_cfg=feature_cfg, **kwargs)
+    if tag_args:
+        update_model_args(model, **tag_args)  # config.json rebuilds it
+    return model
 
 
 @register_model

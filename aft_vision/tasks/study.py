@@ -1,11 +1,11 @@
 """``aft-vision study``: the paper's comparisons (Tables 7-10 of Zhai et al. 2021) on scikit-learn's digits, every
-configuration trained with the main job's recipe over several seeds, in four parts: ``families`` (Table 7), ``transfer``
-from the ViT baseline (Table 8), ``window`` (Tables 9, 10) and ``resolution`` (docs/results.md). A run writes
+configuration trained with the main job's recipe over several seeds, in five parts: ``families`` (Table 7), ``transfer``
+from the ViT baseline (Table 8), ``transfer_ls`` from a ViT with LayerScale and pre-norm (DINOv2's and CLIP's
+structure), ``window`` (Tables 9, 10) and ``resolution`` (docs/results.md). A run writes
 ``runs/<id>.json`` and its weights (a study resumes); the end ``study.md``, ``study.json`` and ``plots/*.png``."""
 import copy
 import difflib
 import json
-import os
 import platform
 import statistics
 import time
@@ -18,7 +18,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
 
-from ..checkpoints.files import load_weights, save_weights
+from ..checkpoints.files import atomic_file, load_weights, save_weights
 from ..checkpoints.transfer import transfer_vit_weights
 from ..hub import create_aft_model
 from .classify import DIGITS_MODEL, ClassifySettings, at_size, check_model_and_sizes
@@ -27,7 +27,7 @@ from .training import evaluate, size_scaled_batches, sizes_text, train, write_di
 
 __all__ = ['Config', 'Run', 'StudySettings', 'PARTS', 'plan_runs', 'check_settings', 'run_study']
 
-PARTS = ('families', 'transfer', 'window', 'resolution')
+PARTS = ('families', 'transfer', 'transfer_ls', 'window', 'resolution')
 FAMILY_KEYS = ('vit', 'aft_full', 'aft_simple', 'aft_conv')
 AFT_CONV_MODES = ('keep', 'window', 'patch')  # resize_mode; the other families resample their position parameters
 # The main job's trunk: patch 4 (an 8 x 8 token map at 32 px), width 64, 4 blocks, MLP ratio 2.
@@ -35,6 +35,8 @@ TRUNK = {key: DIGITS_MODEL[key] for key in ('patch_size', 'embed_dim', 'depth', 
 WINDOW_KERNELS = (3, 5, 7)  # Table 9: kernels at per-channel heads
 HEADS = (1, 4, TRUNK['embed_dim'])  # Table 10: heads at HEADS_KERNEL (embed_dim heads: one per channel)
 HEADS_KERNEL = 5
+# DINOv2's and CLIP's block on the trunk: LayerScale (CaiT's 0.1 for shallow nets) and a norm before the blocks
+LS_PRE_NORM = {'init_values': 0.1, 'pre_norm': True}
 _DIGITS = ClassifySettings()
 
 
@@ -53,7 +55,7 @@ class Config:
 class Run:
     """One training run: a configuration, its start, its length and its seed."""
     config: Config
-    start: str  # 'random', or 'vit': transfer_vit_weights from the ViT baseline's run of the same seed
+    start: str  # 'random', or a baseline's key ('vit', 'vit_ls'): transfer_vit_weights from its run of the same seed
     epochs: int
     seed: int
 
@@ -95,10 +97,17 @@ def configs(settings: StudySettings) -> Dict[str, Config]:
              Config('aft_simple', 'AFT-simple', 'AFT-simple', 'aft_simple_test', dict(TRUNK)),
              Config('aft_conv', f'AFT-conv k{DIGITS_MODEL["kernel_size"]} h{DIGITS_MODEL["num_heads"]} (the main job)',
                     'AFT-conv', 'aft_conv_test', dict(DIGITS_MODEL))]
+    found += [  # the transfer_ls part: the baseline and the two AFT families with LayerScale and pre-norm
+        Config('vit_ls', 'ViT with LayerScale and pre-norm (2 heads)', 'ViT', settings.baseline,
+               dict(TRUNK, num_heads=2, **LS_PRE_NORM)),
+        Config('aft_full_ls', 'AFT-full with LayerScale and pre-norm', 'AFT-full', 'aft_full_test',
+               dict(TRUNK, **LS_PRE_NORM)),
+        Config('aft_conv_ls', 'AFT-conv with LayerScale and pre-norm', 'AFT-conv', 'aft_conv_test',
+               dict(DIGITS_MODEL, **LS_PRE_NORM))]
     found += [  # the families at several sizes: position embeddings resampled per step, AFT-conv's windows following
         Config(f'{c.key}_ms', f'{c.label.split(" (")[0]} at several sizes', c.family, c.model,
                dict(c.kwargs, **({'resize_mode': 'window'} if c.key == 'aft_conv' else {'dynamic_img_size': True})),
-               multi_size=True) for c in found[:4]]
+               multi_size=True) for c in found[:4]]  # the families above
     for kernel, heads in sorted({(k, TRUNK['embed_dim']) for k in WINDOW_KERNELS} | {(HEADS_KERNEL, h) for h in HEADS}):
         found.append(Config(f'aft_conv_k{kernel}_h{heads}', f'AFT-conv k{kernel} h{heads}', 'AFT-conv', 'aft_conv_test',
                             dict(DIGITS_MODEL, kernel_size=kernel, num_heads=heads)))
@@ -114,6 +123,9 @@ def _part_runs(settings: StudySettings) -> Dict[str, List[Tuple[Config, str, int
              'transfer': [(known['vit'], 'random', full)] + [
                  (known[key], start, epochs) for key in ('aft_conv', 'aft_full')
                  for start, epochs in (('vit', short), ('random', short), ('random', full))],
+             'transfer_ls': [(known['vit_ls'], 'random', full)] + [
+                 (known[key], start, short) for key in ('aft_conv_ls', 'aft_full_ls')
+                 for start in ('vit_ls', 'random')],
              'window': [(known[key], 'random', full) for key in window],
              'resolution': [(known[key + suffix], 'random', full) for key in FAMILY_KEYS for suffix in ('', '_ms')]}
     return {part: list({(c.key, start, epochs): (c, start, epochs) for c, start, epochs in parts[part]}.values())
@@ -158,10 +170,10 @@ def check_settings(settings: StudySettings) -> Dict[str, Dict]:
     return kwargs
 
 
-def _write(path: Path, text: str) -> None:  # through a temporary sibling: a record is whole or absent
-    temp = path.with_name(f'.{path.name}.tmp')
-    temp.write_text(text)
-    os.replace(temp, path)
+def _write(path: Path, text: str) -> None:
+    """A record or report, whole or absent (``atomic_file``); the study rewrites its own files as it resumes."""
+    with atomic_file(path, force=True) as temp:
+        temp.write_text(text)
 
 
 def count_macs(model_name: str, model_kwargs: Dict, img_size: int, num_classes: int) -> int:
@@ -182,8 +194,8 @@ def _train_run(run: Run, model_kwargs: Dict, settings: StudySettings, data_dir: 
     """Train one run, evaluate it at both sizes, save its weights and record."""
     start = time.perf_counter()
     init_weights, source = None, None
-    if run.start == 'vit':
-        source = runs_dir / f'{Run(configs(settings)["vit"], "random", settings.epochs, run.seed).id}.safetensors'
+    if run.start != 'random':
+        source = runs_dir / f'{Run(configs(settings)[run.start], "random", settings.epochs, run.seed).id}.safetensors'
         init_weights = load_weights(source)
     model, history, classes = train(data_dir, run.config.model, run.epochs, settings.img_size, settings.batch_size,
                                     settings.lr, run.seed, model_kwargs=model_kwargs, init_weights=init_weights,
@@ -296,8 +308,19 @@ def _tables(settings: StudySettings, records: Dict[str, Dict]) -> Dict[str, List
         if part == 'resolution':
             tables[part] = _resolution_rows(settings, records, [config for config, _, _ in specs])
         else:
-            tables[part] = [_row(settings, records, *spec) for spec in specs]
+            tables[part] = _head_starts([_row(settings, records, *spec) for spec in specs])
     return tables
+
+
+def _head_starts(rows: List[Dict]) -> List[Dict]:
+    """Each transferred row's head start: its top-1 after epoch 1 minus the random start's of the same model and
+    length, per seed (percentage points)."""
+    for row in rows:
+        control = next((r for r in rows if r['key'] == row['key'] and r['epochs'] == row['epochs']
+                        and r['start'] == 'random'), None)
+        if row['start'] != 'random' and control is not None:
+            row['head_start'] = [a - b for a, b in zip(row['top1_epoch1']['values'], control['top1_epoch1']['values'])]
+    return rows
 
 
 def _resolution_rows(settings: StudySettings, records: Dict[str, Dict], chosen_configs: List[Config]) -> List[Dict]:

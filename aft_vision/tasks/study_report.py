@@ -19,14 +19,25 @@ def render_markdown(summary: Dict) -> str:
     size, large = settings['img_size'], settings['eval_img_size']
     top1, sizes = [f'top-1 at {size} px', f'top-1 at {large} px'], [str(s) for s in settings['eval_img_sizes']]
     batches = size_scaled_batches(settings['batch_size'], size, settings['train_img_sizes'])
-    starts = {'vit': 'ViT baseline (transfer_vit_weights)', 'random': 'random'}
+    starts = {'vit': 'ViT baseline (transfer_vit_weights)', 'vit_ls': 'ViT with LayerScale and pre-norm (transfer)',
+              'random': 'random'}
+    transfer_columns = ['model', 'start', 'epochs', 'top-1 after epoch 1', 'head start after epoch 1 (per seed)',
+                        *top1]
+
+    def transfer_cells(r: Dict) -> List[str]:
+        head_start = ', '.join(f'{d:+.2f}' for d in r.get('head_start', []))
+        return [r['label'], starts[r['start']], str(r['epochs']), _pm(r['top1_epoch1']), head_start, _pm(r['top1']),
+                _pm(r['top1_large'])]
+
     parts = {  # the part's title, the lines before its table, its columns and a row's cells
         'families': ('Families at equal size', [], ['model', 'params (k)', 'MMACs', *top1],
                      lambda r: [r['label'], f'{r["params"] / 1e3:.1f}', f'{r["macs"] / 1e6:.2f}', _pm(r['top1']),
                                 _pm(r['top1_large'])]),
-        'transfer': ('Transfer from the ViT baseline', [], ['model', 'start', 'epochs', 'top-1 after epoch 1', *top1],
-                     lambda r: [r['label'], starts[r['start']], str(r['epochs']), _pm(r['top1_epoch1']),
-                                _pm(r['top1']), _pm(r['top1_large'])]),
+        'transfer': ('Transfer from the ViT baseline', [], transfer_columns, transfer_cells),
+        'transfer_ls': ('Transfer from a ViT with LayerScale and pre-norm (the DINOv2 / CLIP block)',
+                        ['Both families built with the same LayerScale and pre-norm; head start: top-1 after the '
+                         'first epoch minus the random start\'s, same seed (percentage points).', ''],
+                        transfer_columns, transfer_cells),
         'window': ('AFT-conv: window and heads', [], ['kernel', 'heads', 'params (k)', 'MMACs', *top1],
                    lambda r: [str(r['kernel']), str(r['heads']), f'{r["params"] / 1e3:.1f}', f'{r["macs"] / 1e6:.2f}',
                               _pm(r['top1']), _pm(r['top1_large'])]),
@@ -81,14 +92,15 @@ def plot_study(summary: Dict, records: Dict[str, Dict], folder: Path) -> List[st
         ax.grid(axis='y', alpha=0.3)
         save_figure(fig, folder / f'{part}.png')
         written.append(f'{part}.png')
-    if 'transfer' in tables:
-        models = [(r['key'], r['label'].split(' (')[0]) for r in tables['transfer'] if r['start'] == 'vit']
+    for part in (part for part in ('transfer', 'transfer_ls') if part in tables):
+        models = [(r['key'], r['label'].split(' (')[0].split(' with ')[0])  # short titles: the model's name
+                  for r in tables[part] if r['start'] != 'random']
         fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 3.6), squeeze=False)
         for ax, (key, title) in zip(axes[0], models):
-            for r in (r for r in tables['transfer'] if r['key'] == key):
+            for r in (r for r in tables[part] if r['key'] == key):
                 epochs = range(1, r['epochs'] + 1)
                 style = '-' if r['epochs'] == settings['fine_tune_epochs'] else ':'
-                name = f'{"from ViT" if r["start"] == "vit" else "random"}, {r["epochs"]} epochs'
+                name = f'{"random" if r["start"] == "random" else "from ViT"}, {r["epochs"]} epochs'
                 line, = ax.plot(epochs, r['curve'], style, marker='o', markersize=3, label=name)
                 ax.fill_between(epochs, r['curve_min'], r['curve_max'], color=line.get_color(), alpha=0.15)
             ax.set(xlabel='epoch', ylabel='held-out top-1 (%)', ylim=(0, 100),
@@ -96,8 +108,8 @@ def plot_study(summary: Dict, records: Dict[str, Dict], folder: Path) -> List[st
             ax.xaxis.get_major_locator().set_params(integer=True)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
-        save_figure(fig, folder / 'transfer.png')
-        written.append('transfer.png')
+        save_figure(fig, folder / f'{part}.png')
+        written.append(f'{part}.png')
     if 'resolution' in tables:
         written.append(_plot_resolution(tables['resolution'], settings, folder / 'resolution.png'))
     return written
