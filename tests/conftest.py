@@ -14,7 +14,8 @@ The suite follows the package: a folder or files per part, one topic per file, p
 * models/: the zoo against timm's contract and the paper's Tables 7 and 8 (models_common.PAPER_TABLES), resizing,
   reliability, the pyramid and the dense clients on it, the recipes, and timm's own tests/test_models.py.
 * test_checkpoints.py: weight files, the DeiT -> AFT transfer, training checkpoints, bad files refused. test_files.py:
-  the atomic writers.
+  the atomic writers. test_transfer_sources.py: the transfer from DeiT III, DINOv2, CLIP, SigLIP and EVA-02, the
+  backbone tags.
 * test_hub.py: tags, publishing and Hub / local-dir loading, offline, in timm, transformers and timm's config reader.
 * test_deploy.py, test_deploy_runtimes.py (cases in deploy_cases.py): every export path against the float64 model;
   OpenVINO, the INT8 recipes, ``aft-vision export``, bench in the deployment runtimes.
