@@ -4,4 +4,4 @@
 # `-m "not slow"`, or `-n 0` for one process.
 set -euo pipefail
 source "$(dirname "$0")/_venv.sh" test
-python -m pytest -q -n 2 --dist loadgroup "$@"
+python -m pytest -q -n 2 --dist loadgroup --max-worker-restart 0 "$@"
