@@ -3,7 +3,7 @@ float64 reference, under eager, ``torch.compile`` and export.
 
 On a CPU-only machine its Triton kernels run under Triton's interpreter, which must be switched on
 (``TRITON_INTERPRET=1``) before triton builds them: the cases run in one subprocess, started by a module fixture, that
-executes ``tests/fused_check.py`` and prints, per case, the largest ratio of each result's error to its rounding bound
+executes ``tests/fused_check.py`` once per session (worker) and prints, per case, the largest ratio of each result's error to its rounding bound
 for sums of positive terms. ``MUTATIONS`` (a key dropped, the global term off by one position, the window read one
 offset off) must each fail the same check. Without the interpreter the operator's CPU kernel is the conv form; on CUDA
 the compiled kernels are held to the same bounds (run by scripts/gpu_check.sh).
@@ -32,7 +32,7 @@ def _check(result, label):
     ref.assert_ratios({key: result[key] for key in GRADS}, label)
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope='session')  # once per worker: its tests need not run back to back
 def interpreter_results():
     pytest.importorskip('triton')
     tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
