@@ -2,11 +2,11 @@
 float64 reference, under eager, ``torch.compile`` and export.
 
 On a CPU-only machine its Triton kernels run under Triton's interpreter, which must be switched on
-(``TRITON_INTERPRET=1``) before triton builds them: the cases run in one subprocess, started by a module fixture, that
-executes ``tests/fused_check.py`` once per session (worker) and prints, per case, the largest ratio of each result's error to its rounding bound
-for sums of positive terms. ``MUTATIONS`` (a key dropped, the global term off by one position, the window read one
-offset off) must each fail the same check. Without the interpreter the operator's CPU kernel is the conv form; on CUDA
-the compiled kernels are held to the same bounds (run by scripts/gpu_check.sh).
+(``TRITON_INTERPRET=1``) before triton builds them: the cases run in one subprocess per worker, started by a session
+fixture, that executes ``tests/fused_check.py`` and prints, per case, the largest ratio of each result's error to its
+rounding bound for sums of positive terms. ``MUTATIONS`` (a key dropped, the global term off by one position, the
+window read one offset off) must each fail the same check. Without the interpreter the operator's CPU kernel is the
+conv form; on CUDA the compiled kernels are held to the same bounds (run by scripts/gpu_check.sh).
 """
 import gc
 import json
