@@ -28,6 +28,15 @@ def _bias(w_ptr, head, qy, qx, ky, kx, ok, S: tl.constexpr, R: tl.constexpr):
 
 
 @triton.jit
+def _near_rows(start, count, num_pos, width, height, R: tl.constexpr):
+    """The rows [lo, hi) within R rows of positions [start, start + count) in raster order: where the window of one
+    of them reaches (the rest see them, and they the rest, without bias)."""
+    lo = tl.maximum(start // width - R, 0)
+    hi = tl.minimum((tl.minimum(start + count, num_pos) - 1) // width + R + 1, height)
+    return lo, hi
+
+
+@triton.jit
 def _product(a, b, USE_DOT: tl.constexpr, IEEE: tl.constexpr, OP: tl.constexpr, ACC: tl.constexpr):
     """a (M, N) times b (N, D) in ACC: a tensor-core product where the shapes allow (operands in OP for 16-bit
     inputs, exact otherwise), else a sum of broadcast products."""
@@ -57,8 +66,7 @@ def forward_kernel(q_ptr, k_ptr, v_ptr, w_ptr, out_ptr, lse_ptr, height, width, 
     k_img = k_ptr + image.to(tl.int64) * num_pos * s_k + head
     v_img = v_ptr + image.to(tl.int64) * num_pos * s_v + head * D
     # keys in rows [row_lo, row_hi) lie in some query's window of this tile; the others take no bias
-    row_lo = tl.maximum(pid_m * BM // width - R, 0)
-    row_hi = tl.minimum((tl.minimum(pid_m * BM + BM, num_pos) - 1) // width + R + 1, height)
+    row_lo, row_hi = _near_rows(pid_m * BM, BM, num_pos, width, height, R)
     # the shared part: one running maximum, sum and weighted values for the tile
     m_far = tl.max(tl.full((BK,), float('-inf'), ACC), axis=0)
     l_far = tl.sum(tl.zeros((BK,), ACC), axis=0)
@@ -132,8 +140,7 @@ def key_grad_kernel(k_ptr, v_ptr, w_ptr, lse_ptr, dout_ptr, delta_ptr, dk_ptr, d
     stat_img = image.to(tl.int64) * num_pos * num_heads + head
     dout_img = dout_ptr + image.to(tl.int64) * num_pos * channels + head * D
     # queries in rows [row_lo, row_hi) hold some key of the block in their window; the others see them with bias 0
-    row_lo = tl.maximum(pid_n * BN // width - R, 0)
-    row_hi = tl.minimum((tl.minimum(pid_n * BN + BN, num_pos) - 1) // width + R + 1, height)
+    row_lo, row_hi = _near_rows(pid_n * BN, BN, num_pos, width, height, R)
     num_near = (row_hi - row_lo) * width
     # the far queries, shared by the block: P = exp(k[t'] - c) exp(c - lse[t]), c the least lse (each factor <= 1)
     c_far = tl.min(tl.full((BM,), float('inf'), ACC), axis=0)
