@@ -59,11 +59,22 @@ def pytest_configure(config):
         torch.set_num_threads(1)
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
         shared = [name for name in SHARED_FIXTURES if name in getattr(item, 'fixturenames', ())]
         if shared:
             item.add_marker(pytest.mark.xdist_group(shared[0]))
+
+
+def pytest_collection_finish(session):
+    """Stop at once if ``--dist loadgroup`` did not group (each worker would build every shared fixture again)."""
+    if session.config.getvalue('loadgroup'):
+        ungrouped = [item.nodeid for item in session.items
+                     if item.get_closest_marker('xdist_group') and '@' not in item.nodeid]
+        if ungrouped:
+            raise pytest.UsageError(f'pytest-xdist did not group {ungrouped[0]}: this pytest / pytest-xdist pair ignores '
+                                    f'xdist_group (see the pytest pin in setup.cfg)')
 
 
 class _RunsCode:
