@@ -286,6 +286,50 @@ def test_training_checkpoints_load_as_timm_loads_them(kind, tmp_path):
         assert all(torch.equal(v, expected.state_dict()[k]) for k, v in loaded.state_dict().items())
 
 
+TINY_FULL = dict(patch_size=4, embed_dim=32, depth=2)  # AFT-full / a ViT, 32 channels; grid from img_size
+TINY_CONV = dict(patch_size=4, embed_dim=32, depth=2, num_heads=4)
+
+
+@pytest.mark.parametrize('source, source_kwargs, target, target_kwargs, fits', [
+    ('aft_conv_small', dict(TINY_CONV, kernel_size=3), 'aft_conv_small', dict(TINY_CONV, kernel_size=5), True),
+    ('aft_conv_small', dict(TINY_CONV, kernel_size=3), 'aft_conv_small', dict(TINY_CONV, patch_size=8), True),
+    ('aft_full_tiny', dict(TINY_FULL, img_size=32), 'aft_full_tiny', dict(TINY_FULL, img_size=48), True),
+    ('vit_tiny_patch16_224', dict(TINY_FULL, img_size=32, num_heads=2), 'aft_conv_small', TINY_CONV, True),
+    ('vit_tiny_patch16_224', dict(TINY_FULL, img_size=32, num_heads=2), 'aft_full_tiny', dict(TINY_FULL, img_size=48),
+     True),
+    ('vit_tiny_patch16_224', dict(TINY_FULL, img_size=32, num_heads=2), 'aft_conv_small', dict(TINY_CONV, embed_dim=48),
+     False),
+    ('aft_conv_small', TINY_CONV, 'aft_conv_small', dict(TINY_CONV, depth=3), False),
+    ('aft_full_tiny', dict(TINY_FULL, img_size=32), 'aft_conv_small', TINY_CONV, False),
+])
+def test_init_weights_check_and_trainer_take_one_decision(source, source_kwargs, target, target_kwargs, fits,
+                                                          tmp_path):
+    """``--init-from``'s check before training (on the meta device) and the trainer's load take the same decision
+    (``models.fit_checkpoint``): what the check accepts loads strictly, what it refuses does not."""
+    from aft_vision.hub import check_init_weights
+    from aft_vision.models import fit_checkpoint
+
+    torch.manual_seed(0)
+    weights = timm.create_model(source, num_classes=3, **source_kwargs).state_dict()
+    save_weights(weights, tmp_path / 'w.safetensors')
+    model = timm.create_model(target, num_classes=3, **target_kwargs)
+    try:
+        model.load_state_dict(fit_checkpoint(weights, model, log=lambda text: None))
+        loaded = True
+    except (ValueError, RuntimeError):
+        loaded = False
+    try:
+        check_init_weights(str(tmp_path / 'w.safetensors'), target, target_kwargs, 3)
+        checked = True
+    except ValueError as error:
+        assert str(tmp_path / 'w.safetensors') in str(error) and '\n' not in str(error)
+        checked = False
+    assert loaded == checked == fits
+    if loaded:  # the MLPs and norms are the source's, whatever was resampled or mapped around them
+        for key in ('blocks.0.mlp.fc1.weight', 'blocks.1.norm2.weight', 'norm.bias'):
+            assert torch.equal(model.state_dict()[key], weights[key]), key
+
+
 def test_publish_and_transfer_say_which_weights_they_took(tmp_path, capsys):
     torch.manual_seed(0)
     trained = timm.create_model('aft_conv_test', num_classes=5).eval()

@@ -19,8 +19,8 @@ from safetensors import SafetensorError
 from timm.models import parse_model_name
 
 from ..checkpoints.files import load_weights
-from ..checkpoints.transfer import is_vit_state_dict, select_weights, unwrap_state_dict
-from ..models.aft_conv import AFTConvTransformer, checkpoint_filter_fn as aft_conv_filter
+from ..checkpoints.transfer import select_weights, unwrap_state_dict
+from ..models import fit_checkpoint
 from .records import read_hub_config, read_training_record, resolve_publish_data_config, source_architecture
 
 __all__ = ['load_model', 'create_aft_model', 'check_model_name', 'check_pretrained', 'check_aft_model',
@@ -140,17 +140,17 @@ def _check_fits(state_dict: Dict[str, torch.Tensor], expected: Dict[str, torch.T
 
 
 def check_init_weights(path: str, name: str, model_kwargs: Dict[str, Any], num_classes: int) -> None:
-    """ValueError unless ``--init-from`` weights fit the model: its own (every key and shape) or a ViT / DeiT's."""
+    """ValueError unless ``--init-from`` weights fit the model after ``models.fit_checkpoint`` (every key and shape)."""
     weights = unwrap_state_dict(load_weights(path))
     check_finite(weights, path)
+    what = f'{path} does not fit {name} (with {num_classes} classes)'
     with torch.device('meta'):
         model = timm.create_model(name, num_classes=num_classes, **model_kwargs)
-    expected = model.state_dict()
-    if is_vit_state_dict(weights) and not is_vit_state_dict(expected):
-        return
-    if isinstance(model, AFTConvTransformer):  # windows and patch resampled to the model's, as the trainer loads them
-        weights = aft_conv_filter(weights, model)
-    _check_fits(weights, expected, f'{path} does not fit {name} (with {num_classes} classes)')
+        try:
+            fitted = fit_checkpoint(weights, model, log=lambda text: None)  # as the trainer will load them
+        except ValueError as error:  # a ViT the transfer cannot map
+            raise ValueError(f'{what}: {_first_line(error)}') from None
+    _check_fits(fitted, model.state_dict(), what)
 
 
 def warn_random_weights(name: str, weights: str) -> None:

@@ -20,15 +20,15 @@ from torchvision.datasets import ImageFolder
 from tqdm import tqdm
 
 from ..checkpoints.files import atomic_dir
-from ..checkpoints.transfer import TransferReport, is_vit_state_dict, transfer_vit_weights, unwrap_state_dict
 from ..hub import load_model
 from ..images import read_image
-from ..models.aft_conv import AFTConvTransformer, checkpoint_filter_fn as aft_conv_filter, forward_at_size
+from ..models import fit_checkpoint
+from ..models.aft_conv import forward_at_size
 from .regularizers import position_bias_entropy
 
 __all__ = ['split_digits', 'write_digits', 'check_image_folders', 'eval_data_config', 'evaluate', 'fixed_img_size',
-           'at_size', 'check_input_size', 'size_scaled_batches', 'sizes_text', 'train_loader', 'load_initial_weights',
-           'train', 'state_digest']
+           'at_size', 'check_input_size', 'size_scaled_batches', 'sizes_text', 'train_loader', 'train',
+           'state_digest']
 
 
 def split_digits(targets: torch.Tensor, val_fraction: float = 0.2, seed: int = 0) -> Dict[str, torch.Tensor]:
@@ -209,20 +209,6 @@ def train_loader(folder: Path, model: torch.nn.Module, img_sizes: Sequence[int],
     return loader
 
 
-def load_initial_weights(model: torch.nn.Module, weights: Mapping[str, torch.Tensor]) -> Optional[TransferReport]:
-    """Start ``model`` from ``weights`` (a checkpoint unwrapped as timm does): its own strictly (AFT-conv's windows
-    and patch resampled), or a ViT / DeiT's by ``transfer_vit_weights``, whose report is returned (else None)."""
-    weights = unwrap_state_dict(weights)
-    if is_vit_state_dict(weights) and not is_vit_state_dict(model.state_dict()):
-        state_dict, report = transfer_vit_weights(weights, model)
-        model.load_state_dict(state_dict)
-        return report
-    if isinstance(model, AFTConvTransformer):
-        weights = aft_conv_filter(weights, model)
-    model.load_state_dict(weights)
-    return None
-
-
 def train(data_dir: Path, model_name: str, epochs: int, img_size: int, batch_size: int, lr: float, seed: int,
           sparsity_weight: float = 0.0, model_kwargs: Optional[Dict] = None, pretrained: bool = False,
           device: torch.device = torch.device('cpu'), rank: int = 0, world_size: int = 1,
@@ -230,7 +216,7 @@ def train(data_dir: Path, model_name: str, epochs: int, img_size: int, batch_siz
           train_img_sizes: Optional[Sequence[int]] = None, train_batch_sizes: Optional[Sequence[int]] = None,
           size_schedule: str = 'constant') -> Tuple[torch.nn.Module, List[Dict], List[str]]:
     """Train ``model_name`` (``hub.load_model``) with AdamW, a cosine schedule and label smoothing, from
-    ``init_weights`` if given (``load_initial_weights``), at ``train_img_sizes`` (one per step, ``train_loader``;
+    ``init_weights`` if given (``models.fit_checkpoint``), at ``train_img_sizes`` (one per step, ``train_loader``;
     None: ``img_size``, where evaluation runs) with ``train_batch_sizes`` (None: ``size_scaled_batches``). Under
     torchrun DDP trains a shard per rank; rank 0 alone evaluates and logs. Returns the unwrapped model, a record per
     epoch (loss, steps per size, the sha256 of the sizes drawn, rank 0's held-out top-1) and the class names."""
@@ -239,9 +225,7 @@ def train(data_dir: Path, model_name: str, epochs: int, img_size: int, batch_siz
     kwargs = dict(model_kwargs or {}, num_classes=len(classes))
     model = load_model(model_name, pretrained=pretrained, model_kwargs=kwargs, aft_only=False)[0].to(device)
     if init_weights is not None:
-        report = load_initial_weights(model, init_weights)
-        if report is not None and rank == 0:
-            log(report.summary())
+        model.load_state_dict(fit_checkpoint(init_weights, model, log if rank == 0 else lambda text: None))
     random.seed(seed + rank)  # timm's crops draw from Python's random, the rest from torch: different per rank
     torch.manual_seed(seed + rank)
     sizes = list(train_img_sizes or [img_size])
