@@ -69,7 +69,7 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_collection_finish(session):
     """Stop at once if ``--dist loadgroup`` did not group (each worker would build every shared fixture again)."""
-    if session.config.getvalue('loadgroup'):
+    if getattr(session.config.option, 'loadgroup', False):  # set in pytest-xdist's workers
         ungrouped = [item.nodeid for item in session.items
                      if item.get_closest_marker('xdist_group') and '@' not in item.nodeid]
         if ungrouped:
