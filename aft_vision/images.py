@@ -9,12 +9,30 @@ import warnings
 from typing import Union
 
 import numpy as np
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
 __all__ = ['read_image']
 
 # A 32-bit file does not say which scale its values use: the first of these that holds its brightest pixel.
 FULL_SCALES = {'F': (1.0, 255.0, 65535.0), 'I': (255.0, 65535.0, 2.0 ** 31 - 1)}
+# the transposition that turns a picture stored with EXIF orientation 2-8 upright (as ImageOps.exif_transpose does)
+UPRIGHT = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
+           5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
+           8: Image.Transpose.ROTATE_90}
+
+
+def _upright(image: Image.Image) -> Image.Image:
+    """``image`` loaded and upright. Pillow 12+ turns a TIFF upright itself as it loads, and garbles L, P, CMYK and
+    I;16 ones with orientation 5-8 so (their size is swapped before the pixels are read): such a TIFF is read as
+    stored, then turned here, as every other format is by ``ImageOps.exif_transpose``."""
+    orientation = image.getexif().get(ExifTags.Base.Orientation, 1)
+    if image.format != 'TIFF' or orientation not in UPRIGHT or not hasattr(image, '_tile_size'):
+        return ImageOps.exif_transpose(image)
+    image.tag_v2.pop(ExifTags.Base.Orientation, None)
+    image.getexif().pop(ExifTags.Base.Orientation, None)
+    image._size = image._tile_size  # the stored size (Pillow swapped it for orientations 5-8)
+    image.load()
+    return image.transpose(UPRIGHT[orientation])
 
 
 def _wide_to_rgb(image: Image.Image, path) -> Image.Image:
@@ -35,7 +53,7 @@ def read_image(path: Union[str, os.PathLike]) -> Image.Image:
         with warnings.catch_warnings():
             warnings.simplefilter('ignore', Image.DecompressionBombWarning)  # up to PIL's limit: read, no warning
             with Image.open(path) as image:
-                image = ImageOps.exif_transpose(image)  # a loaded copy, upright
+                image = _upright(image)  # a loaded copy
                 if image.mode in ('I', 'F') or image.mode.startswith('I;16'):
                     return _wide_to_rgb(image, path)
                 transparent = image.mode == 'P' and 'transparency' in image.info  # PIL warns unless through RGBA
