@@ -8,6 +8,16 @@ loader) and ``deploy`` (ONNX, OpenVINO, INT8); ``bench`` and ``tasks`` (the jobs
 ``aft_vision.timm_train`` (timm ``train.py``'s ``--device-modules`` hooks; ``aft_vision.timm_sparsity`` its alias
 with Eq. 9's weight 0.001).
 """
+import os as _os
+import sys as _sys
+
 from .version import __version__
-from . import layers
-from . import models
+
+try:
+    from . import layers
+    from . import models
+except KeyboardInterrupt:  # Ctrl-C while ``aft-vision`` starts (torch and timm load for seconds): one line, as later
+    if _os.path.basename(_sys.argv[0] if _sys.argv else '') != 'aft-vision':
+        raise  # any other program that imports aft_vision handles its own interrupts
+    print('aft-vision: stopped by SIGINT while starting: nothing was written', file=_sys.stderr)
+    raise SystemExit(130) from None

@@ -3,10 +3,13 @@ functions included, read with ``ast`` (nothing is imported).
 
 * No circles: the graph's strongly connected components found by Tarjan's algorithm. A circle (a kernel importing the
   module that dispatches to it) fails with the modules on it.
+* Ctrl-C while ``aft-vision`` imports the package ends in one line; in any other program it stays an interrupt.
 * The layering: each part (a subpackage, or a module at the top) imports only parts on a lower floor of ``FLOORS``
   (and itself). A job importing the command line, or a model the Hub code, fails naming the import.
 """
 import ast
+import subprocess
+import sys
 from pathlib import Path
 from typing import Dict, List, Set
 
@@ -149,3 +152,30 @@ def test_layering_catches_an_upward_import():
 
 def test_each_part_imports_only_the_floors_below_it():
     assert layering_violations(import_graph()) == []
+
+
+# interrupts the import of torch (the first seconds of ``import aft_vision``) as Ctrl-C would; argv[0]: sys.argv[1]
+_INTERRUPTED_IMPORT = """
+import builtins, sys
+real_import = builtins.__import__
+def interrupting(name, *args, **kwargs):
+    if name == 'torch' or name.startswith('torch.'):
+        raise KeyboardInterrupt
+    return real_import(name, *args, **kwargs)
+builtins.__import__ = interrupting
+sys.argv = [sys.argv[1], 'predict']
+from aft_vision.cli import main
+"""
+
+
+@pytest.mark.parametrize('program', ['/usr/local/bin/aft-vision', 'my_script.py'])
+def test_ctrl_c_while_aft_vision_starts(program):
+    """The ``aft-vision`` command stops in one line with exit code 130, no traceback; a user's program that imports
+    aft_vision gets its KeyboardInterrupt as it is (Python's own exit)."""
+    done = subprocess.run([sys.executable, '-c', _INTERRUPTED_IMPORT, program], capture_output=True, text=True,
+                          cwd=PACKAGE.parent, timeout=120)
+    if program.endswith('aft-vision'):
+        assert done.returncode == 130 and done.stderr.count('\n') == 1, done.stderr
+        assert done.stderr.startswith('aft-vision: stopped by SIGINT') and 'Traceback' not in done.stderr
+    else:
+        assert done.returncode != 130 and 'KeyboardInterrupt' in done.stderr and 'Traceback' in done.stderr
