@@ -272,11 +272,11 @@ def check_image(x: torch.Tensor, in_chans: int, patch_size: Tuple[int, int], img
 def adapt_vit_checkpoint(state_dict: Dict[str, torch.Tensor], model: nn.Module,
                          log: Optional[Callable[[str], None]] = None) -> Dict[str, torch.Tensor]:
     """A training checkpoint's weights as timm takes them; a DeiT / ViT one mapped onto an AFT ``model`` without its
-    classifier (``transfer_vit_weights``, its report to ``log``, else the logger), unless it fits as it is (an
-    AFT-simple's keys are a ViT's)."""
-    state_dict, own = unwrap_state_dict(state_dict), model.state_dict()
-    fits = set(state_dict) == set(own) and all(state_dict[key].shape == own[key].shape for key in own)
-    if is_vit_state_dict(state_dict) and isinstance(model, AFTTransformerBase) and not fits:
+    classifier (``transfer_vit_weights``, its report to ``log``, else the logger), unless it has the model's keys (an
+    AFT-simple's are a ViT's: the family's filter resamples what differs)."""
+    state_dict = unwrap_state_dict(state_dict)
+    if is_vit_state_dict(state_dict) and isinstance(model, AFTTransformerBase) and set(state_dict) != set(
+            model.state_dict()):
         cfg = getattr(model, 'pretrained_cfg', None) or {}
         source = BACKBONE_SOURCES.get(f"{cfg.get('architecture')}.{cfg.get('tag')}")
         layout = source_layout(source) if source else None  # a backbone tag's source, read from its timm model
