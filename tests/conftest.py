@@ -73,8 +73,8 @@ def pytest_collection_finish(session):
         ungrouped = [item.nodeid for item in session.items
                      if item.get_closest_marker('xdist_group') and '@' not in item.nodeid]
         if ungrouped:
-            raise pytest.UsageError(f'pytest-xdist did not group {ungrouped[0]}: this pytest / pytest-xdist pair ignores '
-                                    f'xdist_group (see the pytest pin in setup.cfg)')
+            raise pytest.UsageError(f'pytest-xdist did not group {ungrouped[0]}: this pytest / pytest-xdist pair '
+                                    f'ignores xdist_group (see the pytest pin in setup.cfg)')
 
 
 class _RunsCode:

@@ -42,23 +42,24 @@ def test_segment_job_learns_and_segments_a_larger_size(tmp_path, capsys, one_thr
     from aft_vision.tasks.segment import build_dpt, confusion, mean_iou
 
     out = tmp_path / 'segment'
-    # 4 epochs of batch 16 (256 steps, ~80 s on one thread) instead of the job's 10 of batch 32
-    assert cli_main(['train', '--task', 'segment', '--epochs', '4', '--batch-size', '16', '--scenes', '1024',
-                     '--out-dir', str(out)]) == 0
+    # 4 epochs of batch 8 over 512 scenes at lr 4e-3 (256 steps, ~35 s on one thread) instead of the job's 10 of
+    # batch 32 over 1024; 3 epochs, or batch 4, stay below the bounds
+    assert cli_main(['train', '--task', 'segment', '--epochs', '4', '--batch-size', '8', '--scenes', '512',
+                     '--lr', '4e-3', '--out-dir', str(out)]) == 0
     results = json.loads((out / 'results.json').read_text())
     digits = digit_split()['val']
-    held_out = make_scenes(digits, 256, 64, seed=1)  # the job's held-out scenes (seed 0 + 1)
-    larger = make_scenes(digits, 256, 96, seed=2)
-    bound = blind_miou_bound(held_out)  # 0.28 for its ~700 digits; this run reached 0.53 here
+    held_out = make_scenes(digits, 128, 64, seed=1)  # the job's held-out scenes (a quarter as many, seed 0 + 1)
+    larger = make_scenes(digits, 128, 96, seed=2)
+    bound = blind_miou_bound(held_out)  # 0.33 for its ~350 digits; this run reached 0.47 here (0.52 at seed 1)
     assert results['miou'] > bound, (results['miou'], bound)
-    bound_large = blind_miou_bound(larger)  # more digits, a tighter bound; 0.40 here at a size never trained at
+    bound_large = blind_miou_bound(larger)  # more digits, a tighter bound: 0.28; 0.37 here (0.48 at seed 1)
     assert results['miou_at_96'] > bound_large, (results['miou_at_96'], bound_large)
     # the figures are what the saved weights score, recomputed here at each size
     model = build_dpt('aft_conv_test', {})
     model.load_state_dict(load_weights(out / 'model.safetensors'))
     counts, counts_large = confusion(model, held_out), confusion(model, larger)
     assert counts.tolist() == results['confusion'] and mean_iou(counts) == results['miou']
-    assert counts_large.sum() == 256 * 96 * 96 and mean_iou(counts_large) == results['miou_at_96']
+    assert counts_large.sum() == 128 * 96 * 96 and mean_iou(counts_large) == results['miou_at_96']
     assert len(results['history']) == 4 and all(math.isfinite(h['loss']) for h in results['history'])
     assert (out / 'training_curve.png').read_bytes()[:4] == b'\x89PNG'
     assert 'held-out mIoU' in capsys.readouterr().out

@@ -10,9 +10,36 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import aft_reference as ref
 import aft_vision  # noqa: F401  registers the models
 from aft_reference import OPS, grid_inputs, inputs
-from aft_vision.layers import aft_conv2d, aft_full, aft_local, aft_simple, capturing, device_policy, exporting
+from aft_vision.layers import (AFTConv2d, aft_conv2d, aft_full, aft_local, aft_simple, capturing, device_policy,
+                               exporting)
 
-ALL_MODELS = timm.list_models('aft_*')
+
+def small_model(name, device=None):
+    """A registered model with its architecture kept but only two blocks, at a 64 px input (CPU time)."""
+    torch.manual_seed(0)
+    with torch.device(device or 'cpu'):
+        model = timm.create_model(name, depth=2, img_size=64, num_classes=10)
+    return model, torch.randn(2, 3, 64, 64)
+
+
+def _one_model_per_structure():
+    """Of the registered models, the smallest of each structure: its module classes and, per AFT-conv layer, whether
+    its heads are one per channel and whether the token map cuts its window (at the tests' 64 px). What the graphs
+    below hold besides sizes, so every code path of the zoo once."""
+    chosen = {}
+    for name in timm.list_models('aft_*'):
+        model, _ = small_model(name, 'meta')
+        grid = 64 // model.patch_embed.patch_size[0]
+        structure = repr((sorted({type(module).__name__ for module in model.modules()}),
+                          sorted({(layer.num_heads == layer.dim, layer.kernel_size >= 2 * grid - 1)
+                                  for layer in model.modules() if isinstance(layer, AFTConv2d)})))
+        size = sum(p.numel() for p in model.parameters())
+        if structure not in chosen or size < chosen[structure][0]:
+            chosen[structure] = (size, name)
+    return sorted(name for _, name in chosen.values())
+
+
+MODELS = _one_model_per_structure()
 
 SYNC_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
             torch.ops.aten.is_nonzero.default, torch.ops.aten.item.default}
@@ -31,12 +58,6 @@ class HostSyncs(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def small_model(name):
-    """A registered model with its architecture kept but only two blocks, at a 64 px input (CPU time)."""
-    torch.manual_seed(0)
-    return timm.create_model(name, depth=2, img_size=64, num_classes=10), torch.randn(2, 3, 64, 64)
-
-
 def test_the_sync_counter_sees_a_host_sync():
     x = torch.randn(4)
     with HostSyncs() as counter:
@@ -45,7 +66,14 @@ def test_the_sync_counter_sees_a_host_sync():
     assert len(counter.calls) == 2
 
 
-@pytest.mark.parametrize('name', ALL_MODELS)
+def test_every_family_and_aft_conv_layout_is_among_the_models():
+    """Heads per channel or grouped, windows whole or cut by the token map: the four AFT-conv layouts, and the other
+    families."""
+    assert {name.split('_')[1] for name in MODELS} == {'conv', 'full', 'simple'}, MODELS
+    assert sum(name.startswith('aft_conv') for name in MODELS) == 4, MODELS
+
+
+@pytest.mark.parametrize('name', MODELS)
 def test_no_host_sync_in_forward_and_backward(name):
     model, images = small_model(name)
     for mode in ('train', 'eval'):
@@ -60,7 +88,7 @@ def test_no_host_sync_in_forward_and_backward(name):
         assert counter.calls
 
 
-@pytest.mark.parametrize('name', ALL_MODELS)
+@pytest.mark.parametrize('name', MODELS)
 def test_fullgraph_compile_forward_and_backward(name):
     torch._dynamo.reset()
     model, images = small_model(name)

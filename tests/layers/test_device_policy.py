@@ -195,12 +195,14 @@ def test_operators_save_only_their_inputs(op, policy):
 
 
 def test_environment_variable_sets_the_process_default():
-    code = 'import torch, aft_vision.layers as L; print(L.get_device_policy(torch.device("cpu")))'
+    """A fresh process reads it as aft_vision loads; a bad value stops the load (the module read again in the same
+    process, after the variable changed: one process instead of two)."""
+    code = ('import importlib, os, torch, aft_vision.layers as L; print(L.get_device_policy(torch.device("cpu")))\n'
+            'os.environ["AFT_DEVICE_POLICY"] = "gpu"; importlib.reload(importlib.import_module(L.get_device_policy.'
+            '__module__))')
     env = {**os.environ, 'AFT_DEVICE_POLICY': 'cuda'}
     out = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == 'cuda', out.stderr[-2000:]
-    env['AFT_DEVICE_POLICY'] = 'gpu'
-    out = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and 'AFT_DEVICE_POLICY must be one of cpu, cuda' in out.stderr
 
 
