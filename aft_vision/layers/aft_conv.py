@@ -119,6 +119,8 @@ def resize_window_bias(raw: torch.Tensor, gamma: torch.Tensor, beta: torch.Tenso
     if kernel_size < 1 or kernel_size % 2 == 0:
         raise ValueError(f'kernel_size must be a positive odd number, got {kernel_size}')
     heads, dtype = raw.shape[0], torch.promote_types(raw.dtype, torch.float32)  # float64 stays float64
+    if raw.is_meta:  # a size check on a meta copy: the shapes alone (resampling meta tensors is 200x slower)
+        return raw.new_empty(heads, kernel_size, kernel_size), gamma, beta
     raw_f = raw.to(dtype)
     half = (kernel_size + 1) // 2
     resized = resize_rel_pos_bias_table_simple(raw_f, (half, half), (heads, kernel_size, kernel_size))

@@ -198,6 +198,20 @@ def test_window_resize_stretches_the_eq8_bias_as_timms_table_resize():
     assert model(torch.randn(1, 3, 96, 96, dtype=torch.float64)).shape == (1, 1000)
 
 
+@pytest.mark.parametrize('mode, size', [('window', 96), ('window', 40), ('patch', 96), ('keep', 96)])
+def test_a_meta_copy_resizes_to_the_shapes_of_a_real_one(mode, size):
+    """The size checks run on meta-device copies (the jobs' option checks): every parameter after the resize has the
+    shape and dtype of the real model's (the meta path only skips the arithmetic)."""
+    real = _create('aft_conv_test')
+    with torch.device('meta'):
+        meta = _create('aft_conv_test')
+    for model in (real, meta):
+        model.set_input_size(img_size=size, resize_mode=mode)
+    shapes = {name: (p.shape, p.dtype) for name, p in real.state_dict().items()}
+    assert {name: (p.shape, p.dtype) for name, p in meta.state_dict().items()} == shapes
+    assert all(p.is_meta for p in meta.parameters())
+
+
 @pytest.mark.parametrize('mode, size, patch, kernel', [
     ('keep', 96, 8, 5), ('window', 96, 8, 7), ('window', 40, 8, 3), ('patch', 96, 12, 5)])
 def test_a_resized_model_rebuilds_from_its_checkpoint_and_its_published_folder(mode, size, patch, kernel, tmp_path):
