@@ -24,18 +24,25 @@ TEST_CASES = {
     'aft_simple_test': ('aft_simple_test', {}),
 }
 # one full-size model per family, under the slow mark (the one-hot mixer at full size through the TorchScript-based
-# exporters only: its dynamo, torch.export and jit paths run on the test model, and the full command must stay short)
+# exporters only: its dynamo, torch.export and jit paths run on the test model, and the full command must stay short).
+# Their real widths, heads, kernels, patch and input size, in 2 of their 12 blocks: every block records the same
+# operators with the same shapes, so what an exporter does to one block it does to all, and export time grows with
+# depth (2 blocks also export a block that follows another, as the 12 do).
+FULL_DEPTH = 2
 FULL_CASES = {
-    'aft_conv_tiny': ('aft_conv_tiny', {}),
-    'aft_conv_tiny_onehot': ('aft_conv_tiny', {'mixer_layer': 'aft_conv_onehot'}),
-    'aft_full_tiny': ('aft_full_tiny', {}),
-    'aft_simple_tiny': ('aft_simple_tiny', {}),
+    'aft_conv_tiny': ('aft_conv_tiny', {'depth': FULL_DEPTH}),
+    'aft_conv_tiny_onehot': ('aft_conv_tiny', {'depth': FULL_DEPTH, 'mixer_layer': 'aft_conv_onehot'}),
+    'aft_full_tiny': ('aft_full_tiny', {'depth': FULL_DEPTH}),
+    'aft_simple_tiny': ('aft_simple_tiny', {'depth': FULL_DEPTH}),
 }
 # OpenVINO also runs AFT-conv's dense method (its channel-first graph takes the convolution) and one key per channel
 OPENVINO_CASES = {
     'aft_conv_test_dense': ('aft_conv_test', {'mixer_kwargs': {'method': 'dense'}}),
     'aft_conv_test_heads': ('aft_conv_test', {'num_heads': 64}),
 }
+# 'dynamo': torch.onnx.export(dynamo=True) once, its graph checked as exported and after onnxscript's optimiser (the
+# step optimize=True runs, timm's path included); 'timm_dynamo': timm's onnx_export(use_dynamo=True) (named, automatic
+# dynamic axes), at full size (test_deploy.py)
 ONNX_EXPORTERS = ('torchscript_opset17', 'torchscript_opset18', 'dynamo', 'timm', 'timm_dynamo')
 
 
