@@ -15,8 +15,8 @@ import aft_vision  # noqa: F401  registers the models
 from aft_reference import CAUSAL, inputs
 from aft_vision.layers import aft_conv2d, aft_full, aft_local, aft_simple
 from aft_vision.models.aft_conv import AFTConvTransformer
-from deploy_cases import (FULL_CASES, ONNX_EXPORTERS, TEST_CASES, assert_agrees, build_case, export_sizes, quiet,
-                          random_images)
+from deploy_cases import (FULL_CASES, ONNX_EXPORTERS, TEST_CASES, TWO_BLOCK_CASES, assert_agrees, build_case,
+                          export_sizes, quiet, random_images)
 
 # the deployment toolchains (the test extra): without them this part is skipped
 onnx = pytest.importorskip('onnx')
@@ -152,10 +152,10 @@ def test_onnx_matches_eager(case, exporter, tmp_path):
     check_onnx(case, 'trained', exporter, tmp_path)
 
 
-@pytest.mark.parametrize('case', [_sharing_a_program(case) for case in TEST_CASES])
+@pytest.mark.parametrize('case', [_sharing_a_program(case) for case in TWO_BLOCK_CASES])
 def test_dynamo_onnx_matches_eager(case, tmp_path):
-    """The dynamo exporter's graph as exported and optimised. timm's dynamo call differs only in its automatic dynamic
-    axes: it runs at full size (one export of 10-40 s per test model saved here)."""
+    """The dynamo exporter's graph as exported and optimised (``TWO_BLOCK_CASES``). timm's dynamo call differs only in
+    its automatic dynamic axes: it runs at full size (one export of 10-40 s per test model saved here)."""
     check_onnx(case, 'trained', 'dynamo', tmp_path)
 
 
@@ -172,7 +172,7 @@ def test_torchscript_round_trip(case, method, tmp_path):
     check_torchscript(case, method, tmp_path)
 
 
-@pytest.mark.parametrize('case', [_sharing_a_program(case) for case in TEST_CASES])
+@pytest.mark.parametrize('case', [_sharing_a_program(case) for case in TWO_BLOCK_CASES])
 def test_torch_export_round_trip(case, tmp_path):
     check_torch_export(case, tmp_path)
 
