@@ -24,18 +24,30 @@ TEST_CASES = {
     'aft_simple_test': ('aft_simple_test', {}),
 }
 # one full-size model per family, under the slow mark (the one-hot mixer at full size through the TorchScript-based
-# exporters only: its dynamo, torch.export and jit paths run on the test model, and the full command must stay short)
+# exporters only: its dynamo, torch.export and jit paths run on the test model, and the full command must stay short).
+# Their real widths, heads, kernels, patch and input size, in 2 of their 12 blocks: every block records the same
+# operators with the same shapes, so what an exporter does to one block it does to all, and export time grows with
+# depth (2 blocks also export a block that follows another, as the 12 do).
+FULL_DEPTH = 2
 FULL_CASES = {
-    'aft_conv_tiny': ('aft_conv_tiny', {}),
-    'aft_conv_tiny_onehot': ('aft_conv_tiny', {'mixer_layer': 'aft_conv_onehot'}),
-    'aft_full_tiny': ('aft_full_tiny', {}),
-    'aft_simple_tiny': ('aft_simple_tiny', {}),
+    'aft_conv_tiny': ('aft_conv_tiny', {'depth': FULL_DEPTH}),
+    'aft_conv_tiny_onehot': ('aft_conv_tiny', {'depth': FULL_DEPTH, 'mixer_layer': 'aft_conv_onehot'}),
+    'aft_full_tiny': ('aft_full_tiny', {'depth': FULL_DEPTH}),
+    'aft_simple_tiny': ('aft_simple_tiny', {'depth': FULL_DEPTH}),
 }
+# the dynamo exporter and torch.export (one program for both, 10-40 s an export at 4 blocks) on the test models in 2
+# of their 4 blocks, for the reason above; the windows resampled at build ('aft_conv_test_window') are aft_conv_test's
+# graph with another kernel, which the TorchScript-based exporters, jit and OpenVINO check
+TWO_BLOCK_CASES = {f'{case}_2_blocks': (arch, {**kwargs, 'depth': 2}) for case, (arch, kwargs) in TEST_CASES.items()
+                   if case != 'aft_conv_test_window'}
 # OpenVINO also runs AFT-conv's dense method (its channel-first graph takes the convolution) and one key per channel
 OPENVINO_CASES = {
     'aft_conv_test_dense': ('aft_conv_test', {'mixer_kwargs': {'method': 'dense'}}),
     'aft_conv_test_heads': ('aft_conv_test', {'num_heads': 64}),
 }
+# 'dynamo': torch.onnx.export(dynamo=True) once, its graph checked as exported and after onnxscript's optimiser (the
+# step optimize=True runs, timm's path included); 'timm_dynamo': timm's onnx_export(use_dynamo=True) (named, automatic
+# dynamic axes), at full size (test_deploy.py)
 ONNX_EXPORTERS = ('torchscript_opset17', 'torchscript_opset18', 'dynamo', 'timm', 'timm_dynamo')
 
 
@@ -43,7 +55,7 @@ ONNX_EXPORTERS = ('torchscript_opset17', 'torchscript_opset18', 'dynamo', 'timm'
 def build_case(case: str, state: str) -> torch.nn.Module:
     """The case's model in eval mode; ``'trained'`` draws every position-bias parameter (AFT-conv's Eq. 8 raw bias,
     gamma and beta; AFT-full's factors), so that every window offset and bias entry matters."""
-    arch, kwargs = {**TEST_CASES, **FULL_CASES, **OPENVINO_CASES}[case]
+    arch, kwargs = {**TEST_CASES, **FULL_CASES, **TWO_BLOCK_CASES, **OPENVINO_CASES}[case]
     torch.manual_seed(0)
     model = timm.create_model(arch, **kwargs).eval()
     if state == 'trained':

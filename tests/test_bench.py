@@ -30,12 +30,17 @@ def test_quick_bench_writes_json_table_and_plot(tmp_path, capsys):
     assert 'aft_conv_test' in capsys.readouterr().out
 
 
-@pytest.mark.slow
 def test_no_train_prints_a_dash_for_the_skipped_figures(tmp_path, capsys):
-    assert cli_main(['bench', '--quick', '--no-train', '--out-dir', str(tmp_path)]) == 0
+    """Without peak memory (measured in the quick bench above; on the CPU a fresh process per model and figure)."""
+    assert cli_main(['bench', '--quick', '--no-train', '--no-peak-memory', '--out-dir', str(tmp_path)]) == 0
+    (row,) = json.loads((tmp_path / 'bench.json').read_text())['rows']
+    assert set(row['aft']) == FIGURES - {'infer_peak_mb', 'train_img_s', 'train_peak_mb', 'train_saved_mb'}
     table = (tmp_path / 'bench.md').read_text()
     aft_line = next(line for line in table.splitlines() if '| aft_conv_test |' in line)
-    assert 'nan' not in table and aft_line.count('| - ') >= 3
+    cells = [cell.strip() for cell in aft_line.strip('| ').split('|')]
+    # train img/s, train peak MB, saved MB; the ratios of the last three (train, train mem, saved)
+    assert 'nan' not in table and [cells[i] for i in (5, 6, 7, 10, 11, 12)] == ['-'] * 6
+    assert float(cells[4]) > 0 and cells[9].endswith('x')  # inference measured, and its ratio
 
 
 def test_base_img_size_times_aft_conv_with_its_windows_resampled(tmp_path):
@@ -124,6 +129,9 @@ def test_onnxruntime_runtime_refuses_what_it_cannot_time(options, tmp_path, caps
 
 @pytest.mark.slow
 def test_dense_bench_times_dpt_on_both_backbones(tmp_path):
+    """In eager PyTorch. ``--dense --runtime openvino`` joins two parts tested on their own: bench's deployment
+    runtimes (``_deployed``, test_deploy_runtimes.py's bench tests) and DPT on AFT-conv converted to OpenVINO
+    (``test_openvino_runs_a_segmentation_model_on_aft_conv``, against float64)."""
     pytest.importorskip('segmentation_models_pytorch')
     assert cli_main(['bench', '--dense', '--quick', '--out-dir', str(tmp_path)]) == 0
     (row,) = json.loads((tmp_path / 'bench_dense.json').read_text())['rows']
@@ -134,17 +142,6 @@ def test_dense_bench_times_dpt_on_both_backbones(tmp_path):
         assert all(row[who][key] > 0 for key in ('infer_img_s', 'train_img_s', 'train_saved_mb', 'gmacs'))
     assert abs(row['ratio']['train_saved_mb'] - row['aft']['train_saved_mb'] / row['deit']['train_saved_mb']) < 1e-9
     assert '| 64 | aft_conv_test |' in (tmp_path / 'bench_dense.md').read_text()
-
-
-@pytest.mark.slow
-def test_dense_bench_runs_in_openvino(tmp_path):
-    pytest.importorskip('segmentation_models_pytorch')
-    pytest.importorskip('openvino')
-    assert cli_main(['bench', '--dense', '--quick', '--runtime', 'openvino', '--out-dir', str(tmp_path)]) == 0
-    (row,) = json.loads((tmp_path / 'bench_dense.json').read_text())['rows']
-    assert row['runtime'] == 'openvino' and row['precision'] == 'fp32'
-    for who in ('aft', 'deit'):
-        assert row[who]['infer_img_s'] > 0 and 'train_img_s' not in row[who]
 
 
 def test_dense_bench_refuses_compile(tmp_path, capsys):

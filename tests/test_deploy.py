@@ -5,6 +5,8 @@ graph rejected, the exported operators on hostile inputs. OpenVINO, INT8 and ``a
 """
 
 import gc
+from typing import List
+
 import pytest
 import torch
 
@@ -13,8 +15,8 @@ import aft_vision  # noqa: F401  registers the models
 from aft_reference import CAUSAL, inputs
 from aft_vision.layers import aft_conv2d, aft_full, aft_local, aft_simple
 from aft_vision.models.aft_conv import AFTConvTransformer
-from deploy_cases import (FULL_CASES, ONNX_EXPORTERS, TEST_CASES, assert_agrees, build_case, export_sizes, quiet,
-                          random_images)
+from deploy_cases import (FULL_CASES, ONNX_EXPORTERS, TEST_CASES, TWO_BLOCK_CASES, assert_agrees, build_case,
+                          export_sizes, quiet, random_images)
 
 # the deployment toolchains (the test extra): without them this part is skipped
 onnx = pytest.importorskip('onnx')
@@ -40,33 +42,31 @@ pytest.importorskip('nncf')
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-# case -> (architecture, model kwargs): every registered test model, and AFT-conv with Sec. 8's one-hot mixer
-
-def export_onnx(model, exporter: str, example: torch.Tensor, path) -> str:
+def export_onnx(model, exporter: str, example: torch.Tensor, path) -> List[str]:
     """Export ``model`` with ``exporter`` (``ONNX_EXPORTERS``), a dynamic batch axis and, for AFT-conv, a dynamic
-    height and width; returns the path."""
+    height and width; returns the written paths: for 'dynamo' the graph as exported and, from the same export,
+    after onnxscript's optimiser (``ONNXProgram.optimize``, what ``optimize=True`` runs), two files."""
     from timm.utils.onnx import onnx_export
-    from torch.export import Dim
     is_conv = isinstance(model, AFTConvTransformer)
     path = str(path)
-    gc.collect()  # what earlier tests left, collected now: torch 2.14 once segfaulted collecting it mid-trace
+    gc.freeze()  # what earlier tests left is never collected here: torch 2.14 segfaulted collecting it, mid-trace or in
+    # gc.collect() (after other tests in the same worker)
     with quiet():
         if exporter.startswith('torchscript'):
             axes = {0: 'batch', **({2: 'height', 3: 'width'} if is_conv else {})}
             torch.onnx.export(model, (example,), path, dynamo=False, opset_version=int(exporter[-2:]),
                               input_names=['x'], output_names=['logits'],
                               dynamic_axes={'x': axes, 'logits': {0: 'batch'}})
-        elif exporter == 'dynamo':
-            patch = model.patch_embed.patch_size[0]
-            dims = {0: Dim('batch', min=1, max=64)}
-            if is_conv:  # any multiple of the patch size
-                dims.update({2: patch * Dim('grid_h', min=1, max=64), 3: patch * Dim('grid_w', min=1, max=64)})
-            # without onnxscript's graph optimiser: timm's path ('timm_dynamo') runs it, so both forms are tested
-            torch.onnx.export(model, (example,), path, dynamo=True, dynamic_shapes={'x': dims}, optimize=False)
+        elif exporter == 'dynamo':  # ``model``: the module's torch.export program (``exported_program``)
+            program = torch.onnx.export(model, (), path, dynamo=True, optimize=False)
+            program.optimize()  # one export, both forms: the optimiser rewrites the exported graph in place
+            optimized = path.replace('.onnx', '_optimized.onnx')
+            program.save(optimized)
+            return [path, optimized]
         else:  # timm's own, with its onnxruntime check of the export example
             onnx_export(model, path, example_input=example, check_forward=True, dynamic_size=is_conv,
                         use_dynamo=exporter == 'timm_dynamo')
-    return path
+    return [path]
 
 
 def run_onnx(path: str, *arrays: torch.Tensor, names=None) -> torch.Tensor:
@@ -80,13 +80,36 @@ def run_onnx(path: str, *arrays: torch.Tensor, names=None) -> torch.Tensor:
     return torch.from_numpy(session.run(None, feed)[0])
 
 
+def exported_program(case: str, state: str = 'trained') -> torch.export.ExportedProgram:
+    """``torch.export.export`` of the case's model with a dynamic batch and, for AFT-conv, any multiple of the patch
+    size as height and width: the call ``torch.onnx.export(model, dynamo=True, dynamic_shapes=...)`` makes first (its
+    own strategy, ``strict=False``), made once per model for the dynamo exporter and the torch.export round trip."""
+    from torch.export import Dim
+    key = (case, state)
+    if key not in _PROGRAMS:
+        model = build_case(case, state)
+        dims = {0: Dim('batch', min=1, max=64)}
+        if isinstance(model, AFTConvTransformer):
+            patch = model.patch_embed.patch_size[0]
+            dims.update({2: patch * Dim('grid_h', min=1, max=64), 3: patch * Dim('grid_w', min=1, max=64)})
+        gc.freeze()  # as in export_onnx
+        with quiet():
+            _PROGRAMS[key] = torch.export.export(model, (random_images(*export_sizes(model)[0], 0),),
+                                                 dynamic_shapes={'x': dims})
+    return _PROGRAMS[key]
+
+
+_PROGRAMS = {}
+
+
 def check_onnx(case, state, exporter, tmp_path):
     model = build_case(case, state)
     example_size, fresh = export_sizes(model)
-    path = export_onnx(model, exporter, random_images(*example_size, 0), tmp_path / f'{case}.onnx')
-    for seed, size in enumerate(fresh, start=1):
-        got = run_onnx(path, random_images(*size, seed))
-        assert_agrees(case, state, got, size, seed, f'{case} {state} {exporter} {size}')
+    source = exported_program(case, state) if exporter == 'dynamo' else model
+    for path in export_onnx(source, exporter, random_images(*example_size, 0), tmp_path / f'{case}.onnx'):
+        for seed, size in enumerate(fresh, start=1):
+            got = run_onnx(path, random_images(*size, seed))
+            assert_agrees(case, state, got, size, seed, f'{case} {state} {exporter} {size} ({path})')
 
 
 def check_torchscript(case, method, tmp_path):
@@ -105,15 +128,8 @@ def check_torchscript(case, method, tmp_path):
 
 
 def check_torch_export(case, tmp_path):
-    from torch.export import Dim
-    model = build_case(case, 'trained')
-    example_size, fresh = export_sizes(model)
-    dims = {0: Dim('batch', min=1, max=64)}
-    if isinstance(model, AFTConvTransformer):
-        patch = model.patch_embed.patch_size[0]
-        dims.update({2: patch * Dim('grid_h', min=1, max=64), 3: patch * Dim('grid_w', min=1, max=64)})
-    with quiet():
-        program = torch.export.export(model, (random_images(*example_size, 0),), dynamic_shapes={'x': dims})
+    fresh = export_sizes(build_case(case, 'trained'))[1]
+    program = exported_program(case)
     path = tmp_path / f'{case}.pt2'
     torch.export.save(program, str(path))
     loaded = torch.export.load(str(path)).module()
@@ -126,10 +142,22 @@ def check_torch_export(case, tmp_path):
 # ---------------------------------------------------------------------------------------------------------------------
 # The test models (fast suite) and one full-size model per family (slow)
 
-@pytest.mark.parametrize('exporter', ONNX_EXPORTERS)
+def _sharing_a_program(case):
+    """The case, its tests run by one pytest-xdist worker (``--dist loadgroup``): they read one ``exported_program``."""
+    return pytest.param(case, marks=pytest.mark.xdist_group(f'exported_program_{case}'))
+
+
+@pytest.mark.parametrize('exporter', [exporter for exporter in ONNX_EXPORTERS if 'dynamo' not in exporter])
 @pytest.mark.parametrize('case', list(TEST_CASES))
 def test_onnx_matches_eager(case, exporter, tmp_path):
     check_onnx(case, 'trained', exporter, tmp_path)
+
+
+@pytest.mark.parametrize('case', [_sharing_a_program(case) for case in TWO_BLOCK_CASES])
+def test_dynamo_onnx_matches_eager(case, tmp_path):
+    """The dynamo exporter's graph as exported and optimised (``TWO_BLOCK_CASES``). timm's dynamo call differs only in
+    its automatic dynamic axes: it runs at full size (one export of 10-40 s per test model saved here)."""
+    check_onnx(case, 'trained', 'dynamo', tmp_path)
 
 
 @pytest.mark.parametrize('case', list(TEST_CASES))
@@ -145,7 +173,7 @@ def test_torchscript_round_trip(case, method, tmp_path):
     check_torchscript(case, method, tmp_path)
 
 
-@pytest.mark.parametrize('case', list(TEST_CASES))
+@pytest.mark.parametrize('case', [_sharing_a_program(case) for case in TWO_BLOCK_CASES])
 def test_torch_export_round_trip(case, tmp_path):
     check_torch_export(case, tmp_path)
 
@@ -158,7 +186,8 @@ FULL_DYNAMO_CASES = [case for case in FULL_CASES if not case.endswith('_onehot')
                                            if exporter.startswith(('torchscript', 'timm'))
                                            and (exporter != 'timm_dynamo' or case in FULL_DYNAMO_CASES)])
 def test_full_size_onnx_matches_eager(case, exporter, tmp_path):
-    """The dynamo exporter through timm's ``onnx_export`` (the plain call is the same exporter)."""
+    """The real widths, heads, kernels and input size (``FULL_CASES``: 2 blocks). The dynamo exporter through timm's
+    ``onnx_export`` (the plain call is the same exporter)."""
     check_onnx(case, 'trained', exporter, tmp_path)
 
 
@@ -202,7 +231,7 @@ GRAPH_MUTATIONS = {
 def test_the_bound_rejects_a_wrong_graph(case, mutation, tmp_path):
     model = build_case(case, 'trained')
     example_size, fresh = export_sizes(model)
-    path = export_onnx(model, 'torchscript_opset18', random_images(*example_size, 0), tmp_path / 'model.onnx')
+    (path,) = export_onnx(model, 'torchscript_opset18', random_images(*example_size, 0), tmp_path / 'model.onnx')
     graph = onnx.load(path)
     GRAPH_MUTATIONS[case, mutation](graph.graph)
     onnx.save(graph, path)

@@ -3,6 +3,7 @@ models against the float64 bound (``deploy_cases``), the converted graph's layou
 and onnxruntime's graphs, ``aft-vision export`` (writes, checks, refuses), bench in both runtimes.
 """
 import copy
+import functools
 import json
 
 import numpy as np
@@ -43,13 +44,19 @@ pytest.importorskip('nncf')
 ELEMENT_WISE = ('Add', 'Multiply', 'Divide', 'Subtract', 'Maximum', 'Sigmoid', 'Exp')
 
 
+@functools.lru_cache(maxsize=None)
+def converted(case: str):
+    """``convert_openvino`` of the case's trained model on its export example, made once for the tests that read it
+    (a test that changes the graph changes a ``clone()``)."""
+    model = build_case(case, 'trained')
+    with quiet():
+        return deploy.convert_openvino(model, random_images(*export_sizes(model)[0], 0))
+
+
 @pytest.mark.parametrize('case', list(TEST_CASES) + list(OPENVINO_CASES))
 def test_openvino_ir_matches_eager(case, tmp_path):
-    model = build_case(case, 'trained')
-    example_size, fresh = export_sizes(model)
-    with quiet():
-        converted = deploy.convert_openvino(model, random_images(*example_size, 0))
-    ov.save_model(converted, str(tmp_path / 'model.xml'), compress_to_fp16=False)
+    fresh = export_sizes(build_case(case, 'trained'))[1]
+    ov.save_model(converted(case), str(tmp_path / 'model.xml'), compress_to_fp16=False)
     run = deploy.load_runner(tmp_path / 'model.xml', 'fp32')
     for seed, size in enumerate(fresh, start=1):
         got = torch.from_numpy(run(random_images(*size, seed).numpy()))
@@ -135,9 +142,8 @@ def test_converted_aft_conv_runs_channel_first_without_layout_changes():
     embedding to the pooling on a 4-D map with the channels on axis 1 (OpenVINO's blocked layout), no Transpose,
     Split or Concat of data, the linear layers as 1 x 1 convolutions (the head alone a MatMul), N and D from two
     depthwise convolutions per block."""
-    model = timm.create_model('aft_conv_test').eval()
-    with quiet():
-        ops = _data_ops(deploy.convert_openvino(model, torch.randn(2, 3, 64, 64)))
+    model = build_case('aft_conv_test', 'trained')
+    ops = _data_ops(converted('aft_conv_test'))
     types = [op.get_type_name() for op in ops]
     for banned in ('Transpose', 'Split', 'VariadicSplit', 'Concat', 'Gather'):
         assert banned not in types, [op.get_friendly_name() for op in ops if op.get_type_name() == banned]
@@ -155,11 +161,9 @@ def test_compiled_channel_first_graph_reorders_no_map():
     Reorder or Transpose of a token map between two nodes, only of the input image and of the (B, C, 1, 1) global
     sums (a per-channel constant broadcast from fewer dimensions once put the gate in planar NCHW with map reorders
     around it)."""
-    model = timm.create_model('aft_conv_test', num_heads=64).eval()
-    with quiet():
-        converted = deploy.convert_openvino(model, torch.randn(2, 3, 64, 64))
-    converted.reshape([2, 3, 64, 64])
-    runtime = ov.Core().compile_model(converted, 'CPU', {'INFERENCE_PRECISION_HINT': 'f32'}).get_runtime_model()
+    graph = converted('aft_conv_test_heads').clone()
+    graph.reshape([2, 3, 64, 64])
+    runtime = ov.Core().compile_model(graph, 'CPU', {'INFERENCE_PRECISION_HINT': 'f32'}).get_runtime_model()
     moved = [op for op in runtime.get_ops() if op.get_rt_info()['layerType'].astype(str) in ('Reorder', 'Transpose')]
     assert moved
     for op in moved:
@@ -345,8 +349,10 @@ def test_export_never_overwrites_without_force(checkpoint, tmp_path, capsys):
     assert out.read_bytes() != b'mine' and sorted(p.name for p in tmp_path.iterdir()) == ['model.onnx']
 
 
-@pytest.mark.parametrize('runtime,precision', [('openvino', 'bf16'), ('openvino', 'int8'), ('onnxruntime', 'int8')])
+@pytest.mark.parametrize('runtime,precision', [('openvino', 'bf16'), ('onnxruntime', 'int8')])
 def test_bench_times_both_models_in_a_deployment_runtime(runtime, precision, tmp_path):
+    """Each runtime and bench's INT8 calibration once: OpenVINO's INT8 model (``write_model`` with calibration, its
+    ``int8`` runner) is what ``aft-vision export --int8`` writes and reads back below, NNCF's graph checked above."""
     assert cli_main(['bench', '--quick', '--runtime', runtime, '--precision', precision,
                      '--out-dir', str(tmp_path)]) == 0
     (row,) = json.loads((tmp_path / 'bench.json').read_text())['rows']

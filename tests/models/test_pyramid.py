@@ -111,11 +111,14 @@ def test_traced_pyramid_runs_at_other_sizes():
 @pytest.mark.slow
 @pytest.mark.parametrize('dynamo', [True, False])
 def test_onnx_export_runs_in_onnxruntime_at_other_sizes(dynamo, tmp_path):
+    """The pyramid on aft_conv_test in 2 of its 4 blocks: the levels read only the last map, every block records the
+    same operators, and export time grows with depth."""
     pytest.importorskip('onnxscript')
     ort = pytest.importorskip('onnxruntime')
     from torch.export import Dim
 
-    pyramid = _pyramid(top_pool=True).eval()
+    backbone = timm.create_model('aft_conv_test', num_classes=0, depth=2)
+    pyramid = SimpleFeaturePyramid(backbone, out_channels=WIDTH, top_pool=True).eval()
     path = tmp_path / 'pyramid.onnx'
     example = torch.randn(2, 3, 64, 64)  # batch 2: export specialises a batch of 1
     names = [f'level_{name}' for name in pyramid.names]  # ONNX refuses '0' as an output name
