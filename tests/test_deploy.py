@@ -4,6 +4,7 @@ graph rejected, the exported operators on hostile inputs. OpenVINO, INT8 and ``a
 ``test_deploy_runtimes.py``.
 """
 
+import functools
 import gc
 from typing import List
 
@@ -49,8 +50,9 @@ def export_onnx(model, exporter: str, example: torch.Tensor, path) -> List[str]:
     from timm.utils.onnx import onnx_export
     is_conv = isinstance(model, AFTConvTransformer)
     path = str(path)
-    gc.freeze()  # what earlier tests left is never collected here: torch 2.14 segfaulted collecting it, mid-trace or in
-    # gc.collect() (after other tests in the same worker)
+    # what earlier tests in this worker left is never collected: torch 2.14 segfaulted collecting it (mid-trace, and
+    # inside an explicit gc.collect() here)
+    gc.freeze()
     with quiet():
         if exporter.startswith('torchscript'):
             axes = {0: 'batch', **({2: 'height', 3: 'width'} if is_conv else {})}
@@ -80,26 +82,20 @@ def run_onnx(path: str, *arrays: torch.Tensor, names=None) -> torch.Tensor:
     return torch.from_numpy(session.run(None, feed)[0])
 
 
+@functools.lru_cache(maxsize=None)
 def exported_program(case: str, state: str = 'trained') -> torch.export.ExportedProgram:
     """``torch.export.export`` of the case's model with a dynamic batch and, for AFT-conv, any multiple of the patch
     size as height and width: the call ``torch.onnx.export(model, dynamo=True, dynamic_shapes=...)`` makes first (its
     own strategy, ``strict=False``), made once per model for the dynamo exporter and the torch.export round trip."""
     from torch.export import Dim
-    key = (case, state)
-    if key not in _PROGRAMS:
-        model = build_case(case, state)
-        dims = {0: Dim('batch', min=1, max=64)}
-        if isinstance(model, AFTConvTransformer):
-            patch = model.patch_embed.patch_size[0]
-            dims.update({2: patch * Dim('grid_h', min=1, max=64), 3: patch * Dim('grid_w', min=1, max=64)})
-        gc.freeze()  # as in export_onnx
-        with quiet():
-            _PROGRAMS[key] = torch.export.export(model, (random_images(*export_sizes(model)[0], 0),),
-                                                 dynamic_shapes={'x': dims})
-    return _PROGRAMS[key]
-
-
-_PROGRAMS = {}
+    model = build_case(case, state)
+    dims = {0: Dim('batch', min=1, max=64)}
+    if isinstance(model, AFTConvTransformer):
+        patch = model.patch_embed.patch_size[0]
+        dims.update({2: patch * Dim('grid_h', min=1, max=64), 3: patch * Dim('grid_w', min=1, max=64)})
+    gc.freeze()  # as in export_onnx
+    with quiet():
+        return torch.export.export(model, (random_images(*export_sizes(model)[0], 0),), dynamic_shapes={'x': dims})
 
 
 def check_onnx(case, state, exporter, tmp_path):
