@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--compile', action='store_true', help='the same as --runtime compile')
     parser.add_argument('--ops', action='store_true', help='time every AFT-conv method on --models\' layers')
     parser.add_argument('--ops-methods', nargs='+', default=None, metavar='VARIANT',
-                        help='--ops: the variants to time (default: all; triton on CUDA)')
+                        help='--ops: the variants to time (default: all; fused on CUDA)')
     parser.add_argument('--dense', action='store_true',
                         help=f'time {DENSE_PAIR[0]} against {DENSE_PAIR[1]} in the same smp DPT instead, batch 1 '
                              f'(default --resolutions {DENSE_RESOLUTIONS}; needs aft-vision[dense])')
