@@ -134,11 +134,8 @@ class AFTVisionTransformer(AFTTransformerBase):
         self.pos_embed = nn.Parameter(torch.empty(1, embed_len, embed_dim, **dd))
         self.pos_drop = nn.Dropout(p=pos_drop_rate)
 
-        if mixer == 'full':
-            mixer_layer = partial(
-                GridAFTFull, grid_size=grid_size, num_prefix_tokens=self.num_prefix_tokens, pos_dim=pos_dim)
-        else:
-            mixer_layer = AFTSimple
+        mixer_layer = partial(GridAFTFull, grid_size=grid_size, num_prefix_tokens=self.num_prefix_tokens,
+                              pos_dim=pos_dim) if mixer == 'full' else AFTSimple
         self._build_trunk(
             depth, mixer_layer, block_fn, norm_layer, act_layer, drop_rate, drop_path_rate, weight_init, dd,
             pre_norm=pre_norm, mlp_layer=mlp_layer, norm_eps=norm_eps, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias,
