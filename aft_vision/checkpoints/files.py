@@ -167,8 +167,7 @@ def atomic_dir(path: PathLike, force: bool = False) -> Iterator[Path]:
         if path.is_dir():
             swap_in(staging, path)
         else:
-            if path.exists() or path.is_symlink():
-                path.unlink()
+            _remove(path)  # a file or a link: the folder replaces it
             os.replace(staging, path)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

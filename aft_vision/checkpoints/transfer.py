@@ -55,15 +55,12 @@ class TransferReport:
         return '\n'.join(lines)
 
 
-def _star(match: re.Match) -> str:
-    return 'blocks.*.' if match.group(0).startswith('blocks.') else 'attn_pool.*'
-
-
 def _collapse(items: Mapping[str, str]) -> Dict[str, str]:
+    """``items`` with one entry for every block (``blocks.*.``) and for SigLIP's attention pool (``attn_pool.*``)."""
     folded: Dict[str, str] = {}
     for key, why in items.items():
-        folded.setdefault(re.sub(r'^blocks\.\d+\.|^attn_pool\..*', _star, key),
-                          re.sub(r'blocks\.\d+\.', 'blocks.*.', why))
+        key = re.sub(r'^attn_pool\..*', 'attn_pool.*', re.sub(r'^blocks\.\d+\.', 'blocks.*.', key))
+        folded.setdefault(key, re.sub(r'blocks\.\d+\.', 'blocks.*.', why))
     return folded
 
 

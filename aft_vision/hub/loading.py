@@ -9,7 +9,6 @@ import difflib
 import os
 import socket
 import sys
-from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 from urllib.parse import urlparse
 
@@ -21,7 +20,8 @@ from timm.models import parse_model_name
 from ..checkpoints.files import load_weights
 from ..checkpoints.transfer import select_weights, unwrap_state_dict
 from ..models import fit_checkpoint
-from .records import read_hub_config, read_training_record, resolve_publish_data_config, source_architecture
+from .records import (read_hub_config, read_training_record, resolve_publish_data_config, source_architecture,
+                      source_file)
 
 __all__ = ['load_model', 'create_aft_model', 'check_model_name', 'check_pretrained', 'check_aft_model',
            'check_init_weights', 'check_model_kwargs', 'check_source', 'warn_random_weights', 'RANDOM_WEIGHTS',
@@ -124,7 +124,7 @@ def check_source(name: str) -> None:
         _check_hub(model_id)
     elif source == 'local-dir':
         source_architecture(name)  # config.json there and readable
-        load_weights(_source_weights(name))  # there; damaged, empty or hostile: one line naming the file
+        load_weights(source_file(name, WEIGHT_FILES))  # there; damaged, empty or hostile: one line naming the file
 
 
 def _check_fits(state_dict: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor], what: str) -> None:
@@ -158,26 +158,6 @@ def warn_random_weights(name: str, weights: str) -> None:
     if weights == RANDOM_WEIGHTS:
         print(f'warning: {name} has random weights (no --checkpoint, --pretrained or local-dir: / hf-hub: source): '
               'its outputs mean nothing', file=sys.stderr)
-
-
-def _source_weights(name: str) -> str:
-    """The weight file of a ``local-dir:`` folder or (downloaded, or from the cache) an ``hf-hub:`` repository."""
-    source, model_id = parse_model_name(name)
-    if source == 'local-dir':
-        found = next((Path(model_id) / file for file in WEIGHT_FILES if (Path(model_id) / file).is_file()), None)
-    else:
-        from huggingface_hub import hf_hub_download
-        from huggingface_hub.utils import EntryNotFoundError, LocalEntryNotFoundError
-
-        repo, _, revision = model_id.partition('@')
-        for file in WEIGHT_FILES:
-            try:
-                return hf_hub_download(repo, file, revision=revision or None)
-            except (EntryNotFoundError, LocalEntryNotFoundError):
-                found = None
-    if found is None:
-        raise ValueError(f'{name}: no weights in {model_id} (one of {", ".join(WEIGHT_FILES)})')
-    return str(found)
 
 
 def check_finite(state_dict: Dict[str, torch.Tensor], what: str) -> None:
@@ -241,7 +221,7 @@ def load_model(name: str, checkpoint: Optional[str] = None, pretrained: bool = F
     if aft_only:
         check_aft_model(name)
     if checkpoint or ':' in name:
-        return _from_checkpoint(name, checkpoint or _source_weights(name), use_ema, model_kwargs)
+        return _from_checkpoint(name, checkpoint or str(source_file(name, WEIGHT_FILES)), use_ema, model_kwargs)
     check_model_kwargs(name, model_kwargs)
     try:
         model = timm.create_model(name, pretrained=pretrained, **model_kwargs)

@@ -6,7 +6,7 @@ gaps but checks nothing."""
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import timm
 import torch
@@ -15,8 +15,8 @@ from timm.models import parse_model_name, split_model_name_tag
 
 from ..checkpoints.files import load_weights
 
-__all__ = ['source_architecture', 'read_hub_config', 'read_training_record', 'TrainingRecord', 'DATA_CONFIG_KEYS',
-           'resolve_publish_data_config', 'CROP_MODES', 'INTERPOLATIONS']
+__all__ = ['source_architecture', 'source_file', 'read_hub_config', 'read_training_record', 'TrainingRecord',
+           'DATA_CONFIG_KEYS', 'resolve_publish_data_config', 'CROP_MODES', 'INTERPOLATIONS']
 
 # pretrained_cfg entries that say how weights were trained and evaluated (timm's resolve_data_config reads them)
 DATA_CONFIG_KEYS = ('input_size', 'test_input_size', 'crop_pct', 'crop_mode', 'interpolation', 'mean', 'std')
@@ -35,16 +35,26 @@ def source_architecture(name: str, model_kwargs: Optional[Dict[str, Any]] = None
     return config['architecture'], {**config['model_args'], **model_kwargs}
 
 
-def _config_file(name: str) -> Path:
+def source_file(name: str, files: Sequence[str]) -> Path:
+    """The first of ``files`` in a ``local-dir:`` folder or (downloaded, or from the cache) an ``hf-hub:`` repository;
+    FileNotFoundError naming the source and the files where none is there."""
     source, model_id = parse_model_name(name)
-    if source == 'hf-hub':
+    found = None
+    if source == 'local-dir':
+        found = next((Path(model_id) / file for file in files if (Path(model_id) / file).is_file()), None)
+    else:
         from huggingface_hub import hf_hub_download
+        from huggingface_hub.utils import EntryNotFoundError, LocalEntryNotFoundError
 
         repo, _, revision = model_id.partition('@')
-        return Path(hf_hub_download(repo, 'config.json', revision=revision or None))
-    if not (Path(model_id) / 'config.json').is_file():
-        raise FileNotFoundError(f'{name}: no config.json in {model_id} (write one with aft-vision publish)')
-    return Path(model_id) / 'config.json'
+        for file in files:
+            try:
+                return Path(hf_hub_download(repo, file, revision=revision or None))
+            except (EntryNotFoundError, LocalEntryNotFoundError):
+                pass
+    if found is None:
+        raise FileNotFoundError(f'{name}: no {" or ".join(files)} in {model_id} (aft-vision publish writes them)')
+    return found
 
 
 def read_hub_config(name: str) -> Dict[str, Any]:
@@ -52,7 +62,7 @@ def read_hub_config(name: str) -> Dict[str, Any]:
     registered, ``model_args`` an object (``hub.load_model`` builds with them), ``num_classes`` and ``label_names``
     that agree, the data config (``DATA_CONFIG_KEYS``) present and in range. ``{'path', 'architecture',
     'model_args', 'num_classes', 'label_names', 'data_config', 'notes'}``; ValueError naming the file and the field."""
-    path = _config_file(name)
+    path = source_file(name, ('config.json',))
     config = _read_json_object(path, 'Hub config')
     cfg = config.get('pretrained_cfg', config)  # timm also reads the older single-object layout
     architecture, model_args = config.get('architecture'), config.get('model_args', {})

@@ -24,9 +24,10 @@ _FAMILY_FILTERS = ((AFTConvTransformer, _aft_conv_filter), (AFTVisionTransformer
 def fit_checkpoint(checkpoint: Mapping, model: torch.nn.Module, log: Optional[Callable[[str], None]] = None
                    ) -> Dict[str, torch.Tensor]:
     """The one decision of which weights ``model`` starts from (``--init-from`` and its check before training): the
-    checkpoint's weights as timm takes them, a ViT's mapped by the transfer (its report to ``log``), then the family's
-    checkpoint filter, the one timm's pretrained loading calls (windows, patch, position rows resampled to the
-    model's). Load it strictly."""
-    state_dict = adapt_vit_checkpoint(checkpoint, model, log)
+    family's checkpoint filter, the one timm's pretrained loading calls (the checkpoint's weights as timm takes them, a
+    ViT's mapped by the transfer, its report to ``log``; windows, patch, position rows resampled to the model's), or
+    for another model the weights as timm takes them. Load it strictly."""
     family_filter = next((fn for family, fn in _FAMILY_FILTERS if isinstance(model, family)), None)
-    return family_filter(state_dict, model) if family_filter else state_dict
+    if family_filter is None:
+        return adapt_vit_checkpoint(checkpoint, model, log)
+    return family_filter(checkpoint, model, log=log)

@@ -12,8 +12,10 @@ from torch.jit import Final
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import DropPath, LayerNorm, LayerScale, LayerType, Mlp, SwiGLUPacked, calculate_drop_path_rates, \
     get_act_layer, get_device_dtype, get_norm_layer
-from timm.models import checkpoint, get_pretrained_cfg, named_apply, register_notrace_function
+from timm.models import build_model_with_cfg, checkpoint, generate_default_cfgs, get_pretrained_cfg, named_apply, \
+    register_notrace_function
 from timm.models._features import feature_take_indices  # as timm's own models import it (not re-exported)
+from timm.models._input import update_model_args  # what timm's ViT records on a resize
 from timm.models.vision_transformer import init_weights_vit_timm
 
 from ..layers import layer_norm_nchw, linear_nchw
@@ -304,42 +306,60 @@ DEIT_INIT_NOTE = (
     'classifier (num_classes=0, like timm\'s MAE / DINO tags): pass num_classes=N for a fresh N-class head.'
 )
 UNTRAINED_NOTE = 'No weights: the DeiT recipe\'s preprocessing only. The .deit_in1k tag initialises fine-tuning.'
-
-
-def deit_init_cfg(cfg_fn: Callable[..., Dict[str, Any]], deit_tag: str, **kwargs) -> Dict[str, Any]:
-    """A ``.deit_in1k`` tag: ``deit_tag``'s weights from timm's Hub, converted on load into a backbone."""
-    return cfg_fn(hf_hub_id=f'timm/{deit_tag}', num_classes=0, notes=(DEIT_INIT_NOTE,), **kwargs)
-
-
-# backbone tags ('arch.tag' -> the timm source 'arch.tag' whose Hub weights they convert on load), filled by
-# ``backbone_cfg`` as each family registers its tags
-BACKBONE_SOURCES: Dict[str, str] = {}
 BACKBONE_NOTE = (
     '{source} weights converted on load by the ViT -> AFT transfer (the model built to hold their layout): a '
     'backbone initialisation for fine-tuning, not a trained AFT model and not a classifier. AFT-specific tensors '
     '(position biases, AFT-conv\'s query and key projections) start fresh; the source\'s head is dropped '
     '(num_classes=0): pass num_classes=N for a fresh N-class head. Preprocessing: the source\'s.'
 )
+# backbone tags by AFT size: each converts on load the Hub weights of a timm source (docs/weights.md)
+BACKBONES = {
+    'small': {'deit3_in1k': 'deit3_small_patch16_224.fb_in1k', 'dinov2_lvd142m': 'vit_small_patch14_dinov2.lvd142m',
+              'dinov2_reg4_lvd142m': 'vit_small_patch14_reg4_dinov2.lvd142m',
+              'eva02_mim_in22k': 'eva02_small_patch14_224.mim_in22k'},
+    'base': {'clip_laion2b': 'vit_base_patch16_clip_224.laion2b',
+             'clip_openai': 'vit_base_patch16_clip_quickgelu_224.openai',
+             'siglip_webli': 'vit_base_patch16_siglip_224.webli'},
+}
+# the registered backbone tags ('arch.tag' -> the timm source 'arch.tag'), filled by ``family_cfgs``
+BACKBONE_SOURCES: Dict[str, str] = {}
 
 
-def backbone_cfg(cfg_fn: Callable[..., Dict[str, Any]], tag: str, source: str, **kwargs) -> Dict[str, Any]:
-    """Backbone tag ``tag`` ('arch.tag'): timm model ``source``'s Hub weights (with its mean, std, license),
-    converted on load into the model ``backbone_args`` builds."""
-    src = get_pretrained_cfg(source)
-    BACKBONE_SOURCES[tag] = source
-    return cfg_fn(hf_hub_id=src.hf_hub_id, num_classes=0, mean=src.mean, std=src.std, license=src.license,
-                  notes=(BACKBONE_NOTE.format(source=source),), **kwargs)
+def family_cfgs(inits: Dict[str, Tuple[Callable[..., Dict[str, Any]], str]], backbone_archs: Dict[str, str],
+                tests: Dict[str, Dict[str, Any]], tag_cfgs: Optional[Dict[str, Dict[str, Any]]] = None
+                ) -> Dict[str, Any]:
+    """A family's ``default_cfgs``: ``inits`` maps each model to its cfg function and the DeiT weights its
+    ``.deit_in1k`` tag converts on load into a backbone; ``backbone_archs`` names the architecture per size that takes
+    the ``BACKBONES`` tags (the source's mean, std, license; ``tag_cfgs`` changes by tag); then ``.untrained*`` (no
+    weights, DeiT's preprocessing) as every default, and for the ``tests`` models (their cfgs). Listed after the tags
+    with weights, as ``generate_default_cfgs`` requires, the defaults make ``pretrained=True`` on a bare name fail as
+    timm does without weights instead of loading half a network."""
+    cfgs = {f'{name}.deit_in1k': cfg_fn(hf_hub_id=f'timm/{deit}', num_classes=0, notes=(DEIT_INIT_NOTE,))
+            for name, (cfg_fn, deit) in inits.items()}
+    for size, arch in backbone_archs.items():
+        for tag, source in BACKBONES[size].items():
+            src, name = get_pretrained_cfg(source), f'{arch}.{tag}'
+            BACKBONE_SOURCES[name] = source
+            cfgs[name] = inits[arch][0](hf_hub_id=src.hf_hub_id, num_classes=0, mean=src.mean, std=src.std,
+                                        license=src.license, notes=(BACKBONE_NOTE.format(source=source),),
+                                        **(tag_cfgs or {}).get(name, {}))
+    cfgs.update({f'{name}.untrained*': cfg_fn(notes=(UNTRAINED_NOTE,)) for name, (cfg_fn, _) in inits.items()})
+    cfgs.update({f'{name}.untrained*': dict(cfg, notes=(UNTRAINED_NOTE,)) for name, cfg in tests.items()})
+    return generate_default_cfgs(cfgs)
 
 
-def backbone_args(variant: str, family: str, kwargs: Dict[str, Any]) -> Dict[str, Any]:
-    """The model arguments of the backbone tag ``kwargs['pretrained_cfg']`` names (as ``create_model`` passes a tag):
-    what the source's layout needs (patch, LayerScale, pre-norm, activation, MLP); empty for any other tag."""
+def create_aft(model_cls: Type[nn.Module], family: str, filter_fn: Callable[..., Dict[str, torch.Tensor]],
+               variant: str, pretrained: bool, kwargs: Dict[str, Any], **model_args) -> nn.Module:
+    """``build_model_with_cfg`` for entry point ``variant`` with ``model_args`` under the caller's ``kwargs``; a
+    backbone tag's model (``kwargs['pretrained_cfg']``, as ``create_model`` passes a tag) built to hold its source's
+    layout (patch, LayerScale, pre-norm, activation, MLP), recorded so that config.json rebuilds it."""
     tag = kwargs.get('pretrained_cfg')
     source = BACKBONE_SOURCES.get(f'{variant}.{tag}') if isinstance(tag, str) else None
-    return source_layout(source).model_args(family) if source else {}
-
-
-def untrained_cfg(cfg_fn: Callable[..., Dict[str, Any]], **kwargs) -> Dict[str, Any]:
-    """An ``.untrained`` tag: no weights, DeiT's preprocessing. Registered as the default (``'arch.untrained*'``), so
-    that ``pretrained=True`` on a bare name fails as timm does without weights instead of loading half a network."""
-    return cfg_fn(notes=(UNTRAINED_NOTE,), **kwargs)
+    tag_args = source_layout(source).model_args(family) if source else {}
+    kwargs = {**model_args, **tag_args, **kwargs}
+    feature_cfg = dict(out_indices=kwargs.pop('out_indices', 3), feature_cls='getter')
+    model = build_model_with_cfg(model_cls, variant, pretrained, pretrained_filter_fn=filter_fn,
+                                 feature_cfg=feature_cfg, **kwargs)
+    if tag_args:
+        update_model_args(model, **tag_args)
+    return model

@@ -2,8 +2,7 @@
 backbone with AFT-conv (Eq. 6 in 2-D, bias reparameterised by Eq. 8) as token mixer, no class token and no position
 embedding. Blocks run on a (B, H, W, C) map of any size; ``forward_features`` returns it unpooled (timm's
 ``output_fmt='NHWC'``, as Swin), and timm's NHWC pooling feeds the classifier. Names follow timm's ViT, so DeiT weights
-map by name. Model names: ``aft_conv_<size>_<kernel>[_h<heads>]`` (heads = d without ``_h``); ``aft_conv_tiny``,
-``_small`` and ``_base`` are the recommended configurations.
+map by name. Model names and sizes: docs/models.md.
 """
 import contextlib
 import math
@@ -14,13 +13,12 @@ import torch
 from torch import nn
 
 from timm.layers import LayerType, PatchEmbed, SelectAdaptivePool2d, resample_patch_embed, to_2tuple
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models import register_model
 from timm.models._features import feature_take_indices
 from timm.models._input import update_model_args, update_model_input_size  # what timm's ViT records on a resize
 
 from aft_vision.layers import AFTConv2d, AFTConv2dOneHot, exporting, resize_window_bias, scaled_kernel_size
-from ._base import AFTTransformerBase, Block, adapt_vit_checkpoint, aft_cfg, backbone_args, backbone_cfg, \
-    deit_init_cfg, norm_nchw, untrained_cfg
+from ._base import AFTTransformerBase, Block, adapt_vit_checkpoint, aft_cfg, create_aft, family_cfgs, norm_nchw
 
 # register_model adds each entry point
 __all__ = ['AFTConvTransformer', 'EXPORT_LAYOUTS', 'export_layout', 'forward_at_size']
@@ -268,11 +266,13 @@ def forward_at_size(net: nn.Module, images: torch.Tensor) -> torch.Tensor:
 
 
 def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: AFTConvTransformer, interpolation: str = 'bicubic',
-                         antialias: bool = True) -> Dict[str, torch.Tensor]:
-    """Adapt a checkpoint to ``model``: a training checkpoint's weights, DeiT / ViT mapped (``adapt_vit_checkpoint``),
-    the patch kernel resampled to the model's patch (timm's ``resample_patch_embed``; timm's ViT filter needs a
-    ``pos_embed``), each window to the model's (``resize_window_bias``, as timm resamples a ``pos_embed``)."""
-    state_dict = dict(adapt_vit_checkpoint(state_dict, model))
+                         antialias: bool = True, log: Optional[Callable[[str], None]] = None
+                         ) -> Dict[str, torch.Tensor]:
+    """Adapt a checkpoint to ``model``: a training checkpoint's weights, DeiT / ViT mapped (``adapt_vit_checkpoint``,
+    its report to ``log``), the patch kernel resampled to the model's patch (timm's ``resample_patch_embed``; timm's ViT
+    filter needs a ``pos_embed``), each window to the model's (``resize_window_bias``, as timm resamples a
+    ``pos_embed``)."""
+    state_dict = dict(adapt_vit_checkpoint(state_dict, model, log))
     kernel = state_dict.get('patch_embed.proj.weight')
     model_kernel = model.patch_embed.proj.weight
     if kernel is not None and kernel.dim() == 4 and kernel.shape[-2:] != model_kernel.shape[-2:]:
@@ -290,7 +290,6 @@ def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: AFTConvTran
 
 _cfg = partial(aft_cfg, pool_size=(14, 14))
 _cfg_384 = partial(_cfg, input_size=(3, 384, 384), pool_size=(24, 24), crop_pct=1.0)
-
 _TINY, _SMALL, _BASE = ((_cfg, 'deit_tiny_patch16_224.fb_in1k'), (_cfg, 'deit_small_patch16_224.fb_in1k'),
                         (_cfg_384, 'deit_base_patch16_384.fb_in1k'))
 _INIT = {  # each model's cfg and the DeiT weights its '.deit_in1k' tag converts (Table 8)
@@ -298,35 +297,13 @@ _INIT = {  # each model's cfg and the DeiT weights its '.deit_in1k' tag converts
     'aft_conv_tiny_11_h32': _TINY, 'aft_conv_small_3': _SMALL, 'aft_conv_small_7': _SMALL, 'aft_conv_small_11': _SMALL,
     'aft_conv_small_15': _SMALL, 'aft_conv_small_11_h16': _SMALL, 'aft_conv_base_25_h32': _BASE,
 }
-# '.untrained*' (no weights) is each default, listed after the tags with weights as generate_default_cfgs requires, so
-# pretrained=True needs a tag. No test_input_size: Table 7's gain at 384 is for its trained weights.
-_PATCH14 = dict(pool_size=(16, 16))  # 224 px in 14-px patches
-_BACKBONES = {  # backbone tags: (the timm source whose Hub weights they convert, cfg changes); docs/weights.md
-    'aft_conv_small.deit3_in1k': ('deit3_small_patch16_224.fb_in1k', {}),
-    'aft_conv_small.dinov2_lvd142m': ('vit_small_patch14_dinov2.lvd142m', _PATCH14),
-    'aft_conv_small.dinov2_reg4_lvd142m': ('vit_small_patch14_reg4_dinov2.lvd142m', _PATCH14),
-    'aft_conv_small.eva02_mim_in22k': ('eva02_small_patch14_224.mim_in22k', _PATCH14),
-    'aft_conv_base_25_h32.clip_laion2b': ('vit_base_patch16_clip_224.laion2b', {}),
-    'aft_conv_base_25_h32.clip_openai': ('vit_base_patch16_clip_quickgelu_224.openai', {}),
-    'aft_conv_base_25_h32.siglip_webli': ('vit_base_patch16_siglip_224.webli', {}),
-}
-default_cfgs = generate_default_cfgs({
-    **{f'{name}.deit_in1k': deit_init_cfg(cfg, deit) for name, (cfg, deit) in _INIT.items()},
-    **{tag: backbone_cfg(_INIT[tag.split('.')[0]][0], tag, source, **cfg) for tag, (source, cfg) in _BACKBONES.items()},
-    **{f'{name}.untrained*': untrained_cfg(cfg) for name, (cfg, _) in _INIT.items()},
-    'aft_conv_test.untrained*': untrained_cfg(_cfg, input_size=(3, 64, 64), pool_size=(8, 8), crop_pct=.95),
-})
-
-
-def _model(variant: str, pretrained: bool, kwargs: Dict[str, Any], **model_args) -> AFTConvTransformer:
-    tag_args = backbone_args(variant, 'conv', kwargs)  # a backbone tag's model holds its source's layout
-    kwargs = {**model_args, **tag_args, **kwargs}
-    feature_cfg = dict(out_indices=kwargs.pop('out_indices', 3), feature_cls='getter')
-    model = build_model_with_cfg(AFTConvTransformer, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn,
-                                 feature_cfg=feature_cfg, **kwargs)
-    if tag_args:
-        update_model_args(model, **tag_args)  # config.json rebuilds it
-    return model
+_PATCH14 = ('dinov2_lvd142m', 'dinov2_reg4_lvd142m', 'eva02_mim_in22k')  # backbone tags of 14-px patches
+# no test_input_size: Table 7's gain at 384 is for its trained weights
+default_cfgs = family_cfgs(
+    _INIT, {'small': 'aft_conv_small', 'base': 'aft_conv_base_25_h32'},
+    tests={'aft_conv_test': _cfg(input_size=(3, 64, 64), pool_size=(8, 8), crop_pct=.95)},
+    tag_cfgs={f'aft_conv_small.{tag}': dict(pool_size=(16, 16)) for tag in _PATCH14})  # 224 px in 14-px patches
+_model = partial(create_aft, AFTConvTransformer, 'conv', checkpoint_filter_fn)
 
 
 @register_model

@@ -1,29 +1,24 @@
 """AFT-full and AFT-simple in DeiT's backbone (Sec. 5.3, Table 7 of `An Attention Free Transformer`,
 https://arxiv.org/abs/2105.14103): a ViT (patch 16, 12 pre-norm blocks, class token, position embedding) whose
 attention is AFT-full (Eq. 2, factorised bias ``w = u @ v.T`` of Eq. 7) or AFT-simple (Eq. 5). Names follow timm's
-``VisionTransformer``, so DeiT weights map by name.
-
-AFT-full's bias is tied to the patch grid: at another size (``set_input_size``, ``img_size=...`` with a checkpoint
-filter, or per call with ``dynamic_img_size=True``) the rows of u and v are resampled over the 2-D grid like those of
-the position embedding, the class-token row kept.
+``VisionTransformer``, so DeiT weights map by name. AFT-full's u, v follow the patch grid as the position embedding
+does (docs/models.md).
 """
 from functools import partial
-from typing import Any, Dict, List, Optional, Tuple, Type, Union
+from typing import Callable, Dict, List, Optional, Tuple, Type, Union
 
 import torch
 from torch import nn
 from torch.jit import Final
 
 from timm.layers import LayerType, PatchEmbed, global_pool_nlc, resample_abs_pos_embed, to_2tuple, trunc_normal_
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models import register_model
 from timm.models._features import feature_take_indices
-from timm.models._input import (  # as timm's ViT (not re-exported)
-    get_pretrained_grid_size, update_model_args, update_model_input_size)
+from timm.models._input import get_pretrained_grid_size, update_model_input_size  # as timm's ViT (not re-exported)
 from timm.models.vision_transformer import checkpoint_filter_fn as vit_checkpoint_filter_fn
 
 from aft_vision.layers import AFTFull, AFTSimple, aft_full
-from ._base import AFTTransformerBase, Block, adapt_vit_checkpoint, aft_cfg, backbone_args, backbone_cfg, \
-    deit_init_cfg, untrained_cfg
+from ._base import AFTTransformerBase, Block, adapt_vit_checkpoint, aft_cfg, create_aft, family_cfgs
 
 __all__ = ['AFTVisionTransformer', 'GridAFTFull']  # register_model adds each entry point
 
@@ -139,11 +134,8 @@ class AFTVisionTransformer(AFTTransformerBase):
         self.pos_embed = nn.Parameter(torch.empty(1, embed_len, embed_dim, **dd))
         self.pos_drop = nn.Dropout(p=pos_drop_rate)
 
-        if mixer == 'full':
-            mixer_layer = partial(
-                GridAFTFull, grid_size=grid_size, num_prefix_tokens=self.num_prefix_tokens, pos_dim=pos_dim)
-        else:
-            mixer_layer = AFTSimple
+        mixer_layer = partial(GridAFTFull, grid_size=grid_size, num_prefix_tokens=self.num_prefix_tokens,
+                              pos_dim=pos_dim) if mixer == 'full' else AFTSimple
         self._build_trunk(
             depth, mixer_layer, block_fn, norm_layer, act_layer, drop_rate, drop_path_rate, weight_init, dd,
             pre_norm=pre_norm, mlp_layer=mlp_layer, norm_eps=norm_eps, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias,
@@ -247,11 +239,13 @@ class AFTVisionTransformer(AFTTransformerBase):
 
 
 def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: AFTVisionTransformer,
-                         interpolation: str = 'bicubic', antialias: bool = True) -> Dict[str, torch.Tensor]:
-    """Adapt a checkpoint to ``model``: a training checkpoint's weights, DeiT / ViT mapped (``adapt_vit_checkpoint``),
-    then timm's ViT filter (``pos_embed`` to the model's grid, the patch kernel to its patch), and AFT-full's u, v
-    resampled from the checkpoint's grid (found as timm finds the ``pos_embed`` grid) to the model's."""
-    state_dict = adapt_vit_checkpoint(state_dict, model)
+                         interpolation: str = 'bicubic', antialias: bool = True,
+                         log: Optional[Callable[[str], None]] = None) -> Dict[str, torch.Tensor]:
+    """Adapt a checkpoint to ``model``: a training checkpoint's weights, DeiT / ViT mapped (``adapt_vit_checkpoint``,
+    its report to ``log``), then timm's ViT filter (``pos_embed`` to the model's grid, the patch kernel to its patch),
+    and AFT-full's u, v resampled from the checkpoint's grid (found as timm finds the ``pos_embed`` grid) to the
+    model's."""
+    state_dict = adapt_vit_checkpoint(state_dict, model, log)
     source_kernel = state_dict.get('patch_embed.proj.weight')  # before timm's filter resamples it
     num_prefix_tokens = model.num_prefix_tokens
     grid_size = tuple(model.patch_embed.grid_size)
@@ -284,40 +278,15 @@ def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: AFTVisionTr
 
 
 _cfg = partial(aft_cfg, pool_size=None, fixed_input_size=True)  # the grid is tied to the input size
-_DEIT = {  # each model's '.deit_in1k' tag converts these DeiT weights
-    'aft_full_tiny': 'deit_tiny_patch16_224.fb_in1k', 'aft_full_small': 'deit_small_patch16_224.fb_in1k',
-    'aft_full_base': 'deit_base_patch16_224.fb_in1k', 'aft_simple_tiny': 'deit_tiny_patch16_224.fb_in1k',
-    'aft_simple_small': 'deit_small_patch16_224.fb_in1k',
+_TINY, _SMALL, _BASE = ((_cfg, f'deit_{size}_patch16_224.fb_in1k') for size in ('tiny', 'small', 'base'))
+_INIT = {  # each model's cfg and the DeiT weights its '.deit_in1k' tag converts
+    'aft_full_tiny': _TINY, 'aft_full_small': _SMALL, 'aft_full_base': _BASE, 'aft_simple_tiny': _TINY,
+    'aft_simple_small': _SMALL,
 }
-# '.untrained*' (no weights) is each default, listed after the tags with weights as generate_default_cfgs requires, so
-# pretrained=True needs a tag
-_BACKBONES = {  # backbone tags: the timm source whose Hub weights they convert on load; docs/weights.md
-    'aft_full_small.deit3_in1k': 'deit3_small_patch16_224.fb_in1k',
-    'aft_full_small.dinov2_lvd142m': 'vit_small_patch14_dinov2.lvd142m',
-    'aft_full_small.dinov2_reg4_lvd142m': 'vit_small_patch14_reg4_dinov2.lvd142m',
-    'aft_full_small.eva02_mim_in22k': 'eva02_small_patch14_224.mim_in22k',
-    'aft_full_base.clip_laion2b': 'vit_base_patch16_clip_224.laion2b',
-    'aft_full_base.clip_openai': 'vit_base_patch16_clip_quickgelu_224.openai',
-    'aft_full_base.siglip_webli': 'vit_base_patch16_siglip_224.webli',
-}
-default_cfgs = generate_default_cfgs({
-    **{f'{name}.deit_in1k': deit_init_cfg(_cfg, deit) for name, deit in _DEIT.items()},
-    **{tag: backbone_cfg(_cfg, tag, source) for tag, source in _BACKBONES.items()},
-    **{f'{name}.untrained*': untrained_cfg(_cfg) for name in _DEIT},
-    'aft_full_test.untrained*': untrained_cfg(_cfg, input_size=(3, 64, 64), crop_pct=.95),
-    'aft_simple_test.untrained*': untrained_cfg(_cfg, input_size=(3, 64, 64), crop_pct=.95),
-})
-
-
-def _model(variant: str, pretrained: bool, kwargs: Dict[str, Any], **model_args) -> AFTVisionTransformer:
-    tag_args = backbone_args(variant, 'vit', kwargs)  # a backbone tag's model holds its source's layout
-    kwargs = {**model_args, **tag_args, **kwargs}
-    feature_cfg = dict(out_indices=kwargs.pop('out_indices', 3), feature_cls='getter')
-    model = build_model_with_cfg(AFTVisionTransformer, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn,
-                                 feature_cfg=feature_cfg, **kwargs)
-    if tag_args:
-        update_model_args(model, **tag_args)  # config.json rebuilds it
-    return model
+default_cfgs = family_cfgs(
+    _INIT, {'small': 'aft_full_small', 'base': 'aft_full_base'},
+    tests={name: _cfg(input_size=(3, 64, 64), crop_pct=.95) for name in ('aft_full_test', 'aft_simple_test')})
+_model = partial(create_aft, AFTVisionTransformer, 'vit', checkpoint_filter_fn)
 
 
 @register_model

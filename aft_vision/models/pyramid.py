@@ -1,10 +1,6 @@
 """ViTDet's simple feature pyramid (`Exploring Plain Vision Transformer Backbones for Object Detection`,
-https://arxiv.org/abs/2203.16527, Sec. 3 and Fig. 2 (c); detectron2's ``SimpleFeaturePyramid``) on AFT-conv, whose
-blocks keep one (B, H/p, W/p, C) map of one stride, which FPN-style necks and torchvision's detectors cannot take: the
-levels come from the last map alone (transposed convolutions up to p/4 and p/2, the map at p, max pooling to 2p, then
-a 1x1 and a 3x3 convolution with norms), returned as torchvision's backbones return them (an ordered dict of NCHW maps
-keyed '0', '1', ..., ``out_channels``) with timm's ``feature_info``.
-"""
+https://arxiv.org/abs/2203.16527, Sec. 3; detectron2's ``SimpleFeaturePyramid``): AFT-conv keeps one map of one stride,
+which FPN-style necks and torchvision's detectors cannot take; the levels (docs/dense.md) come from that map alone."""
 from collections import OrderedDict
 from typing import Dict, List, Sequence, Type
 
