@@ -7,18 +7,16 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, Iterator, List
 
 import torch
 import torch.nn.functional as F
-from timm.optim import create_optimizer_v2
-from timm.scheduler import create_scheduler_v2
-from tqdm import tqdm
 
 from ..checkpoints.files import output_dir, save_weights
 from ..hub import create_aft_model
 from ..plots import save_figure
 from .scenes import NUM_CLASSES, Scenes, digit_split, make_scenes
+from .training import fit
 
 __all__ = ['DPT_SIZE_MULTIPLE', 'SegmentSettings', 'build_dpt', 'confusion', 'mean_iou', 'run']
 
@@ -100,35 +98,20 @@ def train(settings: SegmentSettings, data: Dict[str, Scenes], device: torch.devi
     """Train DPT on ``data['train']``; returns the model and the per-epoch history (loss, held-out mIoU)."""
     torch.manual_seed(settings.seed)
     model = build_dpt(settings.model, settings.model_kwargs).to(device)
-    scenes = data['train']
-    steps = math.ceil(len(scenes.images) / settings.batch_size)
-    optimizer = create_optimizer_v2(model, 'adamw', lr=settings.lr, weight_decay=0.05)
-    scheduler, _ = create_scheduler_v2(optimizer, sched='cosine', num_epochs=settings.epochs, warmup_epochs=1,
-                                       warmup_lr=settings.lr / 10, min_lr=settings.lr / 100, step_on_epochs=False,
-                                       updates_per_epoch=steps)
-    gen = torch.Generator().manual_seed(settings.seed)
+    scenes, gen = data['train'], torch.Generator().manual_seed(settings.seed)
+
+    def epoch_batches(epoch: int) -> Iterator[torch.Tensor]:  # indices into the scenes, a new order every epoch
+        return torch.randperm(len(scenes.images), generator=gen).split(settings.batch_size)
+
+    def loss_of(chosen: torch.Tensor) -> torch.Tensor:
+        images = (scenes.images[chosen].to(device) - MEAN) / STD  # (B, 3, S, S)
+        return F.cross_entropy(model(images), scenes.masks[chosen].to(device))  # logits (B, classes, S, S)
+
     history = []
-    for epoch in range(settings.epochs):
-        model.train()
-        order = torch.randperm(len(scenes.images), generator=gen)
-        losses = []
-        bar = tqdm(range(steps), desc=f'epoch {epoch + 1}/{settings.epochs}', unit='batch', leave=False)
-        for step in bar:
-            chosen = order[step * settings.batch_size:(step + 1) * settings.batch_size]
-            images = (scenes.images[chosen].to(device) - MEAN) / STD  # (B, 3, S, S)
-            loss = F.cross_entropy(model(images), scenes.masks[chosen].to(device))  # logits (B, classes, S, S)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            scheduler.step_update(epoch * steps + step + 1)
-            losses.append(loss.item())
-            bar.set_postfix(loss=f'{loss.item():.3f}')
-        if not all(math.isfinite(x) for x in losses):
-            raise RuntimeError(f'training diverged in epoch {epoch + 1}: non-finite loss')
-        record = {'epoch': epoch + 1, 'loss': sum(losses) / len(losses),
-                  'val_miou': mean_iou(confusion(model, data['val']))}
-        print(f'epoch {epoch + 1:2d}  loss {record["loss"]:.4f}  held-out mIoU {100 * record["val_miou"]:.1f}%')
-        history.append(record)
+    steps = math.ceil(len(scenes.images) / settings.batch_size)
+    for epoch, loss in fit(model, settings.lr, settings.epochs, steps, epoch_batches, loss_of):
+        history.append({'epoch': epoch, 'loss': loss, 'val_miou': mean_iou(confusion(model, data['val']))})
+        print(f'epoch {epoch:2d}  loss {loss:.4f}  held-out mIoU {100 * history[-1]["val_miou"]:.1f}%')
     return model, history
 
 

@@ -7,7 +7,7 @@ import math
 import os
 import random
 from pathlib import Path
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from timm.data import create_loader, create_transform, resolve_data_config
@@ -27,7 +27,7 @@ from ..models.aft_conv import forward_at_size
 from .regularizers import position_bias_entropy
 
 __all__ = ['split_digits', 'write_digits', 'check_image_folders', 'eval_data_config', 'evaluate', 'fixed_img_size',
-           'at_size', 'check_input_size', 'size_scaled_batches', 'sizes_text', 'train_loader', 'train',
+           'at_size', 'check_input_size', 'size_scaled_batches', 'sizes_text', 'train_loader', 'fit', 'train',
            'state_digest']
 
 
@@ -209,6 +209,34 @@ def train_loader(folder: Path, model: torch.nn.Module, img_sizes: Sequence[int],
     return loader
 
 
+def fit(model: torch.nn.Module, lr: float, epochs: int, steps: int, epoch_batches: Callable[[int], Iterable],
+        loss_of: Callable[[Any], torch.Tensor], disable: Optional[bool] = False) -> Iterator[Tuple[int, float]]:
+    """The jobs' optimisation: AdamW (weight decay 0.05) under timm's cosine schedule (a warm-up epoch from lr / 10,
+    down to lr / 100, stepped per update), ``loss_of(batch)`` for the ``steps`` batches of ``epoch_batches(epoch)``,
+    a tqdm bar per epoch (``disable`` as tqdm's). Yields each epoch's number (from 1) and mean loss once the epoch is
+    done; RuntimeError if a loss was not finite."""
+    optimizer = create_optimizer_v2(model, 'adamw', lr=lr, weight_decay=0.05)
+    scheduler, _ = create_scheduler_v2(optimizer, sched='cosine', num_epochs=epochs, warmup_epochs=1,
+                                       warmup_lr=lr / 10, min_lr=lr / 100, step_on_epochs=False,
+                                       updates_per_epoch=steps)
+    for epoch in range(epochs):
+        model.train()
+        losses = []
+        bar = tqdm(epoch_batches(epoch), desc=f'epoch {epoch + 1}/{epochs}', total=steps, unit='batch', leave=False,
+                   disable=disable)
+        for step, batch in enumerate(bar):
+            loss = loss_of(batch)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            scheduler.step_update(epoch * steps + step + 1)
+            losses.append(loss.item())
+            bar.set_postfix(loss=f'{loss.item():.3f}')
+        if not all(math.isfinite(x) for x in losses):
+            raise RuntimeError(f'training diverged in epoch {epoch + 1}: non-finite loss')
+        yield epoch + 1, sum(losses) / len(losses)
+
+
 def train(data_dir: Path, model_name: str, epochs: int, img_size: int, batch_size: int, lr: float, seed: int,
           sparsity_weight: float = 0.0, model_kwargs: Optional[Dict] = None, pretrained: bool = False,
           device: torch.device = torch.device('cpu'), rank: int = 0, world_size: int = 1,
@@ -235,37 +263,27 @@ def train(data_dir: Path, model_name: str, epochs: int, img_size: int, batch_siz
     net = model  # what the training step calls; DDP averages the gradients across ranks
     if world_size > 1:
         net = DistributedDataParallel(model, device_ids=[device] if device.type == 'cuda' else None)
-    optimizer = create_optimizer_v2(model, 'adamw', lr=lr, weight_decay=0.05)
-    scheduler, _ = create_scheduler_v2(optimizer, sched='cosine', num_epochs=epochs, warmup_epochs=1,
-                                       warmup_lr=lr / 10, min_lr=lr / 100, step_on_epochs=False,
-                                       updates_per_epoch=len(loader))
-    criterion = LabelSmoothingCrossEntropy(smoothing=0.1)
-    history = []
-    for epoch in range(epochs):
-        net.train()
+    criterion, step_sizes, history = LabelSmoothingCrossEntropy(smoothing=0.1), [], []  # step_sizes: the epoch's
+
+    def epoch_batches(epoch: int) -> DataLoader:
         loader.batch_sampler.set_epoch(epoch)  # the epoch's size order and, under DDP, its shard
-        losses, step_sizes = [], []
-        bar = tqdm(loader, desc=f'epoch {epoch + 1}/{epochs}', unit='batch', leave=False,
-                   disable=None if rank == 0 else True)  # None: on a terminal only
-        for step, (images, labels) in enumerate(bar):
-            step_sizes.append(images.shape[-1])
-            loss = criterion(forward_at_size(net, images.to(device)), labels.to(device))
-            if sparsity_weight:  # Eq. 9 on the shared weights: every rank adds the same term
-                loss = loss + sparsity_weight * position_bias_entropy(model)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            scheduler.step_update(epoch * len(loader) + step + 1)
-            losses.append(loss.item())
-            bar.set_postfix(loss=f'{loss.item():.3f}')
-        if not all(math.isfinite(x) for x in losses):
-            raise RuntimeError(f'training diverged in epoch {epoch + 1}: non-finite loss')
-        record = {'epoch': epoch + 1, 'loss': sum(losses) / len(losses),
+        step_sizes.clear()
+        return loader
+
+    def loss_of(batch: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        step_sizes.append(batch[0].shape[-1])
+        loss = criterion(forward_at_size(net, batch[0].to(device)), batch[1].to(device))
+        # Eq. 9 on the shared weights: every rank adds the same term
+        return loss + sparsity_weight * position_bias_entropy(model) if sparsity_weight else loss
+
+    for epoch, loss in fit(model, lr, epochs, len(loader), epoch_batches, loss_of,
+                           disable=None if rank == 0 else True):  # None: on a terminal only
+        record = {'epoch': epoch, 'loss': loss,
                   'steps_per_size': {str(size): step_sizes.count(size) for size in sorted(set(step_sizes))},
                   'size_schedule_sha256': hashlib.sha256(repr(step_sizes).encode()).hexdigest()}
         if rank == 0:
             record['val_top1'] = evaluate(model, data_dir / 'val', img_size)
-            log(f'epoch {epoch + 1:2d}  loss {record["loss"]:.4f}  val top-1 {record["val_top1"]:.2f}%')
+            log(f'epoch {epoch:2d}  loss {loss:.4f}  val top-1 {record["val_top1"]:.2f}%')
         history.append(record)
     return model, history, classes
 
