@@ -1,24 +1,16 @@
-"""``aft-vision bench --ops``: every AFT-conv method on the mixer layer of each model, the measurements behind the
-dispatch tables (``aft_vision/layers/dispatch.py``).
-
-For each model and resolution: one layer's q, k, v, w at the model's token grid, width, heads and window, timed
-forward and backward separately (median of the repetitions of each, methods interleaved) under the device's default
-policy and the chosen precision; the fastest method (by forward + backward) is set beside the one ``method='auto'``
-picks. The depthwise method's variant keeps its historical name, ``conv:forward_conv`` (its backward).
-"""
-import dataclasses
-import json
+"""``aft-vision bench --ops``: every AFT-conv method on the mixer layer of each model, timed forward and backward
+apart, beside the one ``method='auto'`` picks: the measurements behind the dispatch tables
+(``aft_vision/layers/dispatch.py``; docs/performance.md, "Choosing the AFT-conv method")."""
 import statistics
 import time
-from pathlib import Path
 from typing import Dict, List
 
 import timm
 import torch
 from tqdm import tqdm
 
-from ..checkpoints.files import atomic_dir
 from ..layers import AFTConv2d, aft_conv2d, choose_conv_method
+from .report import write_report
 
 __all__ = ['layer_shape', 'time_methods', 'main']
 
@@ -107,11 +99,5 @@ def main(settings, models: List[str], resolutions: List[int]) -> int:
                      + ' | '.join(f'{value:.2f}' for value in row['ms'].values())
                      + f" | {row['fastest']} | {row['auto']} | "
                      + ' | '.join(f"{t['forward']:.2f} / {t['backward']:.2f}" for t in row['split_ms'].values()) + ' |')
-    table = '\n'.join(lines)
-    out = Path(settings.out_dir)
-    with atomic_dir(out, force=True) as staging:  # the earlier files of those names replaced, nothing else
-        (staging / 'ops.json').write_text(json.dumps({'command': dataclasses.asdict(settings), 'rows': rows}, indent=2))
-        (staging / 'ops.md').write_text(table + '\n')
-    print(table)
-    print(f'wrote {out}/ops.json, ops.md')
+    write_report(settings, 'ops', rows, '\n'.join(lines))
     return 0

@@ -8,7 +8,6 @@ import contextlib
 import dataclasses
 import functools
 import gc
-import json
 import multiprocessing
 import statistics
 import tempfile
@@ -21,9 +20,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
 
-from ..checkpoints.files import atomic_dir, check_output_dir
+from ..checkpoints.files import check_output_dir
 from ..models.aft_conv import AFTConvTransformer
-from .report import markdown_table, plot, summary_table
+from .report import markdown_table, summary_table, write_report
 
 __all__ = ['BenchSettings', 'run_benchmark', 'main', 'RUNTIMES', 'DEPLOY_PRECISIONS']
 
@@ -376,24 +375,8 @@ def main(settings: BenchSettings) -> int:
                          pairs=pairs, batch_at=batch_at, peak_memory=not settings.no_peak_memory,
                          base_img_size=settings.base_img_size)
     table = markdown_table(rows) + '\n\nAFT against its baseline (the README table):\n\n' + summary_table(rows)
-    _write(settings, 'bench', rows, table, plot_rows=True)
+    write_report(settings, 'bench', rows, table, plot_rows=True)
     return 0
-
-
-def _write(settings: BenchSettings, stem: str, rows: List[Dict], table: str, plot_rows: bool = False) -> None:
-    """``<stem>.json`` (the settings and rows), ``<stem>.md`` (the table) and the plot, replacing earlier ones."""
-    out = Path(settings.out_dir)
-    with atomic_dir(out, force=True) as staging:  # the earlier files of those names replaced, nothing else
-        (staging / f'{stem}.json').write_text(json.dumps({'command': dataclasses.asdict(settings), 'rows': rows},
-                                                         indent=2))
-        (staging / f'{stem}.md').write_text(table + '\n')
-        try:
-            if plot_rows:
-                plot(rows, staging / f'{stem}.png')
-        except ImportError:
-            print('matplotlib is not installed (pip install aft-vision[demo]): no plot written')
-    print(table)
-    print(f'wrote {out}/{stem}.json, {stem}.md' + (f', {stem}.png' if plot_rows else ''))
 
 
 # --dense: the whole DPT segmentation network on AFT-conv against the same network on DeiT
@@ -430,5 +413,5 @@ def dense_main(settings: BenchSettings, runtime: str) -> int:
                     runtime == 'eager' and not settings.no_train, settings.warmup, settings.repeats, False,
                     device=str(device), precision=precision, threads=torch.get_num_threads(), runtime=runtime,
                     network='smp.DPT')
-    _write(settings, 'bench_dense', rows, markdown_table(rows))
+    write_report(settings, 'bench_dense', rows, markdown_table(rows))
     return 0
