@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from ..layers import AFTConv2d, aft_conv2d, choose_conv_method
 from .report import write_report
+from .throughput import _autocast, _sync
 
 __all__ = ['layer_shape', 'time_methods', 'main']
 
@@ -43,21 +44,17 @@ def time_methods(shape: Dict[str, int], batch_size: int, device: torch.device, p
                     requires_grad=True)
     dtype = {'fp32': None, 'bf16': torch.bfloat16, 'fp16': torch.float16}[precision]
 
-    def sync():
-        if device.type == 'cuda':
-            torch.cuda.synchronize(device)
-
     def step(variant):
         method = variant.partition(':')[0]
         inputs = [x.to(dtype) if dtype else x for x in (q, k, v)]
         start = time.perf_counter()
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+        with _autocast(device, precision):
             out = aft_conv2d(*inputs, w, method=method)
         loss = out.float().sum()
-        sync()
+        _sync(device)
         middle = time.perf_counter()
         loss.backward()
-        sync()
+        _sync(device)
         return (middle - start) * 1e3, (time.perf_counter() - middle) * 1e3
 
     times = {variant: ([], []) for variant in variants}

@@ -16,7 +16,7 @@ from ..checkpoints.files import output_dir, save_weights
 from ..hub import create_aft_model
 from ..plots import save_figure
 from .scenes import NUM_CLASSES, Scenes, digit_split, make_scenes
-from .training import fit
+from .training import fit, plot_history
 
 __all__ = ['DPT_SIZE_MULTIPLE', 'SegmentSettings', 'build_dpt', 'confusion', 'mean_iou', 'run']
 
@@ -117,18 +117,7 @@ def train(settings: SegmentSettings, data: Dict[str, Scenes], device: torch.devi
 
 def plot(history: List[Dict], model: torch.nn.Module, scenes: Scenes, path: Path) -> None:
     """Loss and held-out mIoU per epoch, and one held-out scene at the larger size: image, labels, prediction."""
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
-
-    epochs = [h['epoch'] for h in history]
-    fig, axes = plt.subplots(1, 5, figsize=(17, 3.4))
-    axes[0].plot(epochs, [h['loss'] for h in history], '-o')
-    axes[0].set(xlabel='epoch', ylabel='training loss', title='Loss')
-    axes[1].plot(epochs, [100 * h['val_miou'] for h in history], '-o', color='tab:green')
-    axes[1].set(xlabel='epoch', ylabel='held-out mIoU (%)', title='Held-out mIoU (training size)')
-    for ax in axes[:2]:
-        ax.grid(alpha=0.3)
+    fig, axes = plot_history(history, 'val_miou', 'held-out mIoU (%)', 'Held-out mIoU (training size)', 5, 17, 100)
     model.eval()
     device = next(model.parameters()).device
     with torch.no_grad():

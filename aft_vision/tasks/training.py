@@ -28,7 +28,7 @@ from .regularizers import position_bias_entropy
 
 __all__ = ['split_digits', 'write_digits', 'check_image_folders', 'eval_data_config', 'evaluate', 'fixed_img_size',
            'at_size', 'check_input_size', 'size_scaled_batches', 'sizes_text', 'train_loader', 'fit', 'train',
-           'state_digest']
+           'plot_history', 'state_digest']
 
 
 def split_digits(targets: torch.Tensor, val_fraction: float = 0.2, seed: int = 0) -> Dict[str, torch.Tensor]:
@@ -286,6 +286,25 @@ def train(data_dir: Path, model_name: str, epochs: int, img_size: int, batch_siz
             log(f'epoch {epoch:2d}  loss {loss:.4f}  val top-1 {record["val_top1"]:.2f}%')
         history.append(record)
     return model, history, classes
+
+
+def plot_history(history: List[Dict], metric: str, ylabel: str, title: str, panels: int, width: float,
+                 scale: float = 1.0) -> tuple:
+    """A pyplot figure of ``panels`` axes: the training loss and ``scale * metric`` per epoch of ``history`` in the
+    first two, the rest left for the job's own (matplotlib: the ``demo`` extra). Returns the figure and its axes."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+
+    epochs = [h['epoch'] for h in history]
+    fig, axes = plt.subplots(1, panels, figsize=(width, 3.5))
+    axes[0].plot(epochs, [h['loss'] for h in history], '-o')
+    axes[0].set(xlabel='epoch', ylabel='training loss', title='Loss')
+    axes[1].plot(epochs, [scale * h[metric] for h in history], '-o', color='tab:green')
+    axes[1].set(xlabel='epoch', ylabel=ylabel, title=title)
+    for ax in axes[:2]:
+        ax.grid(alpha=0.3)
+    return fig, axes
 
 
 def state_digest(state_dict: Mapping[str, torch.Tensor]) -> str:
