@@ -119,7 +119,8 @@ class _Case:
 
     def peak_memory(self, method: str) -> int:
         """Peak bytes of one ``method`` call: CUDA's ``max_memory_allocated``; on CPU the peak RSS growth in a fresh
-        process (an allocator keeps what its process has freed)."""
+        process (an allocator keeps what its process has freed), forked from multiprocessing's forkserver: a process
+        that has imported this module and run no model, so that a figure costs a fork, not an interpreter's start."""
         if self.device.type == 'cuda':
             gc.collect()
             torch.cuda.empty_cache()
@@ -130,7 +131,9 @@ class _Case:
             return torch.cuda.max_memory_allocated(self.device) - base
         images = self.images if method == 'infer' else self.train_images
         args = (self.name, images.shape[-1], images.shape[0], self.precision, method, torch.get_num_threads())
-        with multiprocessing.get_context('spawn').Pool(1) as pool:
+        context = multiprocessing.get_context('forkserver')
+        context.set_forkserver_preload([__name__])
+        with context.Pool(1) as pool:
             return pool.apply(_fresh_process_rss_peak, args)
 
 
@@ -165,7 +168,7 @@ def _deployed(model: torch.nn.Module, images: torch.Tensor, runtime: str, precis
 
 def _fresh_process_rss_peak(name: str, img_size: int, batch_size: int, precision: str, method: str,
                             threads: int) -> int:
-    """Peak RSS growth over the first call of ``method`` of a freshly built model (in a spawned process)."""
+    """Peak RSS growth over the first call of ``method`` of a freshly built model (in a fresh process)."""
     import aft_vision.models  # noqa: F401  (registers the models in the spawned process)
 
     torch.set_num_threads(threads)
