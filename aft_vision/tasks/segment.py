@@ -16,9 +16,9 @@ from ..checkpoints.files import output_dir, save_weights
 from ..hub import create_aft_model
 from ..plots import save_figure
 from .scenes import NUM_CLASSES, Scenes, digit_split, make_scenes
-from .training import fit, plot_history
+from .training import check_input_size, fit, plot_history
 
-__all__ = ['DPT_SIZE_MULTIPLE', 'SegmentSettings', 'build_dpt', 'confusion', 'mean_iou', 'run']
+__all__ = ['DPT_SIZE_MULTIPLE', 'SegmentSettings', 'build_dpt', 'predict', 'confusion', 'mean_iou', 'run']
 
 # smp's DPT reassembles its four features at 1/4 ... 1/32 of the image and adds each level, upsampled 2x, to the next:
 # image sides must be multiples of 32 (smp checks only the patch size).
@@ -52,17 +52,20 @@ def build_dpt(model_name: str, model_kwargs: Dict, classes: int = NUM_CLASSES) -
                    **DPT_DECODER, **model_kwargs)
 
 
+@torch.no_grad()
+def predict(model: torch.nn.Module, images: torch.Tensor) -> torch.Tensor:
+    """The class of every pixel of scene ``images`` (B, 3, S, S) in [0, 1]: (B, S, S) on the CPU, in eval mode."""
+    model.eval()
+    return model((images.to(next(model.parameters()).device) - MEAN) / STD).argmax(1).cpu()
+
+
 def confusion(model: torch.nn.Module, scenes: Scenes, batch_size: int = 64) -> torch.Tensor:
     """(classes, classes) pixel counts, true class by row, predicted class by column."""
-    model.eval()
-    device = next(model.parameters()).device
     counts = torch.zeros(NUM_CLASSES * NUM_CLASSES, dtype=torch.long)
-    with torch.no_grad():
-        for i in range(0, len(scenes.images), batch_size):
-            images = (scenes.images[i:i + batch_size].to(device) - MEAN) / STD  # (B, 3, S, S)
-            predicted = model(images).argmax(1).cpu()  # (B, S, S)
-            counts += torch.bincount((scenes.masks[i:i + batch_size] * NUM_CLASSES + predicted).flatten(),
-                                     minlength=NUM_CLASSES * NUM_CLASSES)
+    for i in range(0, len(scenes.images), batch_size):
+        predicted = predict(model, scenes.images[i:i + batch_size])  # (B, S, S)
+        counts += torch.bincount((scenes.masks[i:i + batch_size] * NUM_CLASSES + predicted).flatten(),
+                                 minlength=NUM_CLASSES * NUM_CLASSES)
     return counts.view(NUM_CLASSES, NUM_CLASSES)
 
 
@@ -87,7 +90,7 @@ def _check_model_and_sizes(settings: SegmentSettings) -> None:
                          f'token), e.g. aft_conv_test')
     for option, size in (('--img-size', settings.img_size), ('--eval-img-size', settings.eval_img_size)):
         try:
-            probe._check_input(torch.empty(1, probe.in_chans, size, size, device='meta'))
+            check_input_size(probe, size)
         except ValueError as error:
             raise ValueError(f'{option} {size}: {error}') from None
         if size % DPT_SIZE_MULTIPLE:
@@ -118,13 +121,9 @@ def train(settings: SegmentSettings, data: Dict[str, Scenes], device: torch.devi
 def plot(history: List[Dict], model: torch.nn.Module, scenes: Scenes, path: Path) -> None:
     """Loss and held-out mIoU per epoch, and one held-out scene at the larger size: image, labels, prediction."""
     fig, axes = plot_history(history, 'val_miou', 'held-out mIoU (%)', 'Held-out mIoU (training size)', 5, 17, 100)
-    model.eval()
-    device = next(model.parameters()).device
-    with torch.no_grad():
-        predicted = model((scenes.images[:1].to(device) - MEAN) / STD).argmax(1)[0].cpu()  # (S, S)
     size = scenes.images.shape[-1]
     panels = ((scenes.images[0, 0], 'gray', f'held-out scene, {size} px'), (scenes.masks[0], 'tab20', 'labels'),
-              (predicted, 'tab20', 'prediction'))
+              (predict(model, scenes.images[:1])[0], 'tab20', 'prediction'))
     for ax, (image, cmap, title) in zip(axes[2:], panels):
         ax.imshow(image, cmap=cmap, vmin=0, vmax=1 if cmap == 'gray' else NUM_CLASSES - 1, interpolation='nearest')
         ax.set(title=title, xticks=[], yticks=[])
