@@ -168,9 +168,8 @@ def _deployed(model: torch.nn.Module, images: torch.Tensor, runtime: str, precis
 
 def _fresh_process_rss_peak(name: str, img_size: int, batch_size: int, precision: str, method: str,
                             threads: int) -> int:
-    """Peak RSS growth over the first call of ``method`` of a freshly built model (in a fresh process)."""
-    import aft_vision.models  # noqa: F401  (registers the models in the spawned process)
-
+    """Peak RSS growth over the first call of ``method`` of a freshly built model (in a fresh process, which has
+    registered the AFT models in importing this module)."""
     torch.set_num_threads(threads)
     case = _classifier(name, img_size, batch_size, None, torch.device('cpu'), precision)
     gc.collect()
