@@ -1,6 +1,7 @@
 """``aft-vision bench --ops``: every AFT-conv method on the mixer layer of each model, timed forward and backward
 apart, beside the one ``method='auto'`` picks: the measurements behind the dispatch tables
 (``aft_vision/layers/dispatch.py``; docs/performance.md, "Choosing the AFT-conv method")."""
+import contextlib
 import statistics
 import time
 from typing import Dict, List
@@ -11,9 +12,21 @@ from tqdm import tqdm
 
 from ..layers import AFTConv2d, aft_conv2d, choose_conv_method
 from .report import write_report
-from .throughput import _autocast, _sync
 
-__all__ = ['layer_shape', 'time_methods', 'main']
+__all__ = ['layer_shape', 'time_methods', 'main', 'autocast', 'sync']
+
+
+def autocast(device: torch.device, precision: str):
+    """Autocast to ``precision`` ('bf16', 'fp16') on ``device``; nothing for 'fp32'."""
+    if precision == 'fp32':
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16 if precision == 'bf16' else torch.float16)
+
+
+def sync(device: torch.device):
+    """Wait for ``device``'s queued work (CUDA), so that a clock read after it times the work."""
+    if device.type == 'cuda':
+        torch.cuda.synchronize(device)
 
 
 def layer_shape(name: str, img_size: int) -> Dict[str, int]:
@@ -48,13 +61,13 @@ def time_methods(shape: Dict[str, int], batch_size: int, device: torch.device, p
         method = variant.partition(':')[0]
         inputs = [x.to(dtype) if dtype else x for x in (q, k, v)]
         start = time.perf_counter()
-        with _autocast(device, precision):
+        with autocast(device, precision):
             out = aft_conv2d(*inputs, w, method=method)
         loss = out.float().sum()
-        _sync(device)
+        sync(device)
         middle = time.perf_counter()
         loss.backward()
-        _sync(device)
+        sync(device)
         return (middle - start) * 1e3, (time.perf_counter() - middle) * 1e3
 
     times = {variant: ([], []) for variant in variants}

@@ -4,7 +4,6 @@ At each resolution the AFT models that share a baseline are timed round-robin wi
 reported), in eager PyTorch, ``torch.compile``, onnxruntime or OpenVINO; ``--dense`` times whole DPT networks,
 ``--ops`` the AFT-conv methods per layer (``ops.py``). docs/performance.md lists the figures and options.
 """
-import contextlib
 import dataclasses
 import functools
 import gc
@@ -22,6 +21,7 @@ from tqdm import tqdm
 
 from ..checkpoints.files import check_output_dir
 from ..models.aft_conv import AFTConvTransformer
+from .ops import autocast, main as ops_main, sync
 from .report import markdown_table, summary_table, write_report
 
 __all__ = ['BenchSettings', 'run_benchmark', 'main', 'RUNTIMES', 'DEPLOY_PRECISIONS']
@@ -46,17 +46,6 @@ def _memory(field: str) -> int:
         return next(int(line.split()[1]) * 1024 for line in status if line.startswith(field + ':'))
 
 
-def _autocast(device: torch.device, precision: str):
-    if precision == 'fp32':
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=torch.bfloat16 if precision == 'bf16' else torch.float16)
-
-
-def _sync(device: torch.device):
-    if device.type == 'cuda':
-        torch.cuda.synchronize(device)
-
-
 class _Case:
     """One model on one batch: its inference and training-step closures and their measurements."""
 
@@ -75,12 +64,12 @@ class _Case:
         if self.runner is not None:
             return self.runner(self.images.numpy())
         self.model.eval()
-        with torch.inference_mode(), _autocast(self.device, self.precision):
+        with torch.inference_mode(), autocast(self.device, self.precision):
             self.model(self.images)
 
     def train_step(self):
         self.model.train()
-        with _autocast(self.device, self.precision):
+        with autocast(self.device, self.precision):
             loss = torch.nn.functional.cross_entropy(self.model(self.train_images), self.labels)
         loss.backward()
         self.optimizer.step()
@@ -106,15 +95,15 @@ class _Case:
             return tensor
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), \
-                _autocast(self.device, self.precision):
+                autocast(self.device, self.precision):
             self.eager(self.train_images)
         return sum(storages.values())
 
     def seconds(self, fn: Callable[[], None]) -> float:
-        _sync(self.device)
+        sync(self.device)
         start = time.perf_counter()
         fn()
-        _sync(self.device)
+        sync(self.device)
         return time.perf_counter() - start
 
     def peak_memory(self, method: str) -> int:
@@ -127,7 +116,7 @@ class _Case:
             torch.cuda.reset_peak_memory_stats(self.device)
             base = torch.cuda.memory_allocated(self.device)
             getattr(self, method)()
-            _sync(self.device)
+            sync(self.device)
             return torch.cuda.max_memory_allocated(self.device) - base
         images = self.images if method == 'infer' else self.train_images
         args = (self.name, images.shape[-1], images.shape[0], self.precision, method, torch.get_num_threads())
@@ -370,7 +359,6 @@ def main(settings: BenchSettings) -> int:
     if settings.dense:
         return dense_main(settings, runtime)
     if settings.ops:
-        from .ops import main as ops_main
         return ops_main(settings, models, resolutions)
     rows = run_benchmark(models, resolutions, settings.batch_size, settings.repeats, settings.warmup, settings.device,
                          settings.precision, train=not settings.no_train, baselines=baselines, runtime=runtime,
