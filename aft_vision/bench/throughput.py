@@ -1,9 +1,6 @@
-"""``aft-vision bench``: AFT models against their DeiT counterparts at every resolution, in one interleaved run.
-
-At each resolution the AFT models that share a baseline are timed round-robin with it after warm-up (the median
-reported), in eager PyTorch, ``torch.compile``, onnxruntime or OpenVINO; ``--dense`` times whole DPT networks,
-``--ops`` the AFT-conv methods per layer (``ops.py``). docs/performance.md lists the figures and options.
-"""
+"""``aft-vision bench``: AFT models timed round-robin with their DeiT counterparts at every resolution, in eager
+PyTorch, ``torch.compile``, onnxruntime or OpenVINO; ``--dense`` whole DPT networks, ``--ops`` the AFT-conv methods
+per layer (``ops.py``). docs/performance.md says how and lists the figures and options."""
 import dataclasses
 import functools
 import gc
