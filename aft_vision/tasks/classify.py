@@ -209,7 +209,7 @@ def save(model: torch.nn.Module, settings: ClassifySettings, plan: Dict, top1: f
     ``test_input_size`` is the best larger size the model runs as built, if it scores at least as well as
     ``img_size``); returns the results and the weights' sha256."""
     out = Path(settings.out_dir)
-    sha256 = save_weights({k: v.cpu() for k, v in model.state_dict().items()}, out / 'model.safetensors', force=True)
+    sha256 = save_weights(model.state_dict(), out / 'model.safetensors', force=True)
     architecture, architecture_kwargs = source_architecture(settings.model, plan['model_kwargs'])
     data_config = eval_data_config(model, settings.img_size)
     as_built = [size for size in top1_at if size > settings.img_size and size not in rebuilt]

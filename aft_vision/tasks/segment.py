@@ -153,7 +153,7 @@ def _run(settings: SegmentSettings, start: float) -> Dict:
     counts, counts_large = confusion(model, data['val']), confusion(model, data['val_large'])
     out = Path(settings.out_dir)
     weights = out / 'model.safetensors'
-    sha256 = save_weights({k: v.cpu() for k, v in model.state_dict().items()}, weights, force=True)
+    sha256 = save_weights(model.state_dict(), weights, force=True)
     results = {
         'task': 'segment', 'model': settings.model, 'model_kwargs': dict(settings.model_kwargs), 'decoder': 'smp.DPT',
         'decoder_kwargs': {k: list(v) if isinstance(v, tuple) else v for k, v in DPT_DECODER.items()},
