@@ -69,7 +69,7 @@ def write_digits(root: Path, size: int = 32, val_fraction: float = 0.2, seed: in
 
 
 def _classes(folder: Path) -> List[str]:
-    return sorted(entry.name for entry in folder.iterdir() if entry.is_dir() and not entry.name.startswith('.'))
+    return sorted(entry.name for entry in folder.iterdir() if entry.is_dir())  # as ImageFolder, hidden ones too
 
 
 def check_image_folders(data_dir: Union[str, Path]) -> List[str]:
