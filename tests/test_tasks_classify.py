@@ -79,6 +79,24 @@ def test_data_dir_without_splits_is_a_one_line_error(tmp_path, capsys):
     assert 'aft_conv_test has no pretrained weights' in capsys.readouterr().err
 
 
+def test_the_data_check_sees_the_classes_torchvisions_imagefolder_labels(tmp_path):
+    """A hidden folder is a class to ImageFolder (``.cache`` would take label 0 in train/ only, shifting every label
+    against val/): the check counts it too, and refuses splits whose classes differ, naming it."""
+    from torchvision.datasets import ImageFolder
+
+    from aft_vision.tasks.training import check_image_folders
+
+    for split, classes in (('train', ('a', 'b', '.cache')), ('val', ('a', 'b'))):
+        for name in classes:
+            (tmp_path / split / name).mkdir(parents=True)
+            Image.new('RGB', (8, 8)).save(tmp_path / split / name / 'x.png')
+    with pytest.raises(ValueError, match=r"classes differ \(only in train/: \['\.cache'\]"):
+        check_image_folders(tmp_path)
+    (tmp_path / 'val' / '.cache').mkdir()
+    Image.new('RGB', (8, 8)).save(tmp_path / 'val' / '.cache' / 'x.png')
+    assert check_image_folders(tmp_path) == ImageFolder(str(tmp_path / 'train')).classes == ['.cache', 'a', 'b']
+
+
 def test_entropy_regulariser_matches_a_plain_computation():
     model = timm.create_model('aft_conv_test')
     with torch.no_grad():

@@ -1,26 +1,32 @@
-"""``aft-vision bench --ops``: every AFT-conv method on the mixer layer of each model, the measurements behind the
-dispatch tables (``aft_vision/layers/dispatch.py``).
-
-For each model and resolution: one layer's q, k, v, w at the model's token grid, width, heads and window, timed
-forward and backward separately (median of the repetitions of each, methods interleaved) under the device's default
-policy and the chosen precision; the fastest method (by forward + backward) is set beside the one ``method='auto'``
-picks. The depthwise method's variant keeps its historical name, ``conv:forward_conv`` (its backward).
-"""
-import dataclasses
-import json
+"""``aft-vision bench --ops``: every AFT-conv method on the mixer layer of each model, timed forward and backward
+apart, beside the one ``method='auto'`` picks: the measurements behind the dispatch tables
+(``aft_vision/layers/dispatch.py``; docs/performance.md, "Choosing the AFT-conv method")."""
+import contextlib
 import statistics
 import time
-from pathlib import Path
 from typing import Dict, List
 
 import timm
 import torch
 from tqdm import tqdm
 
-from ..checkpoints.files import atomic_dir
 from ..layers import AFTConv2d, aft_conv2d, choose_conv_method
+from .report import write_report
 
-__all__ = ['layer_shape', 'time_methods', 'main']
+__all__ = ['layer_shape', 'time_methods', 'main', 'autocast', 'sync']
+
+
+def autocast(device: torch.device, precision: str):
+    """Autocast to ``precision`` ('bf16', 'fp16') on ``device``; nothing for 'fp32'."""
+    if precision == 'fp32':
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16 if precision == 'bf16' else torch.float16)
+
+
+def sync(device: torch.device):
+    """Wait for ``device``'s queued work (CUDA), so that a clock read after it times the work."""
+    if device.type == 'cuda':
+        torch.cuda.synchronize(device)
 
 
 def layer_shape(name: str, img_size: int) -> Dict[str, int]:
@@ -51,21 +57,17 @@ def time_methods(shape: Dict[str, int], batch_size: int, device: torch.device, p
                     requires_grad=True)
     dtype = {'fp32': None, 'bf16': torch.bfloat16, 'fp16': torch.float16}[precision]
 
-    def sync():
-        if device.type == 'cuda':
-            torch.cuda.synchronize(device)
-
     def step(variant):
         method = variant.partition(':')[0]
         inputs = [x.to(dtype) if dtype else x for x in (q, k, v)]
         start = time.perf_counter()
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+        with autocast(device, precision):
             out = aft_conv2d(*inputs, w, method=method)
         loss = out.float().sum()
-        sync()
+        sync(device)
         middle = time.perf_counter()
         loss.backward()
-        sync()
+        sync(device)
         return (middle - start) * 1e3, (time.perf_counter() - middle) * 1e3
 
     times = {variant: ([], []) for variant in variants}
@@ -107,11 +109,5 @@ def main(settings, models: List[str], resolutions: List[int]) -> int:
                      + ' | '.join(f'{value:.2f}' for value in row['ms'].values())
                      + f" | {row['fastest']} | {row['auto']} | "
                      + ' | '.join(f"{t['forward']:.2f} / {t['backward']:.2f}" for t in row['split_ms'].values()) + ' |')
-    table = '\n'.join(lines)
-    out = Path(settings.out_dir)
-    with atomic_dir(out, force=True) as staging:  # the earlier files of those names replaced, nothing else
-        (staging / 'ops.json').write_text(json.dumps({'command': dataclasses.asdict(settings), 'rows': rows}, indent=2))
-        (staging / 'ops.md').write_text(table + '\n')
-    print(table)
-    print(f'wrote {out}/ops.json, ops.md')
+    write_report(settings, 'ops', rows, '\n'.join(lines))
     return 0

@@ -1,10 +1,14 @@
-"""The tables and the plot ``aft-vision bench`` writes from its rows: AFT beside DeiT, and their ratios."""
+"""What ``aft-vision bench`` writes from its rows: the tables (AFT beside DeiT, and their ratios), the plot, and the
+files that hold them."""
+import dataclasses
+import json
 from pathlib import Path
 from typing import Dict, List
 
+from ..checkpoints.files import atomic_dir
 from ..plots import save_figure
 
-__all__ = ['markdown_table', 'summary_table', 'plot']
+__all__ = ['markdown_table', 'summary_table', 'plot', 'write_report']
 
 
 def _figure(record: Dict, key: str, fmt: str, suffix: str = '') -> str:
@@ -66,3 +70,20 @@ def plot(rows: List[Dict], path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     save_figure(fig, path, dpi=110)
+
+
+def write_report(settings, stem: str, rows: List[Dict], table: str, plot_rows: bool = False) -> None:
+    """``<stem>.json`` (``settings``, a ``BenchSettings``, and the rows), ``<stem>.md`` (the table) and, for
+    ``plot_rows``, the plot ``<stem>.png`` into ``settings.out_dir``, replacing earlier ones of those names."""
+    out = Path(settings.out_dir)
+    with atomic_dir(out, force=True) as staging:  # the earlier files of those names replaced, nothing else
+        (staging / f'{stem}.json').write_text(json.dumps({'command': dataclasses.asdict(settings), 'rows': rows},
+                                                         indent=2))
+        (staging / f'{stem}.md').write_text(table + '\n')
+        try:
+            if plot_rows:
+                plot(rows, staging / f'{stem}.png')
+        except ImportError:
+            print('matplotlib is not installed (pip install aft-vision[demo]): no plot written')
+    print(table)
+    print(f'wrote {out}/{stem}.json, {stem}.md' + (f', {stem}.png' if plot_rows else ''))

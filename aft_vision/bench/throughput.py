@@ -1,14 +1,9 @@
-"""``aft-vision bench``: AFT models against their DeiT counterparts at every resolution, in one interleaved run.
-
-At each resolution the AFT models that share a baseline are timed round-robin with it after warm-up (the median
-reported), in eager PyTorch, ``torch.compile``, onnxruntime or OpenVINO; ``--dense`` times whole DPT networks,
-``--ops`` the AFT-conv methods per layer (``ops.py``). docs/performance.md lists the figures and options.
-"""
-import contextlib
+"""``aft-vision bench``: AFT models timed round-robin with their DeiT counterparts at every resolution, in eager
+PyTorch, ``torch.compile``, onnxruntime or OpenVINO; ``--dense`` whole DPT networks, ``--ops`` the AFT-conv methods
+per layer (``ops.py``). docs/performance.md says how and lists the figures and options."""
 import dataclasses
 import functools
 import gc
-import json
 import multiprocessing
 import statistics
 import tempfile
@@ -21,9 +16,10 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
 
-from ..checkpoints.files import atomic_dir, check_output_dir
+from ..checkpoints.files import check_output_dir
 from ..models.aft_conv import AFTConvTransformer
-from .report import markdown_table, plot, summary_table
+from .ops import autocast, main as ops_main, sync
+from .report import markdown_table, summary_table, write_report
 
 __all__ = ['BenchSettings', 'run_benchmark', 'main', 'RUNTIMES', 'DEPLOY_PRECISIONS']
 
@@ -47,17 +43,6 @@ def _memory(field: str) -> int:
         return next(int(line.split()[1]) * 1024 for line in status if line.startswith(field + ':'))
 
 
-def _autocast(device: torch.device, precision: str):
-    if precision == 'fp32':
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=torch.bfloat16 if precision == 'bf16' else torch.float16)
-
-
-def _sync(device: torch.device):
-    if device.type == 'cuda':
-        torch.cuda.synchronize(device)
-
-
 class _Case:
     """One model on one batch: its inference and training-step closures and their measurements."""
 
@@ -76,12 +61,12 @@ class _Case:
         if self.runner is not None:
             return self.runner(self.images.numpy())
         self.model.eval()
-        with torch.inference_mode(), _autocast(self.device, self.precision):
+        with torch.inference_mode(), autocast(self.device, self.precision):
             self.model(self.images)
 
     def train_step(self):
         self.model.train()
-        with _autocast(self.device, self.precision):
+        with autocast(self.device, self.precision):
             loss = torch.nn.functional.cross_entropy(self.model(self.train_images), self.labels)
         loss.backward()
         self.optimizer.step()
@@ -107,31 +92,34 @@ class _Case:
             return tensor
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), \
-                _autocast(self.device, self.precision):
+                autocast(self.device, self.precision):
             self.eager(self.train_images)
         return sum(storages.values())
 
     def seconds(self, fn: Callable[[], None]) -> float:
-        _sync(self.device)
+        sync(self.device)
         start = time.perf_counter()
         fn()
-        _sync(self.device)
+        sync(self.device)
         return time.perf_counter() - start
 
     def peak_memory(self, method: str) -> int:
         """Peak bytes of one ``method`` call: CUDA's ``max_memory_allocated``; on CPU the peak RSS growth in a fresh
-        process (an allocator keeps what its process has freed)."""
+        process (an allocator keeps what its process has freed), forked from multiprocessing's forkserver: a process
+        that has imported this module and run no model, so that a figure costs a fork, not an interpreter's start."""
         if self.device.type == 'cuda':
             gc.collect()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
             base = torch.cuda.memory_allocated(self.device)
             getattr(self, method)()
-            _sync(self.device)
+            sync(self.device)
             return torch.cuda.max_memory_allocated(self.device) - base
         images = self.images if method == 'infer' else self.train_images
         args = (self.name, images.shape[-1], images.shape[0], self.precision, method, torch.get_num_threads())
-        with multiprocessing.get_context('spawn').Pool(1) as pool:
+        context = multiprocessing.get_context('forkserver')
+        context.set_forkserver_preload([__name__])
+        with context.Pool(1) as pool:
             return pool.apply(_fresh_process_rss_peak, args)
 
 
@@ -166,9 +154,8 @@ def _deployed(model: torch.nn.Module, images: torch.Tensor, runtime: str, precis
 
 def _fresh_process_rss_peak(name: str, img_size: int, batch_size: int, precision: str, method: str,
                             threads: int) -> int:
-    """Peak RSS growth over the first call of ``method`` of a freshly built model (in a spawned process)."""
-    import aft_vision.models  # noqa: F401  (registers the models in the spawned process)
-
+    """Peak RSS growth over the first call of ``method`` of a freshly built model (in a fresh process, which has
+    registered the AFT models in importing this module)."""
     torch.set_num_threads(threads)
     case = _classifier(name, img_size, batch_size, None, torch.device('cpu'), precision)
     gc.collect()
@@ -369,31 +356,14 @@ def main(settings: BenchSettings) -> int:
     if settings.dense:
         return dense_main(settings, runtime)
     if settings.ops:
-        from .ops import main as ops_main
         return ops_main(settings, models, resolutions)
     rows = run_benchmark(models, resolutions, settings.batch_size, settings.repeats, settings.warmup, settings.device,
                          settings.precision, train=not settings.no_train, baselines=baselines, runtime=runtime,
                          pairs=pairs, batch_at=batch_at, peak_memory=not settings.no_peak_memory,
                          base_img_size=settings.base_img_size)
     table = markdown_table(rows) + '\n\nAFT against its baseline (the README table):\n\n' + summary_table(rows)
-    _write(settings, 'bench', rows, table, plot_rows=True)
+    write_report(settings, 'bench', rows, table, plot_rows=True)
     return 0
-
-
-def _write(settings: BenchSettings, stem: str, rows: List[Dict], table: str, plot_rows: bool = False) -> None:
-    """``<stem>.json`` (the settings and rows), ``<stem>.md`` (the table) and the plot, replacing earlier ones."""
-    out = Path(settings.out_dir)
-    with atomic_dir(out, force=True) as staging:  # the earlier files of those names replaced, nothing else
-        (staging / f'{stem}.json').write_text(json.dumps({'command': dataclasses.asdict(settings), 'rows': rows},
-                                                         indent=2))
-        (staging / f'{stem}.md').write_text(table + '\n')
-        try:
-            if plot_rows:
-                plot(rows, staging / f'{stem}.png')
-        except ImportError:
-            print('matplotlib is not installed (pip install aft-vision[demo]): no plot written')
-    print(table)
-    print(f'wrote {out}/{stem}.json, {stem}.md' + (f', {stem}.png' if plot_rows else ''))
 
 
 # --dense: the whole DPT segmentation network on AFT-conv against the same network on DeiT
@@ -430,5 +400,5 @@ def dense_main(settings: BenchSettings, runtime: str) -> int:
                     runtime == 'eager' and not settings.no_train, settings.warmup, settings.repeats, False,
                     device=str(device), precision=precision, threads=torch.get_num_threads(), runtime=runtime,
                     network='smp.DPT')
-    _write(settings, 'bench_dense', rows, markdown_table(rows))
+    write_report(settings, 'bench_dense', rows, markdown_table(rows))
     return 0

@@ -20,7 +20,7 @@ from ..checkpoints.files import load_weights, output_dir, save_weights
 from ..hub import check_pretrained, create_aft_model, publish, source_architecture
 from ..plots import save_figure
 from .training import (at_size, check_image_folders, check_input_size, eval_data_config, evaluate, fixed_img_size,
-                       size_scaled_batches, sizes_text, state_digest, train, write_digits)
+                       plot_history, size_scaled_batches, sizes_text, state_digest, train, write_digits)
 
 # A small AFT-conv for 32 x 32 digits: patch 4 -> an 8 x 8 token grid, a 15 x 15 window (the whole grid), 8 heads.
 DIGITS_MODEL = dict(patch_size=4, embed_dim=64, depth=4, num_heads=8, kernel_size=15, mlp_ratio=2.)
@@ -209,7 +209,7 @@ def save(model: torch.nn.Module, settings: ClassifySettings, plan: Dict, top1: f
     ``test_input_size`` is the best larger size the model runs as built, if it scores at least as well as
     ``img_size``); returns the results and the weights' sha256."""
     out = Path(settings.out_dir)
-    sha256 = save_weights({k: v.cpu() for k, v in model.state_dict().items()}, out / 'model.safetensors', force=True)
+    sha256 = save_weights(model.state_dict(), out / 'model.safetensors', force=True)
     architecture, architecture_kwargs = source_architecture(settings.model, plan['model_kwargs'])
     data_config = eval_data_config(model, settings.img_size)
     as_built = [size for size in top1_at if size > settings.img_size and size not in rebuilt]
@@ -270,24 +270,14 @@ def check_reload(hub_dir: Path, val: Path, img_size: int, top1: float, top1_at: 
 
 def plot_curves(history: List[Dict], top1_at: Dict[int, float], train_sizes: Sequence[int], path: Path) -> None:
     """Training loss and held-out top-1 per epoch, and top-1 against the evaluation size (training sizes marked)."""
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
-
-    epochs = [h['epoch'] for h in history]
-    fig, (ax_loss, ax_acc, ax_size) = plt.subplots(1, 3, figsize=(13, 3.5))
-    ax_loss.plot(epochs, [h['loss'] for h in history], '-o')
-    ax_loss.set(xlabel='epoch', ylabel='training loss', title='Loss')
-    ax_acc.plot(epochs, [h['val_top1'] for h in history], '-o', color='tab:green')
-    ax_acc.set(xlabel='epoch', ylabel='val top-1 (%)', title='Held-out accuracy')
+    fig, (_, _, ax_size) = plot_history(history, 'val_top1', 'val top-1 (%)', 'Held-out accuracy', 3, 13)
     sizes = sorted(top1_at)
     ax_size.plot(sizes, [top1_at[size] for size in sizes], '-o', color='tab:purple')
     for size in train_sizes:
         ax_size.axvline(size, color='grey', alpha=0.3, linestyle='--')
     ax_size.set(xlabel='evaluation size (px); dashed: training sizes', ylabel='val top-1 (%)', title='Any size',
                 ylim=(max(0, min(top1_at.values()) - 5), 100))
-    for ax in (ax_loss, ax_acc, ax_size):
-        ax.grid(alpha=0.3)
+    ax_size.grid(alpha=0.3)
     save_figure(fig, path, dpi=100)
 
 

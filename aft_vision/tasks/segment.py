@@ -7,20 +7,18 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, Iterator, List
 
 import torch
 import torch.nn.functional as F
-from timm.optim import create_optimizer_v2
-from timm.scheduler import create_scheduler_v2
-from tqdm import tqdm
 
 from ..checkpoints.files import output_dir, save_weights
 from ..hub import create_aft_model
 from ..plots import save_figure
 from .scenes import NUM_CLASSES, Scenes, digit_split, make_scenes
+from .training import check_input_size, fit, plot_history
 
-__all__ = ['DPT_SIZE_MULTIPLE', 'SegmentSettings', 'build_dpt', 'confusion', 'mean_iou', 'run']
+__all__ = ['DPT_SIZE_MULTIPLE', 'SegmentSettings', 'build_dpt', 'predict', 'confusion', 'mean_iou', 'run']
 
 # smp's DPT reassembles its four features at 1/4 ... 1/32 of the image and adds each level, upsampled 2x, to the next:
 # image sides must be multiples of 32 (smp checks only the patch size).
@@ -54,17 +52,20 @@ def build_dpt(model_name: str, model_kwargs: Dict, classes: int = NUM_CLASSES) -
                    **DPT_DECODER, **model_kwargs)
 
 
+@torch.no_grad()
+def predict(model: torch.nn.Module, images: torch.Tensor) -> torch.Tensor:
+    """The class of every pixel of scene ``images`` (B, 3, S, S) in [0, 1]: (B, S, S) on the CPU, in eval mode."""
+    model.eval()
+    return model((images.to(next(model.parameters()).device) - MEAN) / STD).argmax(1).cpu()
+
+
 def confusion(model: torch.nn.Module, scenes: Scenes, batch_size: int = 64) -> torch.Tensor:
     """(classes, classes) pixel counts, true class by row, predicted class by column."""
-    model.eval()
-    device = next(model.parameters()).device
     counts = torch.zeros(NUM_CLASSES * NUM_CLASSES, dtype=torch.long)
-    with torch.no_grad():
-        for i in range(0, len(scenes.images), batch_size):
-            images = (scenes.images[i:i + batch_size].to(device) - MEAN) / STD  # (B, 3, S, S)
-            predicted = model(images).argmax(1).cpu()  # (B, S, S)
-            counts += torch.bincount((scenes.masks[i:i + batch_size] * NUM_CLASSES + predicted).flatten(),
-                                     minlength=NUM_CLASSES * NUM_CLASSES)
+    for i in range(0, len(scenes.images), batch_size):
+        predicted = predict(model, scenes.images[i:i + batch_size])  # (B, S, S)
+        counts += torch.bincount((scenes.masks[i:i + batch_size] * NUM_CLASSES + predicted).flatten(),
+                                 minlength=NUM_CLASSES * NUM_CLASSES)
     return counts.view(NUM_CLASSES, NUM_CLASSES)
 
 
@@ -89,7 +90,7 @@ def _check_model_and_sizes(settings: SegmentSettings) -> None:
                          f'token), e.g. aft_conv_test')
     for option, size in (('--img-size', settings.img_size), ('--eval-img-size', settings.eval_img_size)):
         try:
-            probe._check_input(torch.empty(1, probe.in_chans, size, size, device='meta'))
+            check_input_size(probe, size)
         except ValueError as error:
             raise ValueError(f'{option} {size}: {error}') from None
         if size % DPT_SIZE_MULTIPLE:
@@ -100,59 +101,29 @@ def train(settings: SegmentSettings, data: Dict[str, Scenes], device: torch.devi
     """Train DPT on ``data['train']``; returns the model and the per-epoch history (loss, held-out mIoU)."""
     torch.manual_seed(settings.seed)
     model = build_dpt(settings.model, settings.model_kwargs).to(device)
-    scenes = data['train']
-    steps = math.ceil(len(scenes.images) / settings.batch_size)
-    optimizer = create_optimizer_v2(model, 'adamw', lr=settings.lr, weight_decay=0.05)
-    scheduler, _ = create_scheduler_v2(optimizer, sched='cosine', num_epochs=settings.epochs, warmup_epochs=1,
-                                       warmup_lr=settings.lr / 10, min_lr=settings.lr / 100, step_on_epochs=False,
-                                       updates_per_epoch=steps)
-    gen = torch.Generator().manual_seed(settings.seed)
+    scenes, gen = data['train'], torch.Generator().manual_seed(settings.seed)
+
+    def epoch_batches(epoch: int) -> Iterator[torch.Tensor]:  # indices into the scenes, a new order every epoch
+        return torch.randperm(len(scenes.images), generator=gen).split(settings.batch_size)
+
+    def loss_of(chosen: torch.Tensor) -> torch.Tensor:
+        images = (scenes.images[chosen].to(device) - MEAN) / STD  # (B, 3, S, S)
+        return F.cross_entropy(model(images), scenes.masks[chosen].to(device))  # logits (B, classes, S, S)
+
     history = []
-    for epoch in range(settings.epochs):
-        model.train()
-        order = torch.randperm(len(scenes.images), generator=gen)
-        losses = []
-        bar = tqdm(range(steps), desc=f'epoch {epoch + 1}/{settings.epochs}', unit='batch', leave=False)
-        for step in bar:
-            chosen = order[step * settings.batch_size:(step + 1) * settings.batch_size]
-            images = (scenes.images[chosen].to(device) - MEAN) / STD  # (B, 3, S, S)
-            loss = F.cross_entropy(model(images), scenes.masks[chosen].to(device))  # logits (B, classes, S, S)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            scheduler.step_update(epoch * steps + step + 1)
-            losses.append(loss.item())
-            bar.set_postfix(loss=f'{loss.item():.3f}')
-        if not all(math.isfinite(x) for x in losses):
-            raise RuntimeError(f'training diverged in epoch {epoch + 1}: non-finite loss')
-        record = {'epoch': epoch + 1, 'loss': sum(losses) / len(losses),
-                  'val_miou': mean_iou(confusion(model, data['val']))}
-        print(f'epoch {epoch + 1:2d}  loss {record["loss"]:.4f}  held-out mIoU {100 * record["val_miou"]:.1f}%')
-        history.append(record)
+    steps = math.ceil(len(scenes.images) / settings.batch_size)
+    for epoch, loss in fit(model, settings.lr, settings.epochs, steps, epoch_batches, loss_of):
+        history.append({'epoch': epoch, 'loss': loss, 'val_miou': mean_iou(confusion(model, data['val']))})
+        print(f'epoch {epoch:2d}  loss {loss:.4f}  held-out mIoU {100 * history[-1]["val_miou"]:.1f}%')
     return model, history
 
 
 def plot(history: List[Dict], model: torch.nn.Module, scenes: Scenes, path: Path) -> None:
     """Loss and held-out mIoU per epoch, and one held-out scene at the larger size: image, labels, prediction."""
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
-
-    epochs = [h['epoch'] for h in history]
-    fig, axes = plt.subplots(1, 5, figsize=(17, 3.4))
-    axes[0].plot(epochs, [h['loss'] for h in history], '-o')
-    axes[0].set(xlabel='epoch', ylabel='training loss', title='Loss')
-    axes[1].plot(epochs, [100 * h['val_miou'] for h in history], '-o', color='tab:green')
-    axes[1].set(xlabel='epoch', ylabel='held-out mIoU (%)', title='Held-out mIoU (training size)')
-    for ax in axes[:2]:
-        ax.grid(alpha=0.3)
-    model.eval()
-    device = next(model.parameters()).device
-    with torch.no_grad():
-        predicted = model((scenes.images[:1].to(device) - MEAN) / STD).argmax(1)[0].cpu()  # (S, S)
+    fig, axes = plot_history(history, 'val_miou', 'held-out mIoU (%)', 'Held-out mIoU (training size)', 5, 17, 100)
     size = scenes.images.shape[-1]
     panels = ((scenes.images[0, 0], 'gray', f'held-out scene, {size} px'), (scenes.masks[0], 'tab20', 'labels'),
-              (predicted, 'tab20', 'prediction'))
+              (predict(model, scenes.images[:1])[0], 'tab20', 'prediction'))
     for ax, (image, cmap, title) in zip(axes[2:], panels):
         ax.imshow(image, cmap=cmap, vmin=0, vmax=1 if cmap == 'gray' else NUM_CLASSES - 1, interpolation='nearest')
         ax.set(title=title, xticks=[], yticks=[])
@@ -182,7 +153,7 @@ def _run(settings: SegmentSettings, start: float) -> Dict:
     counts, counts_large = confusion(model, data['val']), confusion(model, data['val_large'])
     out = Path(settings.out_dir)
     weights = out / 'model.safetensors'
-    sha256 = save_weights({k: v.cpu() for k, v in model.state_dict().items()}, weights, force=True)
+    sha256 = save_weights(model.state_dict(), weights, force=True)
     results = {
         'task': 'segment', 'model': settings.model, 'model_kwargs': dict(settings.model_kwargs), 'decoder': 'smp.DPT',
         'decoder_kwargs': {k: list(v) if isinstance(v, tuple) else v for k, v in DPT_DECODER.items()},

@@ -7,7 +7,7 @@ import math
 import os
 import random
 from pathlib import Path
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from timm.data import create_loader, create_transform, resolve_data_config
@@ -27,8 +27,8 @@ from ..models.aft_conv import forward_at_size
 from .regularizers import position_bias_entropy
 
 __all__ = ['split_digits', 'write_digits', 'check_image_folders', 'eval_data_config', 'evaluate', 'fixed_img_size',
-           'at_size', 'check_input_size', 'size_scaled_batches', 'sizes_text', 'train_loader', 'train',
-           'state_digest']
+           'at_size', 'check_input_size', 'size_scaled_batches', 'sizes_text', 'train_loader', 'fit', 'train',
+           'plot_history', 'state_digest']
 
 
 def split_digits(targets: torch.Tensor, val_fraction: float = 0.2, seed: int = 0) -> Dict[str, torch.Tensor]:
@@ -69,7 +69,7 @@ def write_digits(root: Path, size: int = 32, val_fraction: float = 0.2, seed: in
 
 
 def _classes(folder: Path) -> List[str]:
-    return sorted(entry.name for entry in folder.iterdir() if entry.is_dir() and not entry.name.startswith('.'))
+    return sorted(entry.name for entry in folder.iterdir() if entry.is_dir())  # as ImageFolder, hidden ones too
 
 
 def check_image_folders(data_dir: Union[str, Path]) -> List[str]:
@@ -209,6 +209,34 @@ def train_loader(folder: Path, model: torch.nn.Module, img_sizes: Sequence[int],
     return loader
 
 
+def fit(model: torch.nn.Module, lr: float, epochs: int, steps: int, epoch_batches: Callable[[int], Iterable],
+        loss_of: Callable[[Any], torch.Tensor], disable: Optional[bool] = False) -> Iterator[Tuple[int, float]]:
+    """The jobs' optimisation: AdamW (weight decay 0.05) under timm's cosine schedule (a warm-up epoch from lr / 10,
+    down to lr / 100, stepped per update), ``loss_of(batch)`` for the ``steps`` batches of ``epoch_batches(epoch)``,
+    a tqdm bar per epoch (``disable`` as tqdm's). Yields each epoch's number (from 1) and mean loss once the epoch is
+    done; RuntimeError if a loss was not finite."""
+    optimizer = create_optimizer_v2(model, 'adamw', lr=lr, weight_decay=0.05)
+    scheduler, _ = create_scheduler_v2(optimizer, sched='cosine', num_epochs=epochs, warmup_epochs=1,
+                                       warmup_lr=lr / 10, min_lr=lr / 100, step_on_epochs=False,
+                                       updates_per_epoch=steps)
+    for epoch in range(epochs):
+        model.train()
+        losses = []
+        bar = tqdm(epoch_batches(epoch), desc=f'epoch {epoch + 1}/{epochs}', total=steps, unit='batch', leave=False,
+                   disable=disable)
+        for step, batch in enumerate(bar):
+            loss = loss_of(batch)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            scheduler.step_update(epoch * steps + step + 1)
+            losses.append(loss.item())
+            bar.set_postfix(loss=f'{loss.item():.3f}')
+        if not all(math.isfinite(x) for x in losses):
+            raise RuntimeError(f'training diverged in epoch {epoch + 1}: non-finite loss')
+        yield epoch + 1, sum(losses) / len(losses)
+
+
 def train(data_dir: Path, model_name: str, epochs: int, img_size: int, batch_size: int, lr: float, seed: int,
           sparsity_weight: float = 0.0, model_kwargs: Optional[Dict] = None, pretrained: bool = False,
           device: torch.device = torch.device('cpu'), rank: int = 0, world_size: int = 1,
@@ -235,39 +263,48 @@ def train(data_dir: Path, model_name: str, epochs: int, img_size: int, batch_siz
     net = model  # what the training step calls; DDP averages the gradients across ranks
     if world_size > 1:
         net = DistributedDataParallel(model, device_ids=[device] if device.type == 'cuda' else None)
-    optimizer = create_optimizer_v2(model, 'adamw', lr=lr, weight_decay=0.05)
-    scheduler, _ = create_scheduler_v2(optimizer, sched='cosine', num_epochs=epochs, warmup_epochs=1,
-                                       warmup_lr=lr / 10, min_lr=lr / 100, step_on_epochs=False,
-                                       updates_per_epoch=len(loader))
-    criterion = LabelSmoothingCrossEntropy(smoothing=0.1)
-    history = []
-    for epoch in range(epochs):
-        net.train()
+    criterion, step_sizes, history = LabelSmoothingCrossEntropy(smoothing=0.1), [], []  # step_sizes: the epoch's
+
+    def epoch_batches(epoch: int) -> DataLoader:
         loader.batch_sampler.set_epoch(epoch)  # the epoch's size order and, under DDP, its shard
-        losses, step_sizes = [], []
-        bar = tqdm(loader, desc=f'epoch {epoch + 1}/{epochs}', unit='batch', leave=False,
-                   disable=None if rank == 0 else True)  # None: on a terminal only
-        for step, (images, labels) in enumerate(bar):
-            step_sizes.append(images.shape[-1])
-            loss = criterion(forward_at_size(net, images.to(device)), labels.to(device))
-            if sparsity_weight:  # Eq. 9 on the shared weights: every rank adds the same term
-                loss = loss + sparsity_weight * position_bias_entropy(model)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            scheduler.step_update(epoch * len(loader) + step + 1)
-            losses.append(loss.item())
-            bar.set_postfix(loss=f'{loss.item():.3f}')
-        if not all(math.isfinite(x) for x in losses):
-            raise RuntimeError(f'training diverged in epoch {epoch + 1}: non-finite loss')
-        record = {'epoch': epoch + 1, 'loss': sum(losses) / len(losses),
+        step_sizes.clear()
+        return loader
+
+    def loss_of(batch: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        step_sizes.append(batch[0].shape[-1])
+        loss = criterion(forward_at_size(net, batch[0].to(device)), batch[1].to(device))
+        # Eq. 9 on the shared weights: every rank adds the same term
+        return loss + sparsity_weight * position_bias_entropy(model) if sparsity_weight else loss
+
+    for epoch, loss in fit(model, lr, epochs, len(loader), epoch_batches, loss_of,
+                           disable=None if rank == 0 else True):  # None: on a terminal only
+        record = {'epoch': epoch, 'loss': loss,
                   'steps_per_size': {str(size): step_sizes.count(size) for size in sorted(set(step_sizes))},
                   'size_schedule_sha256': hashlib.sha256(repr(step_sizes).encode()).hexdigest()}
         if rank == 0:
             record['val_top1'] = evaluate(model, data_dir / 'val', img_size)
-            log(f'epoch {epoch + 1:2d}  loss {record["loss"]:.4f}  val top-1 {record["val_top1"]:.2f}%')
+            log(f'epoch {epoch:2d}  loss {loss:.4f}  val top-1 {record["val_top1"]:.2f}%')
         history.append(record)
     return model, history, classes
+
+
+def plot_history(history: List[Dict], metric: str, ylabel: str, title: str, panels: int, width: float,
+                 scale: float = 1.0) -> tuple:
+    """A pyplot figure of ``panels`` axes: the training loss and ``scale * metric`` per epoch of ``history`` in the
+    first two, the rest left for the job's own (matplotlib: the ``demo`` extra). Returns the figure and its axes."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+
+    epochs = [h['epoch'] for h in history]
+    fig, axes = plt.subplots(1, panels, figsize=(width, 3.5))
+    axes[0].plot(epochs, [h['loss'] for h in history], '-o')
+    axes[0].set(xlabel='epoch', ylabel='training loss', title='Loss')
+    axes[1].plot(epochs, [scale * h[metric] for h in history], '-o', color='tab:green')
+    axes[1].set(xlabel='epoch', ylabel=ylabel, title=title)
+    for ax in axes[:2]:
+        ax.grid(alpha=0.3)
+    return fig, axes
 
 
 def state_digest(state_dict: Mapping[str, torch.Tensor]) -> str:
