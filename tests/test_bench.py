@@ -4,6 +4,7 @@ import json
 
 import pytest
 import timm
+import torch
 
 from aft_vision.bench import DEFAULT_MODELS, README_RUN, parse_batch_at, parse_pairs
 from aft_vision.cli import main as cli_main
@@ -147,3 +148,25 @@ def test_dense_bench_times_dpt_on_both_backbones(tmp_path):
 def test_dense_bench_refuses_compile(tmp_path, capsys):
     assert cli_main(['bench', '--dense', '--quick', '--compile', '--out-dir', str(tmp_path)]) == 2
     assert 'leave out --compile' in capsys.readouterr().err
+
+
+def test_gmacs_count_attention_and_aft_conv_as_their_products():
+    """``models.count_macs`` (bench's GMACs, the study's MACs) against a count by hand of a tiny timm ViT's products
+    (torch's flop counter alone misses the CPU's fused attention), and AFT-conv counted as a convolution whatever
+    method it runs; both models left as they were."""
+    from aft_vision.models import count_macs
+
+    vit = timm.create_model('vit_tiny_patch16_224', img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2,
+                            num_classes=10).eval()
+    tokens, dim = 16 + 1, 32  # 4 x 4 patches and the class token
+    per_block = tokens * dim * 3 * dim + 2 * tokens * tokens * dim + tokens * dim * dim + 2 * tokens * dim * 4 * dim
+    expected = 16 * dim * 3 * 8 * 8 + 2 * per_block + dim * 10  # patch embedding, blocks, head on the class token
+    assert count_macs(vit, torch.zeros(1, 3, 32, 32)) == expected
+    assert all(m.fused_attn for m in vit.modules() if hasattr(m, 'fused_attn'))
+
+    images = torch.zeros(1, 3, 64, 64)
+    by_conv = count_macs(timm.create_model('aft_conv_test', mixer_kwargs={'method': 'conv'}).eval(), images)
+    for method in ('dense', 'fused', 'auto'):
+        model = timm.create_model('aft_conv_test', mixer_kwargs={'method': method}).eval()
+        assert count_macs(model, images) == by_conv
+        assert {m.method for m in model.modules() if hasattr(m, 'method') and isinstance(m.method, str)} == {method}

@@ -4,13 +4,15 @@ and ``checkpoints``.
 * ``aft_vit``: AFT-full and AFT-simple vision transformers (class token, position embedding, token output).
 * ``aft_conv``: AFT-conv, fully convolutional (no class token or position embedding, global average pooling).
 * ``_base``: what both share (``Block``, ``AFTTransformerBase``: the trunk and the timm interface built on it).
-* ``fit_checkpoint`` (here): which weights a model starts from, decided once.
+* ``fit_checkpoint`` (here): which weights a model starts from, decided once; ``count_macs``: its multiply-adds.
 * ``pyramid``: ViTDet's simple feature pyramid on an AFT-conv backbone (``SimpleFeaturePyramid``), for dense heads.
 """
 from typing import Callable, Dict, Mapping, Optional
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
+from ..layers import AFTConv2d
 from ._base import AFTTransformerBase, Block, adapt_vit_checkpoint
 from .aft_vit import *
 from .aft_conv import *
@@ -31,3 +33,22 @@ def fit_checkpoint(checkpoint: Mapping, model: torch.nn.Module, log: Optional[Ca
     if family_filter is None:
         return adapt_vit_checkpoint(checkpoint, model, log)
     return family_filter(checkpoint, model, log=log)
+
+
+def count_macs(model: torch.nn.Module, images: torch.Tensor) -> int:
+    """Multiply-adds of ``model`` on ``images`` by torch's flop counter, with AFT-conv counted as a convolution and
+    timm's attention as explicit products for the count (the counter has no formula for the CPU's fused attention
+    kernel or for AFT's fused operator: it would leave them out). The model is left as it was."""
+    layers = [(m, 'fused_attn', False) for m in model.modules() if hasattr(m, 'fused_attn')]
+    layers += [(m, 'method', 'conv') for m in model.modules() if isinstance(m, AFTConv2d)]
+    kept = [getattr(m, name) for m, name, _ in layers]
+    counter = FlopCounterMode(display=False)
+    try:
+        for module, name, value in layers:
+            setattr(module, name, value)
+        with torch.no_grad(), counter:
+            model(images)
+    finally:
+        for (module, name, _), value in zip(layers, kept):
+            setattr(module, name, value)
+    return counter.get_total_flops() // 2

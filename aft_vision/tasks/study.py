@@ -15,11 +15,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import timm
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
 
 from ..checkpoints.files import atomic_file, load_weights, save_weights
 from ..checkpoints.transfer import transfer_vit_weights
+from .. import models
 from ..hub import create_aft_model
 from .classify import DIGITS_MODEL, ClassifySettings, at_size, check_model_and_sizes
 from .study_report import plot_study, render_markdown
@@ -177,17 +177,10 @@ def _write(path: Path, text: str) -> None:
 
 
 def count_macs(model_name: str, model_kwargs: Dict, img_size: int, num_classes: int) -> int:
-    """Multiply-adds of one image by torch's flop counter, AFT-conv as a convolution and timm's attention unfused
-    (as docs/models.md counts them)."""
-    extra = {'mixer_kwargs': {'method': 'conv'}} if model_name.startswith('aft_conv') else {}
-    model = create_aft_model(model_name, num_classes=num_classes, **model_kwargs, **extra).eval()
-    for module in model.modules():  # timm's attention as explicit products: the counter misses the CPU's fused kernel
-        if hasattr(module, 'fused_attn'):
-            module.fused_attn = False
-    counter = FlopCounterMode(display=False)
-    with torch.no_grad(), counter:
-        model(torch.zeros(1, 3, img_size, img_size))
-    return counter.get_total_flops() // 2
+    """Multiply-adds of one image (``models.count_macs``: AFT-conv as a convolution, timm's attention unfused, as
+    docs/models.md counts them)."""
+    model = create_aft_model(model_name, num_classes=num_classes, **model_kwargs).eval()
+    return models.count_macs(model, torch.zeros(1, 3, img_size, img_size))
 
 
 def _train_run(run: Run, model_kwargs: Dict, settings: StudySettings, data_dir: Path, runs_dir: Path, log) -> Dict:
