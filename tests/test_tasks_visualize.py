@@ -147,6 +147,29 @@ def test_missing_matplotlib_names_the_extra(monkeypatch, tmp_path):
     assert not (tmp_path / 'b.png').exists()
 
 
+def test_figures_leave_the_users_backend_and_pyplot_alone(tmp_path):
+    """The jobs' and bench's figures (``plots.figure``) are drawn outside pyplot: a notebook's backend stays, no
+    figure stays open in pyplot."""
+    import matplotlib
+    import matplotlib.pyplot as plt
+    from aft_vision.bench.report import plot
+    from aft_vision.plots import save_figure
+    from aft_vision.tasks.training import plot_history
+
+    backend = matplotlib.get_backend()
+    matplotlib.use('pdf')
+    try:
+        fig, _ = plot_history([{'epoch': 1, 'loss': 1.0, 'top1': 50.0}], 'top1', 'top-1', 'Held out', 2, 6)
+        save_figure(fig, tmp_path / 'history.png')
+        figures = {'infer_img_s': 2.0, 'train_img_s': 1.0}
+        plot([{'resolution': 64, 'aft': {'model': 'a', **figures}, 'deit': {'model': 'd', **figures},
+               'ratio': {'infer_img_s': 1.0, 'train_img_s': 1.0}}], tmp_path / 'bench.png')
+        assert matplotlib.get_backend() == 'pdf' and plt.get_fignums() == []
+        assert all(_is_png(tmp_path / name) for name in ('history.png', 'bench.png'))
+    finally:
+        matplotlib.use(backend)
+
+
 def test_cli_show_bias_from_checkpoint(conv_model, tmp_path, capsys):
     ckpt = tmp_path / 'w.safetensors'
     save_weights(conv_model.state_dict(), ckpt)

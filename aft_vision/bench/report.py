@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Dict, List
 
 from ..checkpoints.files import atomic_dir
-from ..plots import save_figure
+from ..plots import figure, save_figure
 
 __all__ = ['markdown_table', 'summary_table', 'plot', 'write_report']
 
@@ -49,11 +49,8 @@ def summary_table(rows: List[Dict]) -> str:
 
 def plot(rows: List[Dict], path: Path) -> None:
     """AFT / DeiT throughput ratios against resolution (inference, training step) and inference throughput."""
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    fig = figure(16, 4.5)
+    axes = fig.subplots(1, 3)
     for pair in dict.fromkeys((row['aft']['model'], row['deit']['model']) for row in rows):
         mine = [row for row in rows if (row['aft']['model'], row['deit']['model']) == pair]
         res = [row['resolution'] for row in mine]

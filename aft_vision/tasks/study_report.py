@@ -3,7 +3,7 @@
 from pathlib import Path
 from typing import Dict, List
 
-from ..plots import save_figure
+from ..plots import figure, save_figure
 from .training import size_scaled_batches, sizes_text
 
 __all__ = ['render_markdown', 'plot_study']
@@ -65,10 +65,6 @@ def render_markdown(summary: Dict) -> str:
 
 def plot_study(summary: Dict, records: Dict[str, Dict], folder: Path) -> List[str]:
     """One PNG per part (bars with the seeds' spread; transfer: top-1 per epoch); returns the file names."""
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
-
     folder.mkdir(parents=True, exist_ok=True)
     tables, settings = summary['tables'], summary['settings']
     written = []
@@ -77,7 +73,8 @@ def plot_study(summary: Dict, records: Dict[str, Dict], folder: Path) -> List[st
         if part not in tables:
             continue
         rows = tables[part]
-        fig, ax = plt.subplots(figsize=(max(5, 1.3 * len(rows)), 3.6))
+        fig = figure(max(5, 1.3 * len(rows)), 3.6)
+        ax = fig.subplots()
         width = 0.38
         for i, (name, size) in enumerate((('top1', settings['img_size']), ('top1_large', settings['eval_img_size']))):
             xs = [j + (i - 0.5) * width for j in range(len(rows))]
@@ -95,7 +92,8 @@ def plot_study(summary: Dict, records: Dict[str, Dict], folder: Path) -> List[st
     for part in (part for part in ('transfer', 'transfer_ls') if part in tables):
         models = [(r['key'], r['label'].split(' (')[0].split(' with ')[0])  # short titles: the model's name
                   for r in tables[part] if r['start'] != 'random']
-        fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 3.6), squeeze=False)
+        fig = figure(4.5 * len(models), 3.6)
+        axes = fig.subplots(1, len(models), squeeze=False)
         for ax, (key, title) in zip(axes[0], models):
             for r in (r for r in tables[part] if r['key'] == key):
                 epochs = range(1, r['epochs'] + 1)
@@ -117,10 +115,9 @@ def plot_study(summary: Dict, records: Dict[str, Dict], folder: Path) -> List[st
 
 def _plot_resolution(rows: List[Dict], settings: Dict, path: Path) -> str:
     """A panel per family: top-1 against the evaluation size, a line per training and way of following the size."""
-    import matplotlib.pyplot as plt
-
     families = list(dict.fromkeys(r['family'] for r in rows))
-    fig, axes = plt.subplots(1, len(families), figsize=(4.2 * len(families), 3.6), squeeze=False, sharey=True)
+    fig = figure(4.2 * len(families), 3.6)
+    axes = fig.subplots(1, len(families), squeeze=False, sharey=True)
     for ax, family in zip(axes[0], families):
         for r in (r for r in rows if r['family'] == family):
             sizes = sorted(r['top1_at'], key=int)

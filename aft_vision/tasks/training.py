@@ -24,6 +24,7 @@ from ..hub import load_model
 from ..images import read_image
 from ..models import fit_checkpoint
 from ..models.aft_conv import forward_at_size
+from ..plots import figure
 from .regularizers import position_bias_entropy
 
 __all__ = ['split_digits', 'write_digits', 'check_image_folders', 'eval_data_config', 'evaluate', 'fixed_img_size',
@@ -290,14 +291,11 @@ def train(data_dir: Path, model_name: str, epochs: int, img_size: int, batch_siz
 
 def plot_history(history: List[Dict], metric: str, ylabel: str, title: str, panels: int, width: float,
                  scale: float = 1.0) -> tuple:
-    """A pyplot figure of ``panels`` axes: the training loss and ``scale * metric`` per epoch of ``history`` in the
-    first two, the rest left for the job's own (matplotlib: the ``demo`` extra). Returns the figure and its axes."""
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
-
+    """A figure (``plots.figure``) of ``panels`` axes: the training loss and ``scale * metric`` per epoch of
+    ``history`` in the first two, the rest left for the job's own. Returns the figure and its axes."""
     epochs = [h['epoch'] for h in history]
-    fig, axes = plt.subplots(1, panels, figsize=(width, 3.5))
+    fig = figure(width, 3.5)
+    axes = fig.subplots(1, panels)
     axes[0].plot(epochs, [h['loss'] for h in history], '-o')
     axes[0].set(xlabel='epoch', ylabel='training loss', title='Loss')
     axes[1].plot(epochs, [scale * h[metric] for h in history], '-o', color='tab:green')

@@ -10,10 +10,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..checkpoints.files import atomic_file
 from ..hub import load_model, warn_random_weights
 from ..images import read_image
 from ..layers import AFTConv2d, AFTFull, AFTSimple
+from ..plots import figure, save_figure
 
 __all__ = ['position_bias_maps', 'position_bias_for_query', 'key_maps', 'plot_position_bias', 'plot_key_maps',
            'load_image', 'show_bias', 'show_keys']
@@ -141,16 +141,6 @@ def load_image(path: PathLike, model: nn.Module, img_size: Optional[int] = None)
 # ----------------------------------------------------------------------------------------------------- plotting
 
 
-def _figure(width: float, height: float):
-    """A matplotlib Figure (no pyplot state); ImportError naming the extra if matplotlib is missing."""
-    try:
-        from matplotlib.figure import Figure
-    except ImportError as e:
-        raise ImportError('plotting needs matplotlib: pip install "aft-vision[demo]" (or pip install matplotlib)') \
-            from e
-    return Figure(figsize=(width, height), layout='constrained')
-
-
 def _check_out(path: PathLike, force: bool) -> Path:
     path = Path(path)
     if path.suffix.lower() != '.png':
@@ -158,11 +148,6 @@ def _check_out(path: PathLike, force: bool) -> Path:
     if path.exists() and not force:
         raise FileExistsError(f'{path} exists; pass force=True (--force) to overwrite it')
     return path
-
-
-def _save(fig, path: Path, force: bool, dpi: int) -> None:
-    with atomic_file(path, force) as temp:  # refused again if the file appeared while the figure was drawn
-        fig.savefig(temp, dpi=dpi, format='png')
 
 
 def _draw_grid(fig, maps: np.ndarray, cmap: str, norm_of_row: Callable, col_label: str,
@@ -213,7 +198,7 @@ def plot_position_bias(maps: np.ndarray, path: PathLike, title: Optional[str] = 
     maps = np.asarray(maps, dtype=np.float32)
     if maps.ndim == 4:
         num_layers, num_heads, size = maps.shape[0], maps.shape[1], maps.shape[-1]
-        fig = _figure(0.9 * num_heads + 1.2, 0.9 * num_layers + 0.8)
+        fig = figure(0.9 * num_heads + 1.2, 0.9 * num_layers + 0.8, 'constrained')
         panels = _draw_grid(fig, maps, 'RdBu_r',
                             lambda layer: _bias_norm(float(np.abs(layer).max()) or 1.0, log_scale),  # all 0: any
                             'head', extent=(-size / 2, size / 2, size / 2, -size / 2))
@@ -227,7 +212,7 @@ def plot_position_bias(maps: np.ndarray, path: PathLike, title: Optional[str] = 
         num_layers = maps.shape[0]
         num_cols = min(num_layers, 4)
         num_rows = -(-num_layers // num_cols)
-        fig = _figure(2.6 * num_cols, 2.3 * num_rows + 0.6)
+        fig = figure(2.6 * num_cols, 2.3 * num_rows + 0.6, 'constrained')
         spec = fig.add_gridspec(num_rows, num_cols)
         for layer in range(num_layers):
             ax = fig.add_subplot(spec[layer // num_cols, layer % num_cols])
@@ -244,7 +229,7 @@ def plot_position_bias(maps: np.ndarray, path: PathLike, title: Optional[str] = 
     else:
         raise ValueError(f'expected (layers, heads, s, s) or (layers, H, W) maps, got shape {list(maps.shape)}')
     fig.suptitle(title, fontsize=9)
-    _save(fig, path, force, dpi)
+    save_figure(fig, path, dpi, force)  # refused again if the file appeared while the figure was drawn
     return path
 
 
@@ -259,11 +244,11 @@ def plot_key_maps(keys: np.ndarray, path: PathLike, image: Optional[np.ndarray] 
     if keys.ndim != 4:
         raise ValueError(f'expected (layers, maps, H, W) keys, got shape {list(keys.shape)}')
     num_layers, num_maps = keys.shape[:2]
-    fig = _figure(0.9 * num_maps + 1.2, 0.9 * num_layers + (0.0 if image is None else 2.0) + 0.8)
+    fig = figure(0.9 * num_maps + 1.2, 0.9 * num_layers + (0.0 if image is None else 2.0) + 0.8, 'constrained')
     _draw_grid(fig, keys, 'viridis', lambda layer: Normalize(float(layer.min()), float(layer.max())), map_label, image)
     grid = f'{keys.shape[2]} x {keys.shape[3]}'
     fig.suptitle(title or f'keys per layer (rows) and {map_label} (columns) over the {grid} patch grid', fontsize=9)
-    _save(fig, path, force, dpi)
+    save_figure(fig, path, dpi, force)
     return path
 
 
@@ -275,7 +260,7 @@ def _load(out: PathLike, force: bool, model: str, checkpoint: Optional[PathLike]
     """Check first that matplotlib is present (a RuntimeError, one line), ``out`` writable and ``image`` there; then
     ``hub.load_model``'s model and weights."""
     try:
-        _figure(1, 1)
+        figure(1, 1)
     except ImportError as e:
         raise RuntimeError(str(e)) from None
     _check_out(out, force)
