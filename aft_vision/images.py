@@ -15,10 +15,6 @@ __all__ = ['read_image']
 
 # A 32-bit file does not say which scale its values use: the first of these that holds its brightest pixel.
 FULL_SCALES = {'F': (1.0, 255.0, 65535.0), 'I': (255.0, 65535.0, 2.0 ** 31 - 1)}
-# the transposition that turns a picture stored with EXIF orientation 2-8 upright (as ImageOps.exif_transpose does)
-UPRIGHT = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
-           5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
-           8: Image.Transpose.ROTATE_90}
 
 
 def _upright(image: Image.Image) -> Image.Image:
@@ -26,13 +22,14 @@ def _upright(image: Image.Image) -> Image.Image:
     I;16 ones with orientation 5-8 so (their size is swapped before the pixels are read): such a TIFF is read as
     stored, then turned here, as every other format is by ``ImageOps.exif_transpose``."""
     orientation = image.getexif().get(ExifTags.Base.Orientation, 1)
-    if image.format != 'TIFF' or orientation not in UPRIGHT or not hasattr(image, '_tile_size'):
+    if image.format != 'TIFF' or orientation not in range(2, 9) or not hasattr(image, '_tile_size'):
         return ImageOps.exif_transpose(image)
     image.tag_v2.pop(ExifTags.Base.Orientation, None)
     image.getexif().pop(ExifTags.Base.Orientation, None)
     image._size = image._tile_size  # the stored size (Pillow swapped it for orientations 5-8)
     image.load()
-    return image.transpose(UPRIGHT[orientation])
+    image.getexif()[ExifTags.Base.Orientation] = orientation  # now turned by exif_transpose, once the pixels are read
+    return ImageOps.exif_transpose(image)
 
 
 def _wide_to_rgb(image: Image.Image, path) -> Image.Image:
