@@ -1,9 +1,5 @@
-"""The one image reader of every command and job (``read_image``): a file as its viewer shows it, as 8-bit RGB.
-
-PIL's ``convert('RGB')`` alone ignores EXIF orientation, clips 16- and 32-bit pixels at 255 and warns, then raises,
-for a decompression bomb. Here EXIF orientation is applied (``ImageOps.exif_transpose``), an animation gives
-its first frame, alpha is dropped as timm's and torchvision's loaders drop it, and wide pixels keep their full scale.
-"""
+"""The one image reader of every command and job (``read_image``): a file as its viewer shows it, as 8-bit RGB, where
+PIL's ``convert('RGB')`` alone ignores EXIF orientation and clips 16- and 32-bit pixels (docs/weights.md)."""
 import os
 import warnings
 from typing import Union
