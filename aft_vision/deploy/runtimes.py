@@ -26,8 +26,7 @@ OPSET = 18
 
 
 def export_onnx(model: torch.nn.Module, example: torch.Tensor, path: os.PathLike, dynamic_size: bool = True) -> None:
-    """``model`` as an ONNX file by timm's ``onnx_export`` (opset 18, ONNX's checker), ``x`` -> ``logits``, a dynamic
-    batch (and size: ``dynamic_size``)."""
+    """``model`` as an ONNX file (timm's ``onnx_export``, opset 18), ``x`` -> ``logits``, a dynamic batch (and size)."""
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')  # the tracer's warnings on the input checks' shape comparisons
         onnx_export(model, str(path), example, opset=OPSET, dynamic_size=dynamic_size, input_names=['x'],
