@@ -32,11 +32,9 @@ def predict(model: torch.nn.Module, paths: List[str], img_size: Optional[int] = 
     """Classify readable images (``images.read_image``, timm's eval transform; a progress bar on a terminal);
     unreadable ones are listed with the reason. Returns ``{'results': {path: [(label, p, index)]}, 'errors': {path:
     why}}``, the top ``topk`` classes by probability."""
-    config = resolve_data_config({'input_size': (3, img_size, img_size)} if img_size else {}, model=model)
-    try:
-        transform = create_transform(**config)
-    except (KeyError, ValueError, TypeError, ZeroDivisionError) as error:  # a field timm cannot use
-        raise ValueError(f'its data config cannot preprocess ({type(error).__name__}: {error}): {config}') from None
+    # a data config the hub checked as it loaded the model (hub.read_hub_config, resolve_publish_data_config)
+    transform = create_transform(**resolve_data_config({'input_size': (3, img_size, img_size)} if img_size else {},
+                                                       model=model))
     names = _label_names(model)
     results, errors = {}, {}
     model.eval()
