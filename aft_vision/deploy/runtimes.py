@@ -1,10 +1,6 @@
-"""CPU deployment: a timm model as an ONNX file or an OpenVINO model, float32 or INT8, and a runner for either.
-
-ONNX by timm's ``onnx_export`` (its TorchScript exporter), in token rows, the form onnxruntime's INT8 kernels
-want; OpenVINO by ``convert_model`` with AFT-conv channel-first (``export_layout``). INT8 quantizes the linear layers
-and the patch embedding and keeps AFT's window convolution in float (docs/deployment.md gives the measurements): timm
-has no INT8 or OpenVINO path.
-"""
+"""CPU deployment: a timm model as an ONNX file (timm's ``onnx_export``, token rows) or an OpenVINO model (AFT-conv
+channel-first, ``export_layout``), float32 or INT8 (AFT's window convolutions kept float; timm has neither path), and a
+runner for either. docs/deployment.md gives the reasons and the measurements."""
 import os
 import warnings
 from pathlib import Path
