@@ -16,15 +16,14 @@ FULL_SCALES = {'F': (1.0, 255.0, 65535.0), 'I': (255.0, 65535.0, 2.0 ** 31 - 1)}
 def _upright(image: Image.Image) -> Image.Image:
     """``image`` loaded and upright. Pillow 12+ turns a TIFF upright itself as it loads, and garbles L, P, CMYK and
     I;16 ones with orientation 5-8 so (their size is swapped before the pixels are read): such a TIFF is read as
-    stored, then turned here, as every other format is by ``ImageOps.exif_transpose``."""
+    stored, then turned as every other format is, by ``ImageOps.exif_transpose``."""
     orientation = image.getexif().get(ExifTags.Base.Orientation, 1)
-    if image.format != 'TIFF' or orientation not in range(2, 9) or not hasattr(image, '_tile_size'):
-        return ImageOps.exif_transpose(image)
-    image.tag_v2.pop(ExifTags.Base.Orientation, None)
-    image.getexif().pop(ExifTags.Base.Orientation, None)
-    image._size = image._tile_size  # the stored size (Pillow swapped it for orientations 5-8)
-    image.load()
-    image.getexif()[ExifTags.Base.Orientation] = orientation  # now turned by exif_transpose, once the pixels are read
+    if image.format == 'TIFF' and orientation in range(2, 9) and hasattr(image, '_tile_size'):
+        image.tag_v2.pop(ExifTags.Base.Orientation, None)  # so that the loader leaves it as stored
+        image.getexif().pop(ExifTags.Base.Orientation, None)
+        image._size = image._tile_size  # the stored size (Pillow swapped it for orientations 5-8)
+        image.load()
+        image.getexif()[ExifTags.Base.Orientation] = orientation  # back, for exif_transpose
     return ImageOps.exif_transpose(image)
 
 
