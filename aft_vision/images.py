@@ -1,9 +1,5 @@
-"""The one image reader of every command and job (``read_image``): a file as its viewer shows it, as 8-bit RGB.
-
-PIL's ``convert('RGB')`` alone ignores EXIF orientation, clips 16- and 32-bit pixels at 255 and warns, then raises,
-for a decompression bomb. Here EXIF orientation is applied (``ImageOps.exif_transpose``), an animation gives
-its first frame, alpha is dropped as timm's and torchvision's loaders drop it, and wide pixels keep their full scale.
-"""
+"""The one image reader of every command and job (``read_image``): a file as its viewer shows it, as 8-bit RGB, where
+PIL's ``convert('RGB')`` alone ignores EXIF orientation and clips 16- and 32-bit pixels (docs/weights.md)."""
 import os
 import warnings
 from typing import Union
@@ -15,24 +11,20 @@ __all__ = ['read_image']
 
 # A 32-bit file does not say which scale its values use: the first of these that holds its brightest pixel.
 FULL_SCALES = {'F': (1.0, 255.0, 65535.0), 'I': (255.0, 65535.0, 2.0 ** 31 - 1)}
-# the transposition that turns a picture stored with EXIF orientation 2-8 upright (as ImageOps.exif_transpose does)
-UPRIGHT = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
-           5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
-           8: Image.Transpose.ROTATE_90}
 
 
 def _upright(image: Image.Image) -> Image.Image:
     """``image`` loaded and upright. Pillow 12+ turns a TIFF upright itself as it loads, and garbles L, P, CMYK and
     I;16 ones with orientation 5-8 so (their size is swapped before the pixels are read): such a TIFF is read as
-    stored, then turned here, as every other format is by ``ImageOps.exif_transpose``."""
+    stored, then turned as every other format is, by ``ImageOps.exif_transpose``."""
     orientation = image.getexif().get(ExifTags.Base.Orientation, 1)
-    if image.format != 'TIFF' or orientation not in UPRIGHT or not hasattr(image, '_tile_size'):
-        return ImageOps.exif_transpose(image)
-    image.tag_v2.pop(ExifTags.Base.Orientation, None)
-    image.getexif().pop(ExifTags.Base.Orientation, None)
-    image._size = image._tile_size  # the stored size (Pillow swapped it for orientations 5-8)
-    image.load()
-    return image.transpose(UPRIGHT[orientation])
+    if image.format == 'TIFF' and orientation in range(2, 9) and hasattr(image, '_tile_size'):
+        image.tag_v2.pop(ExifTags.Base.Orientation, None)  # so that the loader leaves it as stored
+        image.getexif().pop(ExifTags.Base.Orientation, None)
+        image._size = image._tile_size  # the stored size (Pillow swapped it for orientations 5-8)
+        image.load()
+        image.getexif()[ExifTags.Base.Orientation] = orientation  # back, for exif_transpose
+    return ImageOps.exif_transpose(image)
 
 
 def _wide_to_rgb(image: Image.Image, path) -> Image.Image:

@@ -1,7 +1,5 @@
-"""timm's own ``train.py`` with the AFT models: ``--device-modules aft_vision.timm_train`` (the one module of hooks).
-
-    python train.py DATA --device-modules aft_vision.timm_train --model aft_conv_small --train-img-sizes 160 224 288 ...
-    AFT_SPARSITY_WEIGHT=0.001 python train.py DATA --device-modules aft_vision.timm_train --model aft_conv_small_11 ...
+"""timm's own ``train.py`` with the AFT models: ``--device-modules aft_vision.timm_train`` (the one module of hooks;
+docs/training.md shows the runs).
 
 Importing this module registers the AFT models (it imports aft_vision) and calls ``add_to_timm_tasks``: timm's
 classification task runs an AFT-conv model at each step's size with its windows resampled for it (``forward_at_size``)

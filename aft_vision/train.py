@@ -1,6 +1,4 @@
-"""``python -m aft_vision.train ARGS`` (and torchrun's ``-m aft_vision.train``): ``aft-vision train ARGS``.
-
-The job itself is ``aft_vision.tasks.classify`` (``--task segment``: ``aft_vision.tasks.segment``)."""
+"""``python -m aft_vision.train ARGS`` (also under torchrun): ``aft-vision train ARGS`` (``cli.train``, ``tasks``)."""
 import sys
 
 from .cli import main

@@ -23,8 +23,8 @@ from ..hub import (check_aft_model, check_init_weights, check_model_kwargs, chec
 from ..tasks import classify, segment
 from ..tasks.training import check_image_folders
 
-__all__ = ['LIMITS', 'TASKS', 'TASK_DEFAULTS', 'Parser', 'check_args', 'fill_task_defaults', 'one_line',
-           'parse_device', 'run_command', 'settings_from']
+__all__ = ['LIMITS', 'TASKS', 'TASK_DEFAULTS', 'Parser', 'check_args', 'one_line', 'parse_device', 'run_command',
+           'settings_from']
 
 
 def parse_device(name: str) -> torch.device:
@@ -104,18 +104,12 @@ def _training_kwargs(options: Dict) -> Dict:
     return {**(classify.DIGITS_MODEL if digits else {}), **(options.get('model_kwargs') or {})}
 
 
-def fill_task_defaults(args: argparse.Namespace) -> argparse.Namespace:
-    """Give every option of ``train`` left unset (None) its ``--task``'s default (``TASK_DEFAULTS``)."""
-    for dest, value in TASK_DEFAULTS[args.task].items():
-        if getattr(args, dest, None) is None:
-            setattr(args, dest, value)
-    return args
-
-
 def settings_from(settings: type, args: argparse.Namespace):
-    """The dataclass ``settings`` filled from the parsed options of the same names (its defaults for the others)."""
-    return settings(**{field.name: vars(args)[field.name] for field in dataclasses.fields(settings)
-                       if field.name in vars(args)})
+    """The dataclass ``settings`` filled from the parsed options of the same names (lists as tuples where its default
+    is one); its defaults for the others and for options left unset (None)."""
+    given = {dest: value for dest, value in vars(args).items() if value is not None}
+    return settings(**{field.name: tuple(given[field.name]) if isinstance(field.default, tuple) else given[field.name]
+                       for field in dataclasses.fields(settings) if field.name in given})
 
 
 def one_line(text: object) -> str:
@@ -200,8 +194,9 @@ def run_command(parser: argparse.ArgumentParser, argv: Sequence[str],
     """Parse, check and run ``argv``: ``command(args)``'s exit code; 2 for any user error, said in one line."""
     try:
         args = parser.parse_args(argv)
-        if getattr(args, 'task', None) is not None:
-            fill_task_defaults(args)
+        for dest, value in TASK_DEFAULTS.get(getattr(args, 'task', None), {}).items():
+            if getattr(args, dest) is None:  # an option of train left unset: its --task's default
+                setattr(args, dest, value)
     except SystemExit as e:  # --help, --version, or a usage error argparse already printed
         return 0 if e.code is None else e.code if isinstance(e.code, int) else 2
     stops = {signal.SIGINT: signal.getsignal(signal.SIGINT), signal.SIGTERM: signal.getsignal(signal.SIGTERM)}

@@ -20,25 +20,21 @@ HELP = 'top-k classes for image files at any crop size'
 
 
 def _label_names(model: torch.nn.Module) -> Optional[List[str]]:
-    """Names the weights carry (one string per class), else ImageNet's for a 1000-class head."""
+    """Names the weights carry (one string per class: ``hub.read_hub_config`` checked them), else ImageNet's for a
+    1000-class head."""
     names = model.pretrained_cfg.get('label_names')
     if names is None:
         return ImageNetInfo().label_descriptions() if model.num_classes == 1000 else None
-    names = list(names.values()) if isinstance(names, dict) else names
-    if not isinstance(names, list) or len(names) != model.num_classes or not all(isinstance(n, str) for n in names):
-        raise ValueError(f'label_names: {model.num_classes} strings needed, one per class; got {one_line(names)[:80]}')
-    return names
+    return list(names.values()) if isinstance(names, dict) else names
 
 
 def predict(model: torch.nn.Module, paths: List[str], img_size: Optional[int] = None, topk: int = 5) -> Dict:
     """Classify readable images (``images.read_image``, timm's eval transform; a progress bar on a terminal);
     unreadable ones are listed with the reason. Returns ``{'results': {path: [(label, p, index)]}, 'errors': {path:
     why}}``, the top ``topk`` classes by probability."""
-    config = resolve_data_config({'input_size': (3, img_size, img_size)} if img_size else {}, model=model)
-    try:
-        transform = create_transform(**config)
-    except (KeyError, ValueError, TypeError, ZeroDivisionError) as error:  # a field timm cannot use
-        raise ValueError(f'its data config cannot preprocess ({type(error).__name__}: {error}): {config}') from None
+    # a data config the hub checked as it loaded the model (hub.read_hub_config, resolve_publish_data_config)
+    transform = create_transform(**resolve_data_config({'input_size': (3, img_size, img_size)} if img_size else {},
+                                                       model=model))
     names = _label_names(model)
     results, errors = {}, {}
     model.eval()

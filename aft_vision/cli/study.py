@@ -1,6 +1,5 @@
 """``aft-vision study``: the paper's claims checked on the digits over seeds (``tasks.study``)."""
 import argparse
-import dataclasses
 from pathlib import Path
 
 from ..tasks.study import PARTS, StudySettings, render_markdown, run_study
@@ -32,10 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run or resume the study, print the tables."""
-    settings = dataclasses.replace(settings_from(StudySettings, args), parts=tuple(args.parts),
-                                   eval_img_sizes=tuple(args.eval_img_sizes),
-                                   train_img_sizes=tuple(args.train_img_sizes))
-    summary = run_study(settings, Path(args.out_dir))
+    summary = run_study(settings_from(StudySettings, args), Path(args.out_dir))
     print(render_markdown(summary))
     print(f'trained {len(summary["trained"])} runs, {len(summary["skipped"])} found finished; wrote '
           f'{Path(args.out_dir) / "study.md"}, study.json, plots/ ({", ".join(summary["plots"])}); '

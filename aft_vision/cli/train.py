@@ -60,6 +60,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     settings, job = TASKS[args.task]
-    given = argparse.Namespace(**{dest: value for dest, value in vars(args).items() if value is not None})
-    job(settings_from(settings, given))  # options left unset: the task's defaults
+    job(settings_from(settings, args))  # options left unset: the task's defaults
     return 0

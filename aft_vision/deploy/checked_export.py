@@ -1,6 +1,6 @@
 """``aft-vision export``: a model written as ONNX or an OpenVINO IR, float32 or INT8 (calibrated on the user's
 images), read back by its runtime and compared with eager PyTorch in a temporary folder before it is moved into
-place, so a failed export leaves nothing. timm's ``onnx_export`` checks one example and writes in place."""
+place, so a failed export leaves nothing (timm's ``onnx_export`` writes the ONNX graph there)."""
 import os
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -96,28 +96,25 @@ def export(model: torch.nn.Module, out: os.PathLike, fmt: str = 'onnx', img_size
     suffix = '.onnx' if fmt == 'onnx' else '.xml'
     if out.suffix.lower() != suffix:
         raise ValueError(f'--out: a {fmt} model is written as a {suffix} file, got {out}')
-    for path in _outputs(out, fmt):
-        if path.exists() and not force:
-            raise FileExistsError(f'--out: {path} exists; pass --force to overwrite it')
-    model.eval()
-    config = resolve_data_config({'input_size': (3, img_size, img_size)} if img_size else {}, model=model)
-    size = config['input_size'][1:]
-    torch.manual_seed(seed)
-    example = torch.randn(2, 3, *size)
-    try:
-        with torch.no_grad():
-            model(example)
-    except (ValueError, RuntimeError, AssertionError) as error:
-        raise ValueError(f'--img-size: the model refuses {size[0]} x {size[1]} images ({error})') from None
-    report = {'format': fmt, 'precision': 'int8' if calibration else 'fp32', 'img_size': list(size),
-              'any_size': runs_any_size(model)}
-    batches, checking = [], None
-    if calibration:
-        calibrate, checked = calibration_files(calibration, seed, held_out)
-        transform = create_transform(**config)
-        batches = [batch.numpy() for batch in _load(calibrate, transform).split(32)]
-        checking = (_load(checked, transform), checked if held_out else None)
-    with atomic_files(_outputs(out, fmt), force) as staged:  # all files in place once checked, or none
+    with atomic_files(_outputs(out, fmt), force) as staged:  # none there (or force); all in place once checked or none
+        model.eval()
+        config = resolve_data_config({'input_size': (3, img_size, img_size)} if img_size else {}, model=model)
+        size = config['input_size'][1:]
+        torch.manual_seed(seed)
+        example = torch.randn(2, 3, *size)
+        try:
+            with torch.no_grad():
+                model(example)
+        except (ValueError, RuntimeError, AssertionError) as error:
+            raise ValueError(f'--img-size: the model refuses {size[0]} x {size[1]} images ({error})') from None
+        report = {'format': fmt, 'precision': 'int8' if calibration else 'fp32', 'img_size': list(size),
+                  'any_size': runs_any_size(model)}
+        batches, checking = [], None
+        if calibration:
+            calibrate, checked = calibration_files(calibration, seed, held_out)
+            transform = create_transform(**config)
+            batches = [batch.numpy() for batch in _load(calibrate, transform).split(32)]
+            checking = (_load(checked, transform), checked if held_out else None)
         write_model(model, example, fmt, staged[0], batches, report['any_size'])
         run = runtimes.load_runner(staged[0], 'int8' if calibration else 'fp32')
         report.update(_check(model, run, size, checking, seed))

@@ -1,10 +1,6 @@
-"""CPU deployment: a timm model as an ONNX file or an OpenVINO model, float32 or INT8, and a runner for either.
-
-ONNX by the TorchScript-based exporter (as timm's ``onnx_export``), in token rows, the form onnxruntime's INT8 kernels
-want; OpenVINO by ``convert_model`` with AFT-conv channel-first (``export_layout``). INT8 quantizes the linear layers
-and the patch embedding and keeps AFT's window convolution in float (docs/deployment.md gives the measurements): timm
-has no INT8 or OpenVINO path.
-"""
+"""CPU deployment: a timm model as an ONNX file (timm's ``onnx_export``, token rows) or an OpenVINO model (AFT-conv
+channel-first, ``export_layout``), float32 or INT8 (AFT's window convolutions kept float; timm has neither path), and a
+runner for either. docs/deployment.md gives the reasons and the measurements."""
 import os
 import warnings
 from pathlib import Path
@@ -12,6 +8,7 @@ from typing import Callable, List, Optional, Sequence
 
 import numpy as np
 import torch
+from timm.utils.onnx import onnx_export
 
 from ..models import export_layout
 
@@ -25,13 +22,11 @@ OPSET = 18
 
 
 def export_onnx(model: torch.nn.Module, example: torch.Tensor, path: os.PathLike, dynamic_size: bool = True) -> None:
-    """``model`` as an ONNX file (opset 18), ``x`` -> ``logits``, a dynamic batch (and size: ``dynamic_size``)."""
-    axes = {0: 'batch', 2: 'height', 3: 'width'} if dynamic_size else {0: 'batch'}
-    model.eval()
+    """``model`` as an ONNX file (timm's ``onnx_export``, opset 18), ``x`` -> ``logits``, a dynamic batch (and size)."""
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')  # the tracer's warnings on the input checks' shape comparisons
-        torch.onnx.export(model, (example,), str(path), dynamo=False, opset_version=OPSET, input_names=['x'],
-                          output_names=['logits'], dynamic_axes={'x': axes, 'logits': {0: 'batch'}})
+        onnx_export(model, str(path), example, opset=OPSET, dynamic_size=dynamic_size, input_names=['x'],
+                    output_names=['logits'])
 
 
 def convert_openvino(model: torch.nn.Module, example: torch.Tensor, dynamic_size: bool = True):
