@@ -61,10 +61,17 @@ def pytest_configure(config):
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
+    """Groups the tests of each shared fixture and, under pytest-xdist, puts the ``slow`` tests first.
+
+    ``--dist loadgroup`` hands out the groups first (the largest first), then single tests in collection order, one at a
+    time to whichever worker is free: slow tests handed out last (the segment job's, a minute) would leave the other
+    worker idle at the end."""
     for item in items:
         shared = [name for name in SHARED_FIXTURES if name in getattr(item, 'fixturenames', ())]
         if shared:
             item.add_marker(pytest.mark.xdist_group(shared[0]))
+    if os.environ.get('PYTEST_XDIST_WORKER'):
+        items.sort(key=lambda item: item.get_closest_marker('slow') is None)  # stable: the same order in each worker
 
 
 def pytest_collection_finish(session):
