@@ -49,7 +49,7 @@ import torch
 
 # Fixtures that take seconds to build and that several tests only read. Under pytest-xdist (scripts/test.sh runs two
 # processes) the tests that use one run in the same process (``--dist loadgroup``), so it is built once.
-SHARED_FIXTURES = ('digits_job', 'finished_study', 'interpreter_results')
+SHARED_FIXTURES = ('digits_job', 'finished_study', 'interpreter_results', 'int8_export')
 
 
 def pytest_configure(config):
@@ -61,10 +61,17 @@ def pytest_configure(config):
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
+    """Groups the tests of each shared fixture and, under pytest-xdist, puts the ``slow`` tests first.
+
+    ``--dist loadgroup`` hands out the groups first (the largest first), then single tests in collection order, one at a
+    time to whichever worker is free: slow tests handed out last (the segment job's, a minute) would leave the other
+    worker idle at the end."""
     for item in items:
         shared = [name for name in SHARED_FIXTURES if name in getattr(item, 'fixturenames', ())]
         if shared:
             item.add_marker(pytest.mark.xdist_group(shared[0]))
+    if os.environ.get('PYTEST_XDIST_WORKER'):
+        items.sort(key=lambda item: item.get_closest_marker('slow') is None)  # stable: the same order in each worker
 
 
 def pytest_collection_finish(session):

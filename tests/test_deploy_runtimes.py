@@ -2,8 +2,10 @@
 models against the float64 bound (``deploy_cases``), the converted graph's layout, the INT8 recipes' scope in NNCF's
 and onnxruntime's graphs, ``aft-vision export`` (writes, checks, refuses), bench in both runtimes.
 """
+import contextlib
 import copy
 import functools
+import io
 import json
 
 import numpy as np
@@ -53,7 +55,16 @@ def converted(case: str):
         return deploy.convert_openvino(model, random_images(*export_sizes(model)[0], 0))
 
 
-@pytest.mark.parametrize('case', list(TEST_CASES) + list(OPENVINO_CASES))
+def _sharing_a_conversion(case):
+    """The case, its tests run by one pytest-xdist worker (``--dist loadgroup``): they read one ``converted(case)``."""
+    return pytest.param(case, marks=pytest.mark.xdist_group(f'converted_{case}'))
+
+
+LAYOUT_CASES = ('aft_conv_test', 'aft_conv_test_heads')  # converted() of these is read by the layout tests too
+
+
+@pytest.mark.parametrize('case', [_sharing_a_conversion(case) if case in LAYOUT_CASES else case
+                                  for case in list(TEST_CASES) + list(OPENVINO_CASES)])
 def test_openvino_ir_matches_eager(case, tmp_path):
     fresh = export_sizes(build_case(case, 'trained'))[1]
     ov.save_model(converted(case), str(tmp_path / 'model.xml'), compress_to_fp16=False)
@@ -137,6 +148,7 @@ def _data_ops(graph):
             and op.get_type_name() != 'Result' and op.get_output_partial_shape(0).rank.get_length() > 0]
 
 
+@pytest.mark.xdist_group('converted_aft_conv_test')
 def test_converted_aft_conv_runs_channel_first_without_layout_changes():
     """What ``convert_openvino`` gives OpenVINO (``export_layout(model, 'NCHW')``): every node from the patch
     embedding to the pooling on a 4-D map with the channels on axis 1 (OpenVINO's blocked layout), no Transpose,
@@ -156,6 +168,7 @@ def test_converted_aft_conv_runs_channel_first_without_layout_changes():
             assert shape.rank.get_length() == 4, f'{op.get_friendly_name()}: {op.get_type_name()} on {shape}'
 
 
+@pytest.mark.xdist_group('converted_aft_conv_test_heads')
 def test_compiled_channel_first_graph_reorders_no_map():
     """What OpenVINO's CPU plugin compiles from it (float32, one key per channel, as aft_conv_small and _tiny): no
     Reorder or Transpose of a token map between two nodes, only of the input image and of the (B, C, 1, 1) global
@@ -176,8 +189,8 @@ def test_plain_conversion_runs_element_wise_on_token_rows():
     """``openvino.convert_model`` without ``export_layout`` records token rows (as ONNX does): element-wise nodes on
     (B, T, n) rows with n innermost and no size-1 innermost axis (a (B, H, W, C) map is laid out as NCHW, H
     innermost), the sums of N and D from two convolutions rather than one split: one Split per block (q, k, v), no
-    Concat."""
-    model = timm.create_model('aft_conv_test').eval()
+    Concat. (In 2 of the test model's 4 blocks: every block records the same nodes.)"""
+    model = timm.create_model('aft_conv_test', depth=2).eval()
     with quiet(), torch.no_grad():
         graph = _constant_folded(ov.convert_model(model, example_input=torch.randn(2, 3, 64, 64)))
     ops = graph.get_ops()
@@ -225,27 +238,13 @@ def test_onnx_int8_quantizes_linear_layers_and_keeps_window_convolutions_float(t
 
 
 def _consumers(op, passing=('Reshape', 'Convert', 'Transpose')):
-    """The types of the nodes that use ``op``'s output, through layout-only nodes."""
+    """The types of the nodes that use ``op``'s output, through ``passing`` nodes."""
     found = set()
     for out in op.outputs():
         for port in out.get_target_inputs():
             node = port.get_node()
-            found |= _consumers(node) if node.get_type_name() in passing else {node.get_type_name()}
+            found |= _consumers(node, passing) if node.get_type_name() in passing else {node.get_type_name()}
     return found
-
-
-def test_openvino_int8_quantizes_linear_layers_and_keeps_window_convolutions_float():
-    model = build_case('aft_conv_test', 'trained')
-    with quiet():
-        quantized = deploy.quantize_openvino(deploy.convert_openvino(model, torch.randn(2, 3, 64, 64)),
-                                             _random_batches())
-    targets = set()
-    for op in quantized.get_ops():
-        if op.get_type_name() == 'FakeQuantize':
-            targets |= _consumers(op)
-    assert targets == {'MatMul', 'Convolution'}  # linear layers and the patch embedding; never GroupConvolution
-    logits = deploy.openvino_runner(quantized, 'int8')(random_images(3, 64, 64, 1).numpy())
-    assert logits.shape == (3, 1000) and np.isfinite(logits).all()
 
 
 @pytest.fixture(scope='module')
@@ -310,17 +309,43 @@ def test_export_of_a_model_that_keeps_its_windows_takes_any_size(tmp_path, capsy
     assert report['any_size'] and torch.allclose(got, references('aft_conv_test', 'trained', size, 7)[0], atol=1e-4)
 
 
-def test_export_int8_reports_agreement_on_held_out_images(checkpoint, tmp_path, capsys):
-    folder = tmp_path / 'images'
-    folder.mkdir()
+@pytest.fixture(scope='module')
+def int8_export(checkpoint, tmp_path_factory):
+    """``aft-vision export --int8 --format openvino`` of ``checkpoint``, calibrated on 10 random images: its exit code,
+    what it printed and the IR it wrote (NNCF quantizes once for the tests of its report and of its graph)."""
+    folder = tmp_path_factory.mktemp('int8')
+    (folder / 'images').mkdir()
     gen = np.random.default_rng(0)
     for i in range(10):
-        Image.fromarray(gen.integers(0, 256, (72, 80, 3), dtype=np.uint8)).save(folder / f'{i}.png')
-    out = tmp_path / 'int8.xml'
-    assert cli_main(['export', '--model', 'aft_conv_test', '--checkpoint', str(checkpoint), '--format', 'openvino',
-                     '--out', str(out), '--int8', '--calibration', str(folder)]) == 0
-    assert 'top-1 agreement with eager' in capsys.readouterr().out.split('on 2 held-out images')[0]
+        Image.fromarray(gen.integers(0, 256, (72, 80, 3), dtype=np.uint8)).save(folder / 'images' / f'{i}.png')
+    out, printed = folder / 'int8.xml', io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = cli_main(['export', '--model', 'aft_conv_test', '--checkpoint', str(checkpoint), '--format', 'openvino',
+                         '--out', str(out), '--int8', '--calibration', str(folder / 'images')])
+    return code, printed.getvalue(), out
+
+
+def test_export_int8_reports_agreement_on_held_out_images(int8_export):
+    code, printed, out = int8_export
+    assert code == 0 and 'top-1 agreement with eager' in printed.split('on 2 held-out images')[0]
     assert out.is_file() and out.with_suffix('.bin').is_file()
+
+
+def test_openvino_int8_quantizes_linear_layers_and_keeps_window_convolutions_float(int8_export):
+    """In the IR ``export --int8`` wrote (NNCF's recipe, ``deploy.quantize_openvino``; saving turns the weights'
+    FakeQuantize into int8 constants): the activations' FakeQuantize and the int8 weights feed the linear layers and
+    the patch embedding only, never a GroupConvolution."""
+    graph = ov.Core().read_model(str(int8_export[2]))
+    dequantize = ('Reshape', 'Convert', 'Transpose', 'Subtract', 'Multiply')
+    activations, weights = set(), set()
+    for op in graph.get_ops():
+        if op.get_type_name() == 'FakeQuantize':
+            activations |= _consumers(op)
+        if op.get_type_name() == 'Constant' and op.get_output_element_type(0).get_type_name() in ('i8', 'u8'):
+            weights |= _consumers(op, dequantize)
+    assert activations == weights == {'MatMul', 'Convolution'}, (activations, weights)
+    logits = deploy.load_runner(int8_export[2], 'int8')(random_images(3, 64, 64, 1).numpy())
+    assert logits.shape == (3, 1000) and np.isfinite(logits).all()
 
 
 @pytest.mark.parametrize('options,problem', [

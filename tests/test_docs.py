@@ -3,7 +3,8 @@
 * Every ```python block runs in a fresh namespace, in a temporary working directory, with the Hugging Face Hub
   offline and an empty cache. A block that names a ``.deit_in1k`` tag finds a randomly initialised DeiT in that cache
   under the tag's source repository, so the tag loads through timm's real Hub path. A block with a line
-  ``# doc-test: skip (REASON)`` is skipped, and REASON is shown.
+  ``# doc-test: skip (REASON)`` is skipped, and REASON is shown. The blocks of a page in ``TEST_MODEL_DEPTH`` run as
+  written, with the registered test models built in fewer blocks.
 * Every ``aft-vision ...`` command (in ```bash blocks and in inline code), and every ``-m aft_vision.train`` /
   ``-m aft_vision.cli`` / ``scripts/run.sh`` command line, is parsed by the CLI's own parser
   (``aft_vision.cli.build_parser``), not run: a renamed subcommand or option fails here, and so does a ``--model``
@@ -78,6 +79,25 @@ def _serve_deit_sources(source: str, tmp_path: Path, offline_hub) -> None:
 
 
 PYTHON_BLOCKS = _blocks('python')
+# page -> depth of the registered test models (4 blocks) in its blocks: deployment.md's exports and conversions run
+# in 2, as tests/test_deploy.py's dynamo and torch.export paths do (every block records the same operators, and export
+# time grows with depth; 2 blocks also record a block that follows another)
+TEST_MODEL_DEPTH = {'deployment.md': 2}
+TEST_MODELS = ('aft_conv_test', 'aft_full_test', 'aft_simple_test')
+
+
+def _shallow_test_models(monkeypatch, depth: int) -> None:
+    """``timm.create_model`` builds the registered test models in ``depth`` blocks unless a depth is given."""
+    import timm
+
+    create_model = timm.create_model
+
+    def create(model_name, *args, **kwargs):
+        if model_name in TEST_MODELS:
+            kwargs.setdefault('depth', depth)
+        return create_model(model_name, *args, **kwargs)
+
+    monkeypatch.setattr(timm, 'create_model', create)
 
 
 def test_the_pages_have_python_blocks():
@@ -90,6 +110,8 @@ def test_python_block_runs(block, tmp_path, monkeypatch, offline_hub):
     if reason:
         pytest.skip(reason)
     _serve_deit_sources(block.source, tmp_path, offline_hub)
+    if block.page.name in TEST_MODEL_DEPTH:
+        _shallow_test_models(monkeypatch, TEST_MODEL_DEPTH[block.page.name])
     work = tmp_path / 'work'
     work.mkdir()
     monkeypatch.chdir(work)
