@@ -124,7 +124,8 @@ def check_source(name: str) -> None:
         _check_hub(model_id)
     elif source == 'local-dir':
         source_architecture(name)  # config.json there and readable
-        load_weights(source_file(name, WEIGHT_FILES))  # there; damaged, empty or hostile: one line naming the file
+        # there; damaged, empty or hostile: one line naming the file
+        load_weights(source_file(name, WEIGHT_FILES, 'weights'))
 
 
 def _check_fits(state_dict: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor], what: str) -> None:
@@ -221,7 +222,8 @@ def load_model(name: str, checkpoint: Optional[str] = None, pretrained: bool = F
     if aft_only:
         check_aft_model(name)
     if checkpoint or ':' in name:
-        return _from_checkpoint(name, checkpoint or str(source_file(name, WEIGHT_FILES)), use_ema, model_kwargs)
+        weights = checkpoint or str(source_file(name, WEIGHT_FILES, 'weights'))
+        return _from_checkpoint(name, weights, use_ema, model_kwargs)
     check_model_kwargs(name, model_kwargs)
     try:
         model = timm.create_model(name, pretrained=pretrained, **model_kwargs)

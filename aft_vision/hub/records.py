@@ -35,9 +35,9 @@ def source_architecture(name: str, model_kwargs: Optional[Dict[str, Any]] = None
     return config['architecture'], {**config['model_args'], **model_kwargs}
 
 
-def source_file(name: str, files: Sequence[str]) -> Path:
-    """The first of ``files`` in a ``local-dir:`` folder or (downloaded, or from the cache) an ``hf-hub:`` repository;
-    FileNotFoundError naming the source and the files where none is there."""
+def source_file(name: str, files: Sequence[str], what: str = '') -> Path:
+    """The first of ``files`` (``what`` they hold) in a ``local-dir:`` folder or (downloaded, or from the cache) an
+    ``hf-hub:`` repository; FileNotFoundError naming the source, what is missing and the files where none is there."""
     source, model_id = parse_model_name(name)
     found = None
     if source == 'local-dir':
@@ -53,7 +53,9 @@ def source_file(name: str, files: Sequence[str]) -> Path:
             except (EntryNotFoundError, LocalEntryNotFoundError):
                 pass
     if found is None:
-        raise FileNotFoundError(f'{name}: no {" or ".join(files)} in {model_id} (aft-vision publish writes them)')
+        listed = ' or '.join(files)
+        raise FileNotFoundError(f'{name}: no {f"{what} ({listed})" if what else listed} in {model_id} (aft-vision '
+                                'publish writes them)')
     return found
 
 
