@@ -72,10 +72,6 @@ class _Case:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def flops(self) -> int:
-        """FLOPs of one inference batch, counted on one image (``models.count_macs``)."""
-        return 2 * count_macs(self.eager, self.images[:1]) * self.images.shape[0]
-
     def saved_bytes(self) -> int:
         """Bytes autograd saves for the backward of one training forward, each storage once, parameters left out."""
         self.eager.train()
@@ -270,10 +266,10 @@ def _measure(groups: Dict[Tuple[int, str], Dict[str, None]], build: Callable, ba
 def _record(case: _Case, times: Dict, train: bool, peak_memory: bool) -> Dict:
     """One model's figures from its timings (medians) and its own measurements."""
     batch, train_batch = case.images.shape[0], case.train_images.shape[0]
-    flops = case.flops()
+    macs = count_macs(case.eager, case.images[:1])  # of one image
     infer_s = statistics.median(times[case.name, 'infer'])
-    record = {'model': case.label, 'params': case.params, 'gmacs': flops / 2 / batch / 1e9,
-              'infer_img_s': batch / infer_s, 'infer_gflop_s': flops / infer_s / 1e9}
+    record = {'model': case.label, 'params': case.params, 'gmacs': macs / 1e9,
+              'infer_img_s': batch / infer_s, 'infer_gflop_s': 2 * macs * batch / infer_s / 1e9}
     if peak_memory:
         record['infer_peak_mb'] = case.peak_memory('infer') / 2 ** 20
     if train:
