@@ -21,7 +21,7 @@ from ..models.aft_conv import AFTConvTransformer
 from .ops import autocast, main as ops_main, sync
 from .report import markdown_table, summary_table, write_report
 
-__all__ = ['BenchSettings', 'run_benchmark', 'main', 'RUNTIMES', 'DEPLOY_PRECISIONS']
+__all__ = ['BenchSettings', 'main', 'RUNTIMES', 'DEPLOY_PRECISIONS']
 
 RUNTIMES = ('eager', 'compile', 'onnxruntime', 'openvino')
 # the precisions each deployment runtime runs (inference only)
@@ -194,43 +194,27 @@ def parse_batch_at(entries: List[str]) -> Dict[int, Tuple[int, int]]:
     return parsed
 
 
-def _check_runtime(runtime: str, precision: str, device: str, train: bool, peak_memory: bool) -> None:
-    if runtime not in RUNTIMES:
-        raise ValueError(f"--runtime: choose one of {', '.join(RUNTIMES)}, got {runtime!r}")
-    if runtime in DEPLOY_PRECISIONS and (train or peak_memory or precision not in DEPLOY_PRECISIONS[runtime]
-                                         or torch.device(device).type != 'cpu'):
-        raise ValueError(f"--runtime {runtime} times inference on the CPU in --precision "
-                         f"{' or '.join(DEPLOY_PRECISIONS[runtime])}: no training step, no peak memory")
-    if runtime not in DEPLOY_PRECISIONS and precision == 'int8':
-        raise ValueError('int8 is a precision of the deployment runtimes: --runtime onnxruntime or openvino')
-
-
-def run_benchmark(models: List[str], resolutions: List[int], batch_size: int = 8, repeats: int = 5, warmup: int = 2,
-                  device: str = 'cpu', precision: str = 'fp32', train: bool = True,
-                  baselines: Optional[Dict[str, str]] = None, runtime: str = 'eager',
-                  pairs: Optional[List[Tuple[str, str, List[int]]]] = None,
-                  batch_at: Optional[Dict[int, Tuple[int, int]]] = None, peak_memory: bool = True,
-                  base_img_size: Optional[int] = None) -> List[Dict]:
-    """Measure every model against its baseline (default: the DeiT of its width) at every resolution, ``repeats``
-    timed calls per figure (median), round-robin; one row per (model, resolution). ``precision``: 'fp32', the
-    autocast dtype 'bf16' / 'fp16', or 'int8' (deployment runtimes, which time inference on the CPU only); ``train``:
-    also the training step (AdamW) and its saved bytes; ``pairs``: extra (model, baseline, resolutions);
-    ``batch_at``: resolution -> (inference, training batch); ``base_img_size``: AFT-conv's windows given for this size.
-    """
-    _check_runtime(runtime, precision, device, train, peak_memory)
-    device = torch.device(device)
+def _benchmark(settings, models: List[str], resolutions: List[int], baselines: Optional[Dict[str, str]],
+               pairs: List[Tuple[str, str, List[int]]], batch_at: Dict[int, Tuple[int, int]],
+               runtime: str) -> List[Dict]:
+    """Measure every model against its baseline (default: the DeiT of its width) at every resolution, and the
+    ``pairs`` (model, baseline, resolutions), as ``settings`` (a ``BenchSettings`` ``main`` checked) asks: ``repeats``
+    timed calls per figure (median), round-robin; one row per (model, resolution). ``batch_at``: resolution ->
+    (inference, training batch)."""
+    device, precision = torch.device(settings.device), settings.precision
     baselines = baselines or {name: _baseline_for(name) for name in models}
     cases = [(name, baselines[name], res) for res in resolutions for name in models]
-    cases += [(name, baseline, res) for name, baseline, res_list in pairs or [] for res in res_list]
+    cases += [(name, baseline, res) for name, baseline, res_list in pairs for res in res_list]
     groups: Dict[Tuple[int, str], Dict[str, None]] = {}  # {(resolution, baseline): its models}, resolutions ascending
     for name, baseline, res in sorted(cases, key=lambda case: case[2]):
         groups.setdefault((res, baseline), {})[name] = None
-    batches = {res: (batch_at or {}).get(res, (batch_size, batch_size)) for _, _, res in cases}
+    batches = {res: batch_at.get(res, (settings.batch_size, settings.batch_size)) for _, _, res in cases}
 
     def build(name: str, res: int) -> _Case:
-        return _classifier(name, res, *batches[res], device, precision, runtime, base_img_size)
-    return _measure(groups, build, batches, train, warmup, repeats, peak_memory, device=str(device),
-                    precision=precision, threads=torch.get_num_threads(), runtime=runtime)
+        return _classifier(name, res, *batches[res], device, precision, runtime, settings.base_img_size)
+    return _measure(groups, build, batches, not settings.no_train, settings.warmup, settings.repeats,
+                    not settings.no_peak_memory, device=str(device), precision=precision,
+                    threads=torch.get_num_threads(), runtime=runtime)
 
 
 def _measure(groups: Dict[Tuple[int, str], Dict[str, None]], build: Callable, batches: Dict[int, Tuple[int, int]],
@@ -342,18 +326,21 @@ def main(settings: BenchSettings) -> int:
     if settings.compile and settings.runtime not in ('eager', 'compile'):
         raise ValueError(f'--compile contradicts --runtime {settings.runtime}')
     runtime = 'compile' if settings.compile else settings.runtime
-    _check_runtime(runtime, settings.precision, settings.device, False, False)
+    if runtime not in RUNTIMES:
+        raise ValueError(f"--runtime: choose one of {', '.join(RUNTIMES)}, got {runtime!r}")
     if runtime in DEPLOY_PRECISIONS:
+        if settings.precision not in DEPLOY_PRECISIONS[runtime] or torch.device(settings.device).type != 'cpu':
+            raise ValueError(f"--runtime {runtime} times inference on the CPU in --precision "
+                             f"{' or '.join(DEPLOY_PRECISIONS[runtime])}: no training step, no peak memory")
         settings.no_train, settings.no_peak_memory = True, True
+    elif settings.precision == 'int8':
+        raise ValueError('int8 is a precision of the deployment runtimes: --runtime onnxruntime or openvino')
     torch.manual_seed(0)
     if settings.dense:
         return dense_main(settings, runtime)
     if settings.ops:
         return ops_main(settings, models, resolutions)
-    rows = run_benchmark(models, resolutions, settings.batch_size, settings.repeats, settings.warmup, settings.device,
-                         settings.precision, train=not settings.no_train, baselines=baselines, runtime=runtime,
-                         pairs=pairs, batch_at=batch_at, peak_memory=not settings.no_peak_memory,
-                         base_img_size=settings.base_img_size)
+    rows = _benchmark(settings, models, resolutions, baselines, pairs, batch_at, runtime)
     table = markdown_table(rows) + '\n\nAFT against its baseline (the README table):\n\n' + summary_table(rows)
     write_report(settings, 'bench', rows, table, plot_rows=True)
     return 0
