@@ -212,33 +212,33 @@ def _benchmark(settings, models: List[str], resolutions: List[int], baselines: O
 
     def build(name: str, res: int) -> _Case:
         return _classifier(name, res, *batches[res], device, precision, runtime, settings.base_img_size)
-    return _measure(groups, build, batches, not settings.no_train, settings.warmup, settings.repeats,
-                    not settings.no_peak_memory, device=str(device), precision=precision,
-                    threads=torch.get_num_threads(), runtime=runtime)
+    return _measure(settings, runtime, groups, build, batches, not settings.no_peak_memory)
 
 
-def _measure(groups: Dict[Tuple[int, str], Dict[str, None]], build: Callable, batches: Dict[int, Tuple[int, int]],
-             train: bool, warmup: int, repeats: int, peak_memory: bool, **fields) -> List[Dict]:
-    """Build each group (``build(model, res)``), time it round-robin and record it: a row per AFT model, the
-    resolution, its ``batches`` and ``fields``, followed by its figures, its baseline's and their ratios."""
+def _measure(settings, runtime: str, groups: Dict[Tuple[int, str], Dict[str, None]], build: Callable,
+             batches: Dict[int, Tuple[int, int]], peak_memory: bool, **fields) -> List[Dict]:
+    """Build each group (``build(model, res)``), time it round-robin as ``settings`` asks, record it: a row per AFT
+    model, the resolution, its ``batches``, how it ran, ``fields``, then its figures, its baseline's and the ratios."""
+    ran = dict(device=str(torch.device(settings.device)), precision=settings.precision,
+               threads=torch.get_num_threads(), runtime=runtime, **fields)
     rows = []
     bar = tqdm(total=sum(len(names) for names in groups.values()), desc='bench', unit='pair')
     for (res, baseline), names in groups.items():
         bar.set_postfix_str(f'{res} px: {", ".join(names)} vs {baseline}')
         group = {who: build(who, res) for who in [baseline, *names]}
         times = {}  # (model, 'infer' | 'train_step'): seconds per call, each warmed up, then timed round-robin
-        for method in ('infer', 'train_step') if train else ('infer',):
+        for method in ('infer',) if settings.no_train else ('infer', 'train_step'):
             for case in group.values():
-                for _ in range(warmup):
+                for _ in range(settings.warmup):
                     getattr(case, method)()
-            for _ in range(repeats):  # baseline, AFT 1, AFT 2, baseline, ...
+            for _ in range(settings.repeats):  # baseline, AFT 1, AFT 2, baseline, ...
                 for who, case in group.items():
                     times.setdefault((who, method), []).append(case.seconds(getattr(case, method)))
-        records = {who: _record(case, times, train, peak_memory) for who, case in group.items()}
+        records = {who: _record(case, times, not settings.no_train, peak_memory) for who, case in group.items()}
         for name in names:
             aft, deit = records[name], records[baseline]  # the ratios of every figure but the name and the size
             ratio = {key: aft[key] / deit[key] for key in aft if key not in ('model', 'params', 'gmacs') and deit[key]}
-            rows.append(dict(resolution=res, batch_size=batches[res][0], train_batch_size=batches[res][1], **fields,
+            rows.append(dict(resolution=res, batch_size=batches[res][0], train_batch_size=batches[res][1], **ran,
                              aft=aft, deit=deit, ratio=ratio))
             bar.update()
         del group
@@ -374,11 +374,9 @@ def dense_main(settings: BenchSettings, runtime: str) -> int:
     resolutions = [64] if settings.quick else settings.resolutions if given else DENSE_RESOLUTIONS
     if any(res % 32 for res in resolutions):
         raise ValueError(f'--resolutions {resolutions}: DPT needs multiples of 32')
-    device, precision = torch.device(settings.device), settings.precision
-    build = functools.partial(_dense, device=device, precision=precision, runtime=runtime)
-    rows = _measure({(res, deit): [aft] for res in resolutions}, build, dict.fromkeys(resolutions, (1, 1)),
-                    runtime == 'eager' and not settings.no_train, settings.warmup, settings.repeats, False,
-                    device=str(device), precision=precision, threads=torch.get_num_threads(), runtime=runtime,
-                    network='smp.DPT')
+    build = functools.partial(_dense, device=torch.device(settings.device), precision=settings.precision,
+                              runtime=runtime)
+    rows = _measure(settings, runtime, {(res, deit): [aft] for res in resolutions}, build,
+                    dict.fromkeys(resolutions, (1, 1)), False, network='smp.DPT')
     write_report(settings, 'bench_dense', rows, markdown_table(rows))
     return 0
