@@ -1,7 +1,7 @@
 """``aft-vision show-bias``: learned position biases per layer and head as a PNG; options shared with show-keys."""
 import argparse
 
-from ..tasks.visualize import show_bias
+from ..tasks.visualize import show_bias, show_keys
 from .predict import add_model_arguments
 
 HELP = 'plot learned position biases per layer and head (PNG)'
@@ -25,12 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser, keys: bool = False) -> None:
     parser.add_argument('--dpi', type=int, default=110, help='PNG resolution (default: 110)')
 
 
-def runner(job):
-    # run(args): job (tasks.visualize.show_bias / show_keys) called with the parsed options
-    def run(args: argparse.Namespace) -> int:
-        job(**{key: value for key, value in vars(args).items() if key != 'command'})
-        return 0
-    return run
-
-
-run = runner(show_bias)
+def run(args: argparse.Namespace) -> int:
+    """``args.command``'s job (``tasks.visualize.show_bias`` / ``show_keys``) called with the parsed options."""
+    job = show_keys if args.command == 'show-keys' else show_bias
+    job(**{key: value for key, value in vars(args).items() if key != 'command'})
+    return 0
