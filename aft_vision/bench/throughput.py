@@ -337,7 +337,7 @@ def main(settings: BenchSettings) -> int:
         raise ValueError('int8 is a precision of the deployment runtimes: --runtime onnxruntime or openvino')
     torch.manual_seed(0)
     if settings.dense:
-        return dense_main(settings, runtime)
+        return dense_main(settings, runtime, resolutions)
     if settings.ops:
         return ops_main(settings, models, resolutions)
     rows = _benchmark(settings, models, resolutions, baselines, pairs, batch_at, runtime)
@@ -364,14 +364,13 @@ def _dense(name: str, img_size: int, device: torch.device, precision: str, runti
     return _Case(name, model, images, labels, device, precision, runtime)
 
 
-def dense_main(settings: BenchSettings, runtime: str) -> int:
+def dense_main(settings: BenchSettings, runtime: str, resolutions: List[int]) -> int:
     """``aft-vision bench --dense``: DPT on AFT-conv small against DPT on DeiT-S, inference and training step,
     round-robin at each resolution (batch 1, no peak memory); ``bench_dense.json`` and ``bench_dense.md``."""
     if runtime == 'compile':
         raise ValueError('--dense times eager PyTorch, onnxruntime or openvino: leave out --compile')
     aft, deit = ('aft_conv_test', 'test_vit') if settings.quick else DENSE_PAIR
-    given = settings.resolutions != DEFAULT_RESOLUTIONS  # not the classification default
-    resolutions = [64] if settings.quick else settings.resolutions if given else DENSE_RESOLUTIONS
+    resolutions = DENSE_RESOLUTIONS if resolutions == DEFAULT_RESOLUTIONS else resolutions  # not classification's
     if any(res % 32 for res in resolutions):
         raise ValueError(f'--resolutions {resolutions}: DPT needs multiples of 32')
     build = functools.partial(_dense, device=torch.device(settings.device), precision=settings.precision,
