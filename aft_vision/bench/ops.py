@@ -70,16 +70,12 @@ def time_methods(shape: Dict[str, int], batch_size: int, device: torch.device, p
         sync(device)
         return (middle - start) * 1e3, (time.perf_counter() - middle) * 1e3
 
-    times = {variant: ([], []) for variant in variants}
     for variant in variants:
         for _ in range(warmup):
             step(variant)
-    for _ in range(repeats):
-        for variant in variants:
-            for values, ms in zip(times[variant], step(variant)):
-                values.append(ms)
-    return {variant: {'forward': statistics.median(fwd), 'backward': statistics.median(bwd)}
-            for variant, (fwd, bwd) in times.items()}
+    runs = [{variant: step(variant) for variant in variants} for _ in range(repeats)]  # round-robin: (fwd, bwd) ms
+    return {variant: {'forward': statistics.median(run[variant][0] for run in runs),
+                      'backward': statistics.median(run[variant][1] for run in runs)} for variant in variants}
 
 
 def main(settings, models: List[str], resolutions: List[int]) -> int:
