@@ -186,8 +186,7 @@ class AFTConvTransformer(AFTTransformerBase):
             intermediates = [y.permute(0, 3, 1, 2).contiguous() for y in intermediates]
         if intermediates_only:
             return intermediates
-        x = self.norm(x)
-        return x, intermediates
+        return self.norm(x), intermediates
 
     def _records_nchw(self) -> bool:
         """A tracer or exporter records this model with ``export_layout == 'NCHW'`` (``exporting``: never scripted)."""

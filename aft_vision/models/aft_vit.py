@@ -217,8 +217,7 @@ class AFTVisionTransformer(AFTTransformerBase):
 
         if intermediates_only:
             return intermediates
-        x = self.norm(x)
-        return x, intermediates
+        return self.norm(x), intermediates
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, C, H, W) -> normalised tokens (B, prefix + H/p * W/p, C)."""
