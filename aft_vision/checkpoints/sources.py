@@ -139,8 +139,7 @@ def infer_layout(state_dict: Mapping[str, torch.Tensor]) -> SourceLayout:
         if prefix is None:
             raise ValueError(f'pos_embed: {rows} rows are no square grid with or without a class row; give the '
                              f'source\'s timm architecture (--src-model) to read its grid')
-        side = math.isqrt(rows - prefix)
-        grid = (side, side)
+        grid = (math.isqrt(rows - prefix),) * 2
     fc1, fc2 = state_dict.get('blocks.0.mlp.fc1.weight'), state_dict.get('blocks.0.mlp.fc2.weight')
     packed = fc1 is not None and fc2 is not None and fc1.shape[0] == 2 * fc2.shape[1]
     reg = state_dict.get('reg_token')
