@@ -186,8 +186,6 @@ def swap_in(staging: Path, target: Path, names: Optional[Sequence[str]] = None) 
             os.replace(staging / name, target / name)
     except BaseException:
         for name in reversed(moved):
-            if not (staging / name).exists():  # the new entry had moved in: take it out again
-                _remove(target / name)
             _put_back(retired, target, name)
         raise
     finally:
@@ -196,6 +194,8 @@ def swap_in(staging: Path, target: Path, names: Optional[Sequence[str]] = None) 
 
 
 def _put_back(retired: Path, target: Path, name: str) -> None:
+    """``target / name`` as it was: a new entry there taken out, the one set aside in ``retired`` moved back."""
+    _remove(target / name)
     if (retired / name).exists() or (retired / name).is_symlink():
         os.replace(retired / name, target / name)
 
@@ -235,7 +235,6 @@ def output_dir(path: PathLike, force: bool = False, writes: Sequence[str] = (), 
             shutil.rmtree(path, ignore_errors=True)
         else:
             for name in writes:
-                _remove(path / name)
                 _put_back(retired, path, name)
         raise
     finally:

@@ -63,16 +63,11 @@ class SourceLayout:
         args: Dict[str, Any] = {
             'patch_size': self.patch_size[0] if self.patch_size[0] == self.patch_size[1] else self.patch_size,
             'mlp_ratio': _ratio(self.mlp_hidden, self.embed_dim)}
-        if self.layer_scale:
-            args['init_values'] = 1e-5  # the value is the source's, loaded over this
-        if self.pre_norm:
-            args['pre_norm'] = True
-        if self.norm_eps != 1e-6:
-            args['norm_eps'] = self.norm_eps
-        if self.act_layer not in (None, 'gelu'):
-            args['act_layer'] = self.act_layer
-        if self.mlp_layer != 'mlp':
-            args['mlp_layer'] = self.mlp_layer
+        differing = (('init_values', self.layer_scale, 1e-5),  # LayerScale: the value is the source's, loaded over this
+                     ('pre_norm', self.pre_norm, True), ('norm_eps', self.norm_eps != 1e-6, self.norm_eps),
+                     ('act_layer', self.act_layer not in (None, 'gelu'), self.act_layer),
+                     ('mlp_layer', self.mlp_layer != 'mlp', self.mlp_layer))
+        args.update({key: value for key, differs, value in differing if differs})
         if family == 'vit' and not self.class_token:
             args.update(class_token=False, global_pool='avg')
         return args
@@ -144,8 +139,7 @@ def infer_layout(state_dict: Mapping[str, torch.Tensor]) -> SourceLayout:
         if prefix is None:
             raise ValueError(f'pos_embed: {rows} rows are no square grid with or without a class row; give the '
                              f'source\'s timm architecture (--src-model) to read its grid')
-        side = math.isqrt(rows - prefix)
-        grid = (side, side)
+        grid = (math.isqrt(rows - prefix),) * 2
     fc1, fc2 = state_dict.get('blocks.0.mlp.fc1.weight'), state_dict.get('blocks.0.mlp.fc2.weight')
     packed = fc1 is not None and fc2 is not None and fc1.shape[0] == 2 * fc2.shape[1]
     reg = state_dict.get('reg_token')

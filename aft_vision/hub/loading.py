@@ -185,10 +185,8 @@ def _from_checkpoint(name: str, checkpoint: str, use_ema: bool, model_kwargs: Di
     # name built (a source: as timm builds it, its config.json in pretrained_cfg) with the run record's arguments
     # under model_kwargs, sized to the head; loaded strictly (a source's weights are never resampled to fit); finite
     record = read_training_record(checkpoint)
-    architecture, kwargs = name, {**(record.model_kwargs if record else {}), **model_kwargs}
     config = read_hub_config(name) if ':' in name else None  # a published folder or Hub repo: its config.json
-    if config:
-        architecture, kwargs = config['architecture'], {**config['model_args'], **kwargs}
+    kwargs = {**(config['model_args'] if config else {}), **(record.model_kwargs if record else {}), **model_kwargs}
     state_dict, weights = select_weights(load_weights(checkpoint), use_ema)
     if 'head.weight' in state_dict and 'num_classes' not in kwargs:
         kwargs['num_classes'] = state_dict['head.weight'].shape[0]
@@ -196,9 +194,9 @@ def _from_checkpoint(name: str, checkpoint: str, use_ema: bool, model_kwargs: Di
     if config and kwargs.get('num_classes', config['num_classes']) != config['num_classes']:
         raise ValueError(f'{config["path"]}: num_classes {config["num_classes"]} but the weights in {checkpoint} hold '
                          f'{kwargs["num_classes"]} classes')
-    model = _build(name if config else architecture, kwargs, kwargs, f'{where}: ' if config else '')
+    model = _build(name, kwargs, kwargs, f'{where}: ' if config else '')
     _check_fits(state_dict, model.state_dict(), f'{where} do not rebuild the weights in {checkpoint}' if config else
-                f'{checkpoint} does not fit {architecture}')
+                f'{checkpoint} does not fit {name}')
     model.load_state_dict(state_dict)
     check_finite(state_dict, checkpoint)
     data_config, source = resolve_publish_data_config(model, record)  # as ``publish`` would publish it

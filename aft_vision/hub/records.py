@@ -39,9 +39,10 @@ def source_file(name: str, files: Sequence[str], what: str = '') -> Path:
     """The first of ``files`` (``what`` they hold) in a ``local-dir:`` folder or (downloaded, or from the cache) an
     ``hf-hub:`` repository; FileNotFoundError naming the source, what is missing and the files where none is there."""
     source, model_id = parse_model_name(name)
-    found = None
     if source == 'local-dir':
-        found = next((Path(model_id) / file for file in files if (Path(model_id) / file).is_file()), None)
+        for file in files:
+            if (Path(model_id) / file).is_file():
+                return Path(model_id) / file
     else:
         from huggingface_hub import hf_hub_download
         from huggingface_hub.utils import EntryNotFoundError, LocalEntryNotFoundError
@@ -52,11 +53,9 @@ def source_file(name: str, files: Sequence[str], what: str = '') -> Path:
                 return Path(hf_hub_download(repo, file, revision=revision or None))
             except (EntryNotFoundError, LocalEntryNotFoundError):
                 pass
-    if found is None:
-        listed = ' or '.join(files)
-        raise FileNotFoundError(f'{name}: no {f"{what} ({listed})" if what else listed} in {model_id} (aft-vision '
-                                'publish writes them)')
-    return found
+    listed = ' or '.join(files)
+    raise FileNotFoundError(f'{name}: no {f"{what} ({listed})" if what else listed} in {model_id} (aft-vision publish '
+                            'writes them)')
 
 
 def read_hub_config(name: str) -> Dict[str, Any]:

@@ -29,9 +29,7 @@ def fit_checkpoint(checkpoint: Mapping, model: torch.nn.Module, log: Optional[Ca
     family's checkpoint filter, the one timm's pretrained loading calls (the checkpoint's weights as timm takes them, a
     ViT's mapped by the transfer, its report to ``log``; windows, patch, position rows resampled to the model's), or
     for another model the weights as timm takes them. Load it strictly."""
-    family_filter = next((fn for family, fn in _FAMILY_FILTERS if isinstance(model, family)), None)
-    if family_filter is None:
-        return adapt_vit_checkpoint(checkpoint, model, log)
+    family_filter = next((fn for family, fn in _FAMILY_FILTERS if isinstance(model, family)), adapt_vit_checkpoint)
     return family_filter(checkpoint, model, log=log)
 
 

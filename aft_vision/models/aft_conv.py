@@ -186,15 +186,11 @@ class AFTConvTransformer(AFTTransformerBase):
             intermediates = [y.permute(0, 3, 1, 2).contiguous() for y in intermediates]
         if intermediates_only:
             return intermediates
-        x = self.norm(x)
-        return x, intermediates
+        return self.norm(x), intermediates
 
     def _records_nchw(self) -> bool:
-        """A tracer or exporter records this model with ``export_layout == 'NCHW'``."""
-        if torch.jit.is_scripting():
-            return False
-        else:
-            return self.export_layout == 'NCHW' and exporting()
+        """A tracer or exporter records this model with ``export_layout == 'NCHW'`` (``exporting``: never scripted)."""
+        return self.export_layout == 'NCHW' and exporting()
 
     @torch.jit.unused
     def _features_nchw(self, x: torch.Tensor) -> torch.Tensor:

@@ -71,10 +71,7 @@ class GridAFTFull(AFTFull):
 
     def forward(self, x: torch.Tensor, feat_size: Optional[List[int]] = None) -> torch.Tensor:
         """Mix tokens (B, prefix + H' * W', C) of a (H', W') grid (the built grid if ``feat_size`` is None)."""
-        if feat_size is None:
-            pos_u, pos_v = self.pos_u, self.pos_v
-        else:
-            pos_u, pos_v = self.resampled_pos(feat_size)
+        pos_u, pos_v = (self.pos_u, self.pos_v) if feat_size is None else self.resampled_pos(feat_size)
         q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x (B, T, C)
         x = aft_full(q, k, v, pos_u @ pos_v.transpose(0, 1))  # w (T, T), Eq. 7
         return self.proj_drop(self.proj(x))
@@ -210,11 +207,8 @@ class AFTVisionTransformer(AFTTransformerBase):
         x, intermediates = self._run_blocks(x, feat_size, take_indices, norm, max_index if stop_early else None)
 
         # split prefix (class) tokens from the patch tokens
-        if self.num_prefix_tokens:
-            prefix_tokens = [y[:, 0:self.num_prefix_tokens] for y in intermediates]
-            intermediates = [y[:, self.num_prefix_tokens:] for y in intermediates]
-        else:
-            prefix_tokens = None
+        prefix_tokens = [y[:, 0:self.num_prefix_tokens] for y in intermediates] if self.num_prefix_tokens else None
+        intermediates = [y[:, self.num_prefix_tokens:] for y in intermediates]
         if output_fmt == 'NCHW':
             H, W = self.patch_embed.dynamic_feat_size((height, width))
             intermediates = [y.reshape(B, H, W, -1).permute(0, 3, 1, 2).contiguous() for y in intermediates]
@@ -223,8 +217,7 @@ class AFTVisionTransformer(AFTTransformerBase):
 
         if intermediates_only:
             return intermediates
-        x = self.norm(x)
-        return x, intermediates
+        return self.norm(x), intermediates
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, C, H, W) -> normalised tokens (B, prefix + H/p * W/p, C)."""

@@ -46,8 +46,7 @@ class SimpleFeaturePyramid(nn.Module):
                 f'{name} has no token map: its forward_features gives a sequence of tokens, not a (B, H, W, C) map. '
                 f'Wrap an AFT-conv model (aft_conv_*), or a feature extractor (timm.create_model(..., '
                 f'features_only=True)) whose features are maps')
-        if not scale_factors or list(scale_factors) != sorted(scale_factors, reverse=True) or \
-                any(s not in SCALE_FACTORS for s in scale_factors) or len(set(scale_factors)) != len(scale_factors):
+        if not scale_factors or list(scale_factors) != [s for s in SCALE_FACTORS if s in scale_factors]:
             raise ValueError(f'scale_factors must be distinct values of {SCALE_FACTORS}, from high to low '
                              f'resolution; got {tuple(scale_factors)}')
         if scale_factors[0] == 4.0 and dim % 4 or scale_factors[0] == 2.0 and dim % 2:
