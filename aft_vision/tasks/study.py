@@ -20,7 +20,6 @@ from tqdm import tqdm
 from ..checkpoints.files import atomic_file, load_weights, save_weights
 from ..checkpoints.transfer import transfer_vit_weights
 from .. import models
-from ..hub import create_aft_model
 from .classify import DIGITS_MODEL, ClassifySettings, at_size, check_model_and_sizes
 from .study_report import plot_study, render_markdown
 from .training import evaluate, size_scaled_batches, sizes_text, train, write_digits
@@ -176,13 +175,6 @@ def _write(path: Path, text: str) -> None:
         temp.write_text(text)
 
 
-def count_macs(model_name: str, model_kwargs: Dict, img_size: int, num_classes: int) -> int:
-    """Multiply-adds of one image (``models.count_macs``: AFT-conv as a convolution, timm's attention unfused, as
-    docs/models.md counts them)."""
-    model = create_aft_model(model_name, num_classes=num_classes, **model_kwargs).eval()
-    return models.count_macs(model, torch.zeros(1, 3, img_size, img_size))
-
-
 def _train_run(run: Run, model_kwargs: Dict, settings: StudySettings, data_dir: Path, runs_dir: Path, log) -> Dict:
     """Train one run, evaluate it at both sizes, save its weights and record."""
     start = time.perf_counter()
@@ -190,17 +182,16 @@ def _train_run(run: Run, model_kwargs: Dict, settings: StudySettings, data_dir: 
     if run.start != 'random':
         source = runs_dir / f'{Run(configs(settings)[run.start], "random", settings.epochs, run.seed).id}.safetensors'
         init_weights = load_weights(source)
-    model, history, classes = train(data_dir, run.config.model, run.epochs, settings.img_size, settings.batch_size,
-                                    settings.lr, run.seed, model_kwargs=model_kwargs, init_weights=init_weights,
-                                    log=log,
-                                    train_img_sizes=settings.train_img_sizes if run.config.multi_size else None)
+    model, history, _ = train(data_dir, run.config.model, run.epochs, settings.img_size, settings.batch_size,
+                              settings.lr, run.seed, model_kwargs=model_kwargs, init_weights=init_weights, log=log,
+                              train_img_sizes=settings.train_img_sizes if run.config.multi_size else None)
     val = data_dir / 'val'
     record = {'id': run.id, 'config': asdict(run.config), 'model_kwargs': model_kwargs, 'start': run.start,
               'epochs': run.epochs, 'seed': run.seed, 'recipe': settings.recipe(),
               'top1': evaluate(model, val, settings.img_size),
               'top1_large': evaluate(at_size(model, settings.eval_img_size), val, settings.eval_img_size),
               'params': sum(p.numel() for p in model.parameters()),
-              'macs': count_macs(run.config.model, model_kwargs, settings.img_size, len(classes)),
+              'macs': models.count_macs(model, torch.zeros(1, 3, settings.img_size, settings.img_size)),  # one image
               'history': history, 'threads': torch.get_num_threads()}
     if 'resolution' in settings.parts and run.config.key.removesuffix('_ms') in FAMILY_KEYS and run.start == 'random':
         record['top1_at'] = top1_at_sizes(model, val, settings.eval_img_sizes)
