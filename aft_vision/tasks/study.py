@@ -152,10 +152,7 @@ def check_settings(settings: StudySettings) -> Dict[str, Dict]:
         hint = f'; did you mean {", ".join(close)}?' if close else ' (a timm ViT name, e.g. vit_tiny_patch16_224)'
         raise ValueError(f'--baseline: unknown model {settings.baseline!r}{hint}')
     kwargs = {}
-    for run in plan_runs(settings):
-        config = run.config
-        if config.key in kwargs:
-            continue
+    for config in {run.config.key: run.config for run in plan_runs(settings)}.values():  # each once, in order
         train_sizes = list(settings.train_img_sizes if config.multi_size else [settings.img_size])
         for option, sizes in (('--eval-img-size', [settings.eval_img_size]),
                               ('--eval-img-sizes', list(settings.eval_img_sizes))):
@@ -287,13 +284,9 @@ def _row(settings: StudySettings, records: Dict[str, Dict], config: Config, star
 
 
 def _tables(settings: StudySettings, records: Dict[str, Dict]) -> Dict[str, List[Dict]]:
-    tables = {}
-    for part, specs in _part_runs(settings).items():
-        if part == 'resolution':
-            tables[part] = _resolution_rows(settings, records, [config for config, _, _ in specs])
-        else:
-            tables[part] = _head_starts([_row(settings, records, *spec) for spec in specs])
-    return tables
+    return {part: _resolution_rows(settings, records, [config for config, _, _ in specs]) if part == 'resolution'
+            else _head_starts([_row(settings, records, *spec) for spec in specs])
+            for part, specs in _part_runs(settings).items()}
 
 
 def _head_starts(rows: List[Dict]) -> List[Dict]:
