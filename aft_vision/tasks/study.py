@@ -240,22 +240,19 @@ def run_study(settings: StudySettings, out_dir: Path) -> Dict:
     finished = {run.id: _finished(runs_dir / f'{run.id}.json', settings, run) for run in runs}
     runs_dir.mkdir(parents=True, exist_ok=True)
     data_dir = write_digits(out_dir / 'data')
-    records, trained, skipped = {}, [], []
+    records = dict(finished)  # None: still to train
     bar = tqdm(runs, desc='study', unit='run')
     for run in bar:
         bar.set_postfix_str(run.id)
-        if finished[run.id] is not None:
-            records[run.id] = finished[run.id]
-            skipped.append(run.id)
-            continue
-        records[run.id] = _train_run(run, model_kwargs[run.config.key], settings, data_dir, runs_dir, tqdm.write)
-        trained.append(run.id)
-        bar.write(f'{run.id}: top-1 {records[run.id]["top1"]:.2f}% at {settings.img_size} px, '
-                  f'{records[run.id]["top1_large"]:.2f}% at {settings.eval_img_size} px '
-                  f'({records[run.id]["wall_seconds"]:.0f} s)')
+        if records[run.id] is None:
+            records[run.id] = record = _train_run(run, model_kwargs[run.config.key], settings, data_dir, runs_dir,
+                                                  tqdm.write)
+            bar.write(f'{run.id}: top-1 {record["top1"]:.2f}% at {settings.img_size} px, {record["top1_large"]:.2f}% '
+                      f'at {settings.eval_img_size} px ({record["wall_seconds"]:.0f} s)')
     summary = {'settings': dict(asdict(settings), fine_tune_epochs=settings.fine_tune_epochs),
                'tables': _tables(settings, records),
-               'trained': trained, 'skipped': skipped,
+               'trained': [i for i in finished if finished[i] is None],
+               'skipped': [i for i in finished if finished[i] is not None],
                'train_seconds': round(sum(records[i]['wall_seconds'] for i in records), 1),
                'versions': {'torch': torch.__version__, 'timm': timm.__version__, 'python': platform.python_version()}}
     _write(out_dir / 'study.md', render_markdown(summary))
