@@ -192,12 +192,10 @@ def train_loader(folder: Path, model: torch.nn.Module, img_sizes: Sequence[int],
                  schedule: str, epochs: int, seed: int, distributed: bool = False) -> DataLoader:
     """timm's scheduled loader: a size of ``img_sizes`` per step (with its batch), drawn from ``seed`` alike on every
     rank; no flips (digits), crops of 40-100% of the area (docs/training.md). Call ``batch_sampler.set_epoch``."""
-    config = eval_data_config(model, img_sizes[0])
-    loader = create_loader(
-        _image_folder(folder), input_size=config['input_size'], batch_size=batch_sizes[0], is_training=True,
+    loader = create_loader(  # the size, interpolation and normalisation of eval_data_config (its crop unused here)
+        _image_folder(folder), **eval_data_config(model, img_sizes[0]), batch_size=batch_sizes[0], is_training=True,
         use_prefetcher=False, num_workers=0, distributed=distributed, hflip=0.0, scale=(0.4, 1.0), ratio=(0.9, 1.1),
-        color_jitter=None, interpolation=config['interpolation'], mean=config['mean'], std=config['std'],
-        crop_pct=config['crop_pct'], input_size_choices=list(img_sizes), batch_size_choices=list(batch_sizes),
+        color_jitter=None, input_size_choices=list(img_sizes), batch_size_choices=list(batch_sizes),
         batch_choice_seed=seed, batch_choice_schedule=schedule,
         batch_schedule_epochs=epochs if schedule == 'progressive' else None)
     # The image order from the seed alone, not from torch's global generator, which timm's loader would share with
