@@ -99,12 +99,8 @@ def check_image_folders(data_dir: Union[str, Path]) -> List[str]:
 def _link_out(class_dir: Path) -> Optional[Path]:
     """The first link under ``class_dir`` to outside it (links inside it lead to what the walk sees anyway)."""
     inside = class_dir.resolve()
-    for folder, subfolders, files in os.walk(class_dir):
-        for name in subfolders + files:
-            entry = Path(folder) / name
-            if entry.is_symlink() and not entry.resolve().is_relative_to(inside):
-                return entry
-    return None
+    entries = (Path(folder) / name for folder, subfolders, files in os.walk(class_dir) for name in subfolders + files)
+    return next((entry for entry in entries if entry.is_symlink() and not entry.resolve().is_relative_to(inside)), None)
 
 
 def eval_data_config(model: torch.nn.Module, img_size: int) -> Dict:
