@@ -110,12 +110,9 @@ def eval_data_config(model: torch.nn.Module, img_size: int) -> Dict:
 
 def _image_folder(folder: Path, transform=None) -> ImageFolder:
     try:
-        dataset = ImageFolder(str(folder), transform=transform, loader=read_image)
-    except FileNotFoundError as error:  # a class folder without images
+        return ImageFolder(str(folder), transform=transform, loader=read_image)  # never empty: refused below
+    except FileNotFoundError as error:  # no class folder, or one without images
         raise FileNotFoundError(f'{folder}: {error}') from None
-    if not len(dataset):
-        raise ValueError(f'no images found in {folder}')
-    return dataset
 
 
 @torch.no_grad()
