@@ -69,10 +69,6 @@ def write_digits(root: Path, size: int = 32, val_fraction: float = 0.2, seed: in
     return root
 
 
-def _classes(folder: Path) -> List[str]:
-    return sorted(entry.name for entry in folder.iterdir() if entry.is_dir())  # as ImageFolder, hidden ones too
-
-
 def check_image_folders(data_dir: Union[str, Path]) -> List[str]:
     """The classes of ``data_dir``'s ``train/`` and ``val/``; FileNotFoundError for a missing split, ValueError
     (naming them) for classes that differ or none."""
@@ -80,7 +76,8 @@ def check_image_folders(data_dir: Union[str, Path]) -> List[str]:
     for split in ('train', 'val'):
         if not (data_dir / split).is_dir():
             raise FileNotFoundError(f'--data-dir: {data_dir / split} not found: train/ and val/ ImageFolders needed')
-    train, val = _classes(data_dir / 'train'), _classes(data_dir / 'val')
+    train, val = (sorted(entry.name for entry in (data_dir / split).iterdir() if entry.is_dir())  # as ImageFolder,
+                  for split in ('train', 'val'))  # hidden ones too
     if len(train) < 2:
         raise ValueError(f'--data-dir: {data_dir / "train"} has {len(train)} class folders ({", ".join(train)}): '
                          'top-1 means something only with at least two classes')
