@@ -123,9 +123,8 @@ def evaluate(model: torch.nn.Module, folder: Path, img_size: Optional[int] = Non
     device = next(model.parameters()).device
     transform = create_transform(**(data_config or eval_data_config(model, img_size)))
     dataset = _image_folder(folder, transform)
-    correct = 0
-    for images, labels in DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=0):
-        correct += (model(images.to(device)).argmax(-1).cpu() == labels).sum().item()
+    correct = sum((model(images.to(device)).argmax(-1).cpu() == labels).sum().item()
+                  for images, labels in DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=0))
     return 100.0 * correct / len(dataset)
 
 
