@@ -67,8 +67,8 @@ def run(settings: ClassifySettings) -> Dict:
         if trained['rank'] != 0:
             return {}
         model, data_dir, out = trained['model'], trained['data_dir'], Path(settings.out_dir)
-        top1, top1_at, rebuilt = evaluate_sizes(model, data_dir / 'val', settings.img_size, settings.eval_img_sizes)
-        results, sha256 = save(model, settings, plan, top1, top1_at, rebuilt)
+        top1, top1_at = evaluate_sizes(model, data_dir / 'val', settings.img_size, settings.eval_img_sizes)
+        results, sha256 = save(model, settings, plan, top1, top1_at)
         hub_dir = publish_run(settings, plan, trained['classes'], results)
         reload = check_reload(hub_dir, data_dir / 'val', settings.img_size, top1, top1_at, results['data_config'],
                               trained['device'])
@@ -191,19 +191,15 @@ def _train_on_every_rank(settings: ClassifySettings, plan: Dict) -> Dict:
                 classes=classes, digests=digests, schedules=schedules)
 
 
-def evaluate_sizes(model: torch.nn.Module, val: Path, img_size: int, sizes: Sequence[int]) -> Tuple[float, Dict, set]:
-    """Top-1 at ``img_size``, at every size ({size: %}, rebuilt by ``at_size`` where it must be), the sizes rebuilt."""
+def evaluate_sizes(model: torch.nn.Module, val: Path, img_size: int, sizes: Sequence[int]) -> Tuple[float, Dict]:
+    """Top-1 at ``img_size`` and at every size ({size: %}, rebuilt by ``at_size`` where it must be)."""
     top1 = evaluate(model, val, img_size)
-    top1_at, rebuilt = {}, set()
-    for size in tqdm(sizes, desc='evaluating', unit='size', leave=False, disable=None):  # on a terminal only
-        sized = at_size(model, size)
-        if sized is not model:
-            rebuilt.add(size)
-        top1_at[size] = top1 if size == img_size else evaluate(sized, val, size)
-    return top1, top1_at, rebuilt
+    top1_at = {size: top1 if size == img_size else evaluate(at_size(model, size), val, size)
+               for size in tqdm(sizes, desc='evaluating', unit='size', leave=False, disable=None)}  # on a terminal only
+    return top1, top1_at
 
 
-def save(model: torch.nn.Module, settings: ClassifySettings, plan: Dict, top1: float, top1_at: Dict, rebuilt: set
+def save(model: torch.nn.Module, settings: ClassifySettings, plan: Dict, top1: float, top1_at: Dict
          ) -> Tuple[Dict, str]:
     """Write ``model.safetensors`` and ``results.json`` (the figures, the data config to publish: timm's
     ``test_input_size`` is the best larger size the model runs as built, if it scores at least as well as
@@ -212,7 +208,7 @@ def save(model: torch.nn.Module, settings: ClassifySettings, plan: Dict, top1: f
     sha256 = save_weights(model.state_dict(), out / 'model.safetensors', force=True)
     architecture, architecture_kwargs = source_architecture(settings.model, plan['model_kwargs'])
     data_config = eval_data_config(model, settings.img_size)
-    as_built = [size for size in top1_at if size > settings.img_size and size not in rebuilt]
+    as_built = [size for size in top1_at if size > settings.img_size and at_size(model, size) is model]
     best = max(as_built, key=lambda size: (top1_at[size], -size), default=None)
     if best is not None and top1_at[best] >= top1:
         data_config['test_input_size'] = (3, best, best)

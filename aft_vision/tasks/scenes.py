@@ -5,6 +5,7 @@ from typing import Dict, List, NamedTuple, Tuple
 
 import torch
 import torch.nn.functional as F
+from torchvision.ops import masks_to_boxes
 
 from .training import split_digits
 
@@ -65,9 +66,7 @@ def make_scenes(digits: Tuple[torch.Tensor, torch.Tensor], num_scenes: int, size
             canvas[n, y:y + side, x:x + side] = digit
             masks[n, y:y + side, x:x + side][ink] = int(targets[i]) + 1
             taken[y:y + side, x:x + side] = True
-            rows, cols = torch.nonzero(ink, as_tuple=True)
-            boxes.append(torch.tensor([x + cols.min(), y + rows.min(), x + cols.max() + 1, y + rows.max() + 1],
-                                      dtype=torch.float32))
+            boxes.append(masks_to_boxes(ink[None])[0] + torch.tensor([x, y, x + 1, y + 1]))  # ink's pixel edges
             labels.append(int(targets[i]) + 1)
         all_boxes.append(torch.stack(boxes) if boxes else torch.zeros(0, 4))
         all_labels.append(torch.tensor(labels, dtype=torch.long))

@@ -135,41 +135,37 @@ def run(settings: SegmentSettings) -> Dict:
     results written to ``results.json``."""
     start = time.perf_counter()
     with output_dir(settings.out_dir, settings.force, ('model.safetensors', 'results.json', 'training_curve.png')):
-        return _run(settings, start)
-
-
-def _run(settings: SegmentSettings, start: float) -> Dict:
-    _check_model_and_sizes(settings)
-    device = torch.device(settings.device)
-    digits = digit_split(seed=settings.seed)
-    val_scenes = max(1, settings.scenes // 4)
-    data = {'train': make_scenes(digits['train'], settings.scenes, settings.img_size, seed=settings.seed),
-            'val': make_scenes(digits['val'], val_scenes, settings.img_size, seed=settings.seed + 1),
-            'val_large': make_scenes(digits['val'], val_scenes, settings.eval_img_size, seed=settings.seed + 2)}
-    print(f'{settings.scenes} training scenes at {settings.img_size} px; {val_scenes} held-out scenes at '
-          f'{settings.img_size} and {settings.eval_img_size} px ({sum(len(b) for b in data["val"].boxes)} and '
-          f'{sum(len(b) for b in data["val_large"].boxes)} digits)')
-    model, history = train(settings, data, device)
-    counts, counts_large = confusion(model, data['val']), confusion(model, data['val_large'])
-    out = Path(settings.out_dir)
-    weights = out / 'model.safetensors'
-    sha256 = save_weights(model.state_dict(), weights, force=True)
-    results = {
-        'task': 'segment', 'model': settings.model, 'model_kwargs': dict(settings.model_kwargs), 'decoder': 'smp.DPT',
-        'decoder_kwargs': {k: list(v) if isinstance(v, tuple) else v for k, v in DPT_DECODER.items()},
-        'miou': mean_iou(counts), f'miou_at_{settings.eval_img_size}': mean_iou(counts_large),
-        'confusion': counts.tolist(), f'confusion_at_{settings.eval_img_size}': counts_large.tolist(),
-        'img_size': settings.img_size, 'eval_img_size': settings.eval_img_size, 'epochs': settings.epochs,
-        'train_scenes': settings.scenes, 'val_scenes': val_scenes, 'batch_size': settings.batch_size, 'lr': settings.lr,
-        'seed': settings.seed, 'threads': torch.get_num_threads(), 'history': history, 'weights_sha256': sha256,
-        'wall_seconds': round(time.perf_counter() - start, 1)}
-    (out / 'results.json').write_text(json.dumps(results, indent=2))
-    try:
-        plot(history, model, data['val_large'], out / 'training_curve.png')
-    except ImportError:
-        print('matplotlib is not installed (pip install aft-vision[demo]): no training curve written')
-    print(f'\n{settings.model} + DPT on digit scenes: held-out mIoU {100 * results["miou"]:.1f}% at '
-          f'{settings.img_size} px, {100 * results[f"miou_at_{settings.eval_img_size}"]:.1f}% at '
-          f'{settings.eval_img_size} px (never trained at that size)\nwrote {weights}, {out / "results.json"}, '
-          f'{out / "training_curve.png"}; {results["wall_seconds"]:.0f} s')
-    return results
+        _check_model_and_sizes(settings)
+        digits = digit_split(seed=settings.seed)
+        val_scenes = max(1, settings.scenes // 4)
+        data = {'train': make_scenes(digits['train'], settings.scenes, settings.img_size, seed=settings.seed),
+                'val': make_scenes(digits['val'], val_scenes, settings.img_size, seed=settings.seed + 1),
+                'val_large': make_scenes(digits['val'], val_scenes, settings.eval_img_size, seed=settings.seed + 2)}
+        print(f'{settings.scenes} training scenes at {settings.img_size} px; {val_scenes} held-out scenes at '
+              f'{settings.img_size} and {settings.eval_img_size} px ({sum(len(b) for b in data["val"].boxes)} and '
+              f'{sum(len(b) for b in data["val_large"].boxes)} digits)')
+        model, history = train(settings, data, torch.device(settings.device))
+        counts, counts_large = confusion(model, data['val']), confusion(model, data['val_large'])
+        out = Path(settings.out_dir)
+        weights = out / 'model.safetensors'
+        sha256 = save_weights(model.state_dict(), weights, force=True)
+        results = {
+            'task': 'segment', 'model': settings.model, 'model_kwargs': dict(settings.model_kwargs),
+            'decoder': 'smp.DPT',
+            'decoder_kwargs': {k: list(v) if isinstance(v, tuple) else v for k, v in DPT_DECODER.items()},
+            'miou': mean_iou(counts), f'miou_at_{settings.eval_img_size}': mean_iou(counts_large),
+            'confusion': counts.tolist(), f'confusion_at_{settings.eval_img_size}': counts_large.tolist(),
+            'img_size': settings.img_size, 'eval_img_size': settings.eval_img_size, 'epochs': settings.epochs,
+            'train_scenes': settings.scenes, 'val_scenes': val_scenes, 'batch_size': settings.batch_size,
+            'lr': settings.lr, 'seed': settings.seed, 'threads': torch.get_num_threads(), 'history': history,
+            'weights_sha256': sha256, 'wall_seconds': round(time.perf_counter() - start, 1)}
+        (out / 'results.json').write_text(json.dumps(results, indent=2))
+        try:
+            plot(history, model, data['val_large'], out / 'training_curve.png')
+        except ImportError:
+            print('matplotlib is not installed (pip install aft-vision[demo]): no training curve written')
+        print(f'\n{settings.model} + DPT on digit scenes: held-out mIoU {100 * results["miou"]:.1f}% at '
+              f'{settings.img_size} px, {100 * results[f"miou_at_{settings.eval_img_size}"]:.1f}% at '
+              f'{settings.eval_img_size} px (never trained at that size)\nwrote {weights}, {out / "results.json"}, '
+              f'{out / "training_curve.png"}; {results["wall_seconds"]:.0f} s')
+        return results

@@ -20,7 +20,6 @@ from tqdm import tqdm
 from ..checkpoints.files import atomic_file, load_weights, save_weights
 from ..checkpoints.transfer import transfer_vit_weights
 from .. import models
-from ..hub import create_aft_model
 from .classify import DIGITS_MODEL, ClassifySettings, at_size, check_model_and_sizes
 from .study_report import plot_study, render_markdown
 from .training import evaluate, size_scaled_batches, sizes_text, train, write_digits
@@ -153,10 +152,7 @@ def check_settings(settings: StudySettings) -> Dict[str, Dict]:
         hint = f'; did you mean {", ".join(close)}?' if close else ' (a timm ViT name, e.g. vit_tiny_patch16_224)'
         raise ValueError(f'--baseline: unknown model {settings.baseline!r}{hint}')
     kwargs = {}
-    for run in plan_runs(settings):
-        config = run.config
-        if config.key in kwargs:
-            continue
+    for config in {run.config.key: run.config for run in plan_runs(settings)}.values():  # each once, in order
         train_sizes = list(settings.train_img_sizes if config.multi_size else [settings.img_size])
         for option, sizes in (('--eval-img-size', [settings.eval_img_size]),
                               ('--eval-img-sizes', list(settings.eval_img_sizes))):
@@ -176,13 +172,6 @@ def _write(path: Path, text: str) -> None:
         temp.write_text(text)
 
 
-def count_macs(model_name: str, model_kwargs: Dict, img_size: int, num_classes: int) -> int:
-    """Multiply-adds of one image (``models.count_macs``: AFT-conv as a convolution, timm's attention unfused, as
-    docs/models.md counts them)."""
-    model = create_aft_model(model_name, num_classes=num_classes, **model_kwargs).eval()
-    return models.count_macs(model, torch.zeros(1, 3, img_size, img_size))
-
-
 def _train_run(run: Run, model_kwargs: Dict, settings: StudySettings, data_dir: Path, runs_dir: Path, log) -> Dict:
     """Train one run, evaluate it at both sizes, save its weights and record."""
     start = time.perf_counter()
@@ -190,17 +179,16 @@ def _train_run(run: Run, model_kwargs: Dict, settings: StudySettings, data_dir: 
     if run.start != 'random':
         source = runs_dir / f'{Run(configs(settings)[run.start], "random", settings.epochs, run.seed).id}.safetensors'
         init_weights = load_weights(source)
-    model, history, classes = train(data_dir, run.config.model, run.epochs, settings.img_size, settings.batch_size,
-                                    settings.lr, run.seed, model_kwargs=model_kwargs, init_weights=init_weights,
-                                    log=log,
-                                    train_img_sizes=settings.train_img_sizes if run.config.multi_size else None)
+    model, history, _ = train(data_dir, run.config.model, run.epochs, settings.img_size, settings.batch_size,
+                              settings.lr, run.seed, model_kwargs=model_kwargs, init_weights=init_weights, log=log,
+                              train_img_sizes=settings.train_img_sizes if run.config.multi_size else None)
     val = data_dir / 'val'
     record = {'id': run.id, 'config': asdict(run.config), 'model_kwargs': model_kwargs, 'start': run.start,
               'epochs': run.epochs, 'seed': run.seed, 'recipe': settings.recipe(),
               'top1': evaluate(model, val, settings.img_size),
               'top1_large': evaluate(at_size(model, settings.eval_img_size), val, settings.eval_img_size),
               'params': sum(p.numel() for p in model.parameters()),
-              'macs': count_macs(run.config.model, model_kwargs, settings.img_size, len(classes)),
+              'macs': models.count_macs(model, torch.zeros(1, 3, settings.img_size, settings.img_size)),  # one image
               'history': history, 'threads': torch.get_num_threads()}
     if 'resolution' in settings.parts and run.config.key.removesuffix('_ms') in FAMILY_KEYS and run.start == 'random':
         record['top1_at'] = top1_at_sizes(model, val, settings.eval_img_sizes)
@@ -252,22 +240,19 @@ def run_study(settings: StudySettings, out_dir: Path) -> Dict:
     finished = {run.id: _finished(runs_dir / f'{run.id}.json', settings, run) for run in runs}
     runs_dir.mkdir(parents=True, exist_ok=True)
     data_dir = write_digits(out_dir / 'data')
-    records, trained, skipped = {}, [], []
+    records = dict(finished)  # None: still to train
     bar = tqdm(runs, desc='study', unit='run')
     for run in bar:
         bar.set_postfix_str(run.id)
-        if finished[run.id] is not None:
-            records[run.id] = finished[run.id]
-            skipped.append(run.id)
-            continue
-        records[run.id] = _train_run(run, model_kwargs[run.config.key], settings, data_dir, runs_dir, tqdm.write)
-        trained.append(run.id)
-        bar.write(f'{run.id}: top-1 {records[run.id]["top1"]:.2f}% at {settings.img_size} px, '
-                  f'{records[run.id]["top1_large"]:.2f}% at {settings.eval_img_size} px '
-                  f'({records[run.id]["wall_seconds"]:.0f} s)')
+        if records[run.id] is None:
+            records[run.id] = record = _train_run(run, model_kwargs[run.config.key], settings, data_dir, runs_dir,
+                                                  tqdm.write)
+            bar.write(f'{run.id}: top-1 {record["top1"]:.2f}% at {settings.img_size} px, {record["top1_large"]:.2f}% '
+                      f'at {settings.eval_img_size} px ({record["wall_seconds"]:.0f} s)')
     summary = {'settings': dict(asdict(settings), fine_tune_epochs=settings.fine_tune_epochs),
                'tables': _tables(settings, records),
-               'trained': trained, 'skipped': skipped,
+               'trained': [i for i in finished if finished[i] is None],
+               'skipped': [i for i in finished if finished[i] is not None],
                'train_seconds': round(sum(records[i]['wall_seconds'] for i in records), 1),
                'versions': {'torch': torch.__version__, 'timm': timm.__version__, 'python': platform.python_version()}}
     _write(out_dir / 'study.md', render_markdown(summary))
@@ -296,13 +281,9 @@ def _row(settings: StudySettings, records: Dict[str, Dict], config: Config, star
 
 
 def _tables(settings: StudySettings, records: Dict[str, Dict]) -> Dict[str, List[Dict]]:
-    tables = {}
-    for part, specs in _part_runs(settings).items():
-        if part == 'resolution':
-            tables[part] = _resolution_rows(settings, records, [config for config, _, _ in specs])
-        else:
-            tables[part] = _head_starts([_row(settings, records, *spec) for spec in specs])
-    return tables
+    return {part: _resolution_rows(settings, records, [config for config, _, _ in specs]) if part == 'resolution'
+            else _head_starts([_row(settings, records, *spec) for spec in specs])
+            for part, specs in _part_runs(settings).items()}
 
 
 def _head_starts(rows: List[Dict]) -> List[Dict]:

@@ -69,9 +69,7 @@ def plot_study(summary: Dict, records: Dict[str, Dict], folder: Path) -> List[st
     tables, settings = summary['tables'], summary['settings']
     written = []
     titles = {'families': 'Families at equal size', 'window': 'AFT-conv: kernel and heads'}
-    for part in ('families', 'window'):
-        if part not in tables:
-            continue
+    for part in (part for part in titles if part in tables):
         rows = tables[part]
         fig = figure(max(5, 1.3 * len(rows)), 3.6)
         ax = fig.subplots()

@@ -69,10 +69,6 @@ def write_digits(root: Path, size: int = 32, val_fraction: float = 0.2, seed: in
     return root
 
 
-def _classes(folder: Path) -> List[str]:
-    return sorted(entry.name for entry in folder.iterdir() if entry.is_dir())  # as ImageFolder, hidden ones too
-
-
 def check_image_folders(data_dir: Union[str, Path]) -> List[str]:
     """The classes of ``data_dir``'s ``train/`` and ``val/``; FileNotFoundError for a missing split, ValueError
     (naming them) for classes that differ or none."""
@@ -80,7 +76,8 @@ def check_image_folders(data_dir: Union[str, Path]) -> List[str]:
     for split in ('train', 'val'):
         if not (data_dir / split).is_dir():
             raise FileNotFoundError(f'--data-dir: {data_dir / split} not found: train/ and val/ ImageFolders needed')
-    train, val = _classes(data_dir / 'train'), _classes(data_dir / 'val')
+    train, val = (sorted(entry.name for entry in (data_dir / split).iterdir() if entry.is_dir())  # as ImageFolder,
+                  for split in ('train', 'val'))  # hidden ones too
     if len(train) < 2:
         raise ValueError(f'--data-dir: {data_dir / "train"} has {len(train)} class folders ({", ".join(train)}): '
                          'top-1 means something only with at least two classes')
@@ -99,12 +96,8 @@ def check_image_folders(data_dir: Union[str, Path]) -> List[str]:
 def _link_out(class_dir: Path) -> Optional[Path]:
     """The first link under ``class_dir`` to outside it (links inside it lead to what the walk sees anyway)."""
     inside = class_dir.resolve()
-    for folder, subfolders, files in os.walk(class_dir):
-        for name in subfolders + files:
-            entry = Path(folder) / name
-            if entry.is_symlink() and not entry.resolve().is_relative_to(inside):
-                return entry
-    return None
+    entries = (Path(folder) / name for folder, subfolders, files in os.walk(class_dir) for name in subfolders + files)
+    return next((entry for entry in entries if entry.is_symlink() and not entry.resolve().is_relative_to(inside)), None)
 
 
 def eval_data_config(model: torch.nn.Module, img_size: int) -> Dict:
@@ -114,12 +107,9 @@ def eval_data_config(model: torch.nn.Module, img_size: int) -> Dict:
 
 def _image_folder(folder: Path, transform=None) -> ImageFolder:
     try:
-        dataset = ImageFolder(str(folder), transform=transform, loader=read_image)
-    except FileNotFoundError as error:  # a class folder without images
+        return ImageFolder(str(folder), transform=transform, loader=read_image)  # never empty: refused below
+    except FileNotFoundError as error:  # no class folder, or one without images
         raise FileNotFoundError(f'{folder}: {error}') from None
-    if not len(dataset):
-        raise ValueError(f'no images found in {folder}')
-    return dataset
 
 
 @torch.no_grad()
@@ -133,9 +123,8 @@ def evaluate(model: torch.nn.Module, folder: Path, img_size: Optional[int] = Non
     device = next(model.parameters()).device
     transform = create_transform(**(data_config or eval_data_config(model, img_size)))
     dataset = _image_folder(folder, transform)
-    correct = 0
-    for images, labels in DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=0):
-        correct += (model(images.to(device)).argmax(-1).cpu() == labels).sum().item()
+    correct = sum((model(images.to(device)).argmax(-1).cpu() == labels).sum().item()
+                  for images, labels in DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=0))
     return 100.0 * correct / len(dataset)
 
 
@@ -192,12 +181,10 @@ def train_loader(folder: Path, model: torch.nn.Module, img_sizes: Sequence[int],
                  schedule: str, epochs: int, seed: int, distributed: bool = False) -> DataLoader:
     """timm's scheduled loader: a size of ``img_sizes`` per step (with its batch), drawn from ``seed`` alike on every
     rank; no flips (digits), crops of 40-100% of the area (docs/training.md). Call ``batch_sampler.set_epoch``."""
-    config = eval_data_config(model, img_sizes[0])
-    loader = create_loader(
-        _image_folder(folder), input_size=config['input_size'], batch_size=batch_sizes[0], is_training=True,
+    loader = create_loader(  # the size, interpolation and normalisation of eval_data_config (its crop unused here)
+        _image_folder(folder), **eval_data_config(model, img_sizes[0]), batch_size=batch_sizes[0], is_training=True,
         use_prefetcher=False, num_workers=0, distributed=distributed, hflip=0.0, scale=(0.4, 1.0), ratio=(0.9, 1.1),
-        color_jitter=None, interpolation=config['interpolation'], mean=config['mean'], std=config['std'],
-        crop_pct=config['crop_pct'], input_size_choices=list(img_sizes), batch_size_choices=list(batch_sizes),
+        color_jitter=None, input_size_choices=list(img_sizes), batch_size_choices=list(batch_sizes),
         batch_choice_seed=seed, batch_choice_schedule=schedule,
         batch_schedule_epochs=epochs if schedule == 'progressive' else None)
     # The image order from the seed alone, not from torch's global generator, which timm's loader would share with
