@@ -119,10 +119,7 @@ def get_device_policy(device: torch.device) -> str:
 
 def compute_dtype(tensors: List[torch.Tensor]) -> torch.dtype:
     """The dtype of the operators' arithmetic: float64 if any input is float64, else float32."""
-    for tensor in tensors:
-        if tensor.dtype == torch.float64:
-            return torch.float64
-    return torch.float32
+    return torch.float64 if any([tensor.dtype == torch.float64 for tensor in tensors]) else torch.float32
 
 
 def output_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.dtype:
