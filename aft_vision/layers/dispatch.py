@@ -131,12 +131,9 @@ def product_dtype(device: torch.device, input_dtype: torch.dtype, compute_dtype:
     """The dtype of the matrix products (float32 accumulation): the 16-bit autocast or input dtype where the policy
     takes it (bfloat16; float16 under 'cuda' only, its range would hide underflow from the repair), else
     ``compute_dtype``. Call it before autocast is disabled."""
-    if compute_dtype != torch.float32:
-        return compute_dtype
     half = torch.get_autocast_dtype(device.type) if _autocast_enabled(device) else input_dtype
-    if half == torch.bfloat16 or (half == torch.float16 and policy == 'cuda'):
-        return half
-    return compute_dtype
+    takes_half = half == torch.bfloat16 or (half == torch.float16 and policy == 'cuda')
+    return half if takes_half and compute_dtype == torch.float32 else compute_dtype
 
 
 def _autocast_enabled(device: torch.device) -> bool:
