@@ -153,11 +153,10 @@ def depthwise_mix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Te
                   dtype: torch.dtype, plain: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``DepthwiseMix``, or ``depthwise_sums`` inside TorchScript, while ``capturing()`` and where ``plain``."""
     if torch.jit.is_scripting() or capturing() or plain:
-        (batch, height, width, channels), num_heads = q.shape, k.shape[-1]
+        height, width = q.shape[1], q.shape[2]
         numerator, denominator, scale = depthwise_sums(
             k.to(dtype).flatten(1, 2), v.to(dtype).flatten(1, 2), w.to(dtype), height, width)
         out = gate(q.to(dtype).flatten(1, 2), numerator, denominator)  # (B, T, C)
-        return (out.view(batch, height, width, channels), denominator.view(batch, height, width, num_heads),
-                scale.unsqueeze(1))
+        return out.view(q.shape), denominator.view(k.shape), scale.unsqueeze(1)
     else:
         return DepthwiseMix.apply(q, k, v, w, contiguous, dtype)
