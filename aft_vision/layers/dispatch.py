@@ -15,7 +15,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 
 __all__ = ['CONV_METHODS', 'METHODS', 'DISPATCH_TABLES', 'POLICIES', 'set_conv_method', 'get_conv_method',
-           'choose_conv_method', 'resolve_conv_method', 'device_policy', 'get_device_policy', 'product_dtype',
+           'choose_conv_method', 'device_policy', 'get_device_policy', 'product_dtype',
            'exporting', 'capturing']
 
 # torch.compiler.is_exporting() tells torch.export from torch.compile from 2.14 on (2.7-2.13: True under both)
@@ -80,18 +80,6 @@ def choose_conv_method(device_type: str, batch: int, height: int, width: int, ch
     dense = num_keys * num_keys * width_n * (1.0 + kappa * num_heads / (batch * width_n))
     conv = ratio * num_keys * window * width_n + beta
     return 'dense' if dense <= conv and num_heads * num_keys * num_keys <= max_weights else 'conv'
-
-
-def resolve_conv_method(method: Optional[str], q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> str:
-    """The evaluation of one call: ``method`` (None: ``get_conv_method()``), 'conv' for 'auto' and 'fused' while
-    exporting, the cost model's choice for 'auto' on the tensors' device."""
-    method = check_choice(get_conv_method() if method is None else method)
-    if exporting() and method in ('auto', 'fused'):
-        return 'conv'
-    if method == 'auto':
-        batch, height, width, channels = q.shape
-        return choose_conv_method(q.device.type, batch, height, width, channels, k.shape[-1], w.shape[-1])
-    return method
 
 
 POLICIES = ('cpu', 'cuda')
