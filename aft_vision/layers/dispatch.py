@@ -14,14 +14,12 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-__all__ = ['CONV_METHODS', 'METHODS', 'DISPATCH_TABLES', 'POLICIES', 'set_conv_method', 'get_conv_method',
-           'choose_conv_method', 'device_policy', 'get_device_policy', 'product_dtype',
-           'exporting', 'capturing']
+__all__ = ['METHODS', 'DISPATCH_TABLES', 'POLICIES', 'set_conv_method', 'get_conv_method', 'choose_conv_method',
+           'device_policy', 'get_device_policy', 'product_dtype', 'exporting', 'capturing']
 
 # torch.compiler.is_exporting() tells torch.export from torch.compile from 2.14 on (2.7-2.13: True under both)
 _EXPORT_FLAG_TRUSTED = torch.__version__ >= (2, 14)
-CONV_METHODS = ('dense', 'conv', 'fused')
-METHODS = ('auto',) + CONV_METHODS
+METHODS = ('auto', 'dense', 'conv', 'fused')
 
 # device type -> (ratio, kappa, beta, largest h * T * T for the dense form), fitted as docs/operators.md#dispatch says
 DISPATCH_TABLES: Dict[str, Tuple[float, float, float, int]] = {
