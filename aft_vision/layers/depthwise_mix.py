@@ -93,13 +93,12 @@ def depthwise_sums(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, height: Op
     return numerator, denominator, scale.detach()
 
 
-def depthwise_mix_nchw(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor,
-                       tiny: float = TINY) -> torch.Tensor:
+def depthwise_mix_nchw(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``sigmoid(q) * N / D`` on channel-first maps q, v (B, C, H, W), k (B, h, H, W) by ``depthwise_sums``: the
-    channel-first graph's form (``models/aft_conv.py``), D floored at ``tiny`` (no repair)."""
+    channel-first graph's form (``models/aft_conv.py``), D floored at ``TINY`` (no repair)."""
     numerator, denominator, _ = depthwise_sums(k, v, w)
     group = int(v.shape[1]) // int(k.shape[1])
-    return torch.sigmoid(q) * (numerator / per_channel(denominator.clamp_min(tiny), group, dim=1))
+    return torch.sigmoid(q) * (numerator / per_channel(denominator.clamp_min(TINY), group, dim=1))
 
 
 def _sums_into(tokens: torch.Tensor, kernel: torch.Tensor, floor: torch.Tensor, contiguous: bool):
