@@ -89,8 +89,7 @@ def _aft_conv2d_onehot(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: tor
     if flag_below(denominator, limit, policy) is not None:
         return aft_conv2d(q, k, v, onehot_bias(w, index)).to(out_dtype)
     mixed = (numerator / denominator).reshape(batch, height, width, channels)
-    out = torch.sigmoid(q) * mixed
-    return out.to(out_dtype)
+    return (torch.sigmoid(q) * mixed).to(out_dtype)
 
 
 class AFTConv2dOneHot(AFTConv2d):
