@@ -61,11 +61,8 @@ def exporting() -> bool:
 
 def capturing() -> bool:
     """True while a graph is recorded (``exporting()``) or compiled: no host sync, no autograd Function (the jit
-    tracer records a Function's outputs out of order)."""
-    if torch.jit.is_scripting():
-        return False
-    else:
-        return exporting() or torch.compiler.is_compiling()
+    tracer records a Function's outputs out of order). False in TorchScript, as both calls answer there."""
+    return exporting() or torch.compiler.is_compiling()
 
 
 def choose_conv_method(device_type: str, batch: int, height: int, width: int, channels: int, num_heads: int,
