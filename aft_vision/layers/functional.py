@@ -146,11 +146,9 @@ def _aft_conv2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tens
     bad = flag_below(denominator, threshold, policy)  # (B, H, W, h)
     if bad is not None:
         flags = bad.unsqueeze(-1).expand(batch, height, width, num_heads, channels // num_heads)
-        out = recompute_flagged(
-            out.reshape(batch, num_keys, channels), flags.reshape(batch, num_keys, channels),
-            k.to(dtype).reshape(batch, num_keys, num_heads), v.to(dtype).reshape(batch, num_keys, channels),
-            'conv', bias=w.to(dtype), grid_w=width, gate=q.to(dtype).reshape(batch, num_keys, channels),
-        ).view(q.shape)
+        out = recompute_flagged(out.flatten(1, 2), flags.reshape(batch, num_keys, channels), k.to(dtype).flatten(1, 2),
+                                v.to(dtype).flatten(1, 2), 'conv', bias=w.to(dtype), grid_w=width,
+                                gate=q.to(dtype).flatten(1, 2)).view(q.shape)  # as token rows (B, T, n)
     return out, denominator
 
 
