@@ -17,9 +17,8 @@ def check_tensor(name: str, tensor: torch.Tensor, ndim: int, layout: str):
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ndim: int, layout: str, key_layout: str):
     """q and v in ``layout``, k in ``key_layout`` over the same positions, one device, not empty."""
-    check_tensor('q', q, ndim, layout)
-    check_tensor('k', k, ndim, key_layout)
-    check_tensor('v', v, ndim, layout)
+    for name, tensor, tensor_layout in (('q', q, layout), ('k', k, key_layout), ('v', v, layout)):
+        check_tensor(name, tensor, ndim, tensor_layout)
     if q.shape != v.shape:
         raise ValueError(f'q and v must have the same shape {layout}, got q {list(q.shape)} and v {list(v.shape)}')
     if k.shape[:-1] != q.shape[:-1]:

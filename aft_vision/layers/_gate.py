@@ -25,11 +25,10 @@ def gate(q: torch.Tensor, numerator: torch.Tensor, denominator: torch.Tensor, ti
     return torch.sigmoid(q) * (numerator / per_channel(denominator.clamp_min(tiny), group))
 
 
-def gate_inplace(q: torch.Tensor, numerator: torch.Tensor, denominator: torch.Tensor,
-                 tiny: float = TINY) -> torch.Tensor:
+def gate_inplace(q: torch.Tensor, numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
     """``gate`` without autograd or temporaries, rounded alike: N (a buffer the caller discards) divided in place."""
     out = torch.sigmoid(q)  # (..., C)
-    mixed = numerator.unflatten(-1, (denominator.shape[-1], -1)).div_(denominator.clamp_min(tiny).unsqueeze(-1))
+    mixed = numerator.unflatten(-1, (denominator.shape[-1], -1)).div_(denominator.clamp_min(TINY).unsqueeze(-1))
     return out.unflatten(-1, mixed.shape[-2:]).mul_(mixed).flatten(-2)
 
 

@@ -58,17 +58,14 @@ def recompute_flagged(out: torch.Tensor, bad: torch.Tensor, k: torch.Tensor, v: 
     flagged = bad.nonzero()  # (N, 3): image, query position, value channel
     chunk = max(1, chunk_elements // num_keys)
     for start in range(0, flagged.shape[0], chunk):
-        idx = flagged[start:start + chunk]
-        img, pos, chan = idx[:, 0], idx[:, 1], idx[:, 2]
+        img, pos, chan = flagged[start:start + chunk].unbind(1)  # (n,) each
         key_chan = torch.div(chan, channels_per_key, rounding_mode='floor')
         # float64: the sum of two large float32 terms is exact there, so the softmax keeps full precision
         logits = k[img, :, key_chan].double()  # (n, T)
-        if bias_mode == 'pairwise':
+        if bias_mode != 'none':
             assert bias is not None
-            logits = logits + bias[pos].double()
-        elif bias_mode == 'conv':
-            assert bias is not None
-            logits = logits + conv_bias_rows(bias, grid_w, num_keys, key_chan, pos).double()
+            rows = bias[pos] if bias_mode == 'pairwise' else conv_bias_rows(bias, grid_w, num_keys, key_chan, pos)
+            logits = logits + rows.double()  # (n, T)
         elif causal:
             later = torch.arange(num_keys, device=k.device).unsqueeze(0) > pos.unsqueeze(1)
             logits = logits.masked_fill(later, float('-inf'))

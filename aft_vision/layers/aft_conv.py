@@ -77,11 +77,13 @@ class AFTConv2d(nn.Module):
         self.pos_beta.copy_(beta)
         self.kernel_size = kernel_size
 
+    def _mix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return aft_conv2d(q, k, v, self.effective_bias(), method=self.method)  # (B, H, W, C)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_tokens(x, f'(B, H, W, {self.dim})', self.dim)
         q, k, v = self.qkv(x).split([self.dim, self.num_heads, self.dim], dim=-1)  # (B, H, W, C / h / C)
-        x = aft_conv2d(q, k, v, self.effective_bias(), method=self.method)  # (B, H, W, C)
-        return self.proj_drop(self.proj(x))
+        return self.proj_drop(self.proj(self._mix(q, k, v)))
 
     def _check_map(self, x: torch.Tensor) -> None:
         if x.dim() != 4 or x.shape[1] != self.dim:

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .dispatch import compute_dtype, output_dtype
+
 __all__ = ['fused_forward', 'fused_backward']
 
 BLOCK_M = 32  # queries per program (rows of the products)
@@ -229,11 +231,6 @@ def _rows(x: torch.Tensor) -> Tuple[torch.Tensor, int]:
     return x, x.stride(2)
 
 
-def _acc_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    """float64 if any input is float64, else float32: the dtype of every sum and of the log-sum-exp."""
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
-
-
 def _layout(channels: int, num_heads: int, dtype: torch.dtype, acc: torch.dtype) -> dict:
     """The channel block of one head and how its products run (tensor cores from 16 channels on)."""
     head_dim = channels // num_heads
@@ -249,7 +246,7 @@ def fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     (float64 for float64 inputs)."""
     batch, height, width, channels = q.shape
     num_heads, ksize = k.shape[-1], w.shape[-1]
-    out_dtype, acc = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype), _acc_dtype(q, k, v, w)
+    out_dtype, acc = output_dtype(q, k, v), compute_dtype([q, k, v, w])  # acc: every sum's and the log-sum-exp's
     (q, s_q), (k, s_k), (v, s_v) = _rows(q), _rows(k), _rows(v)
     out = torch.empty(q.shape, device=q.device, dtype=out_dtype)
     lse = torch.empty(k.shape, device=q.device, dtype=acc)
@@ -264,7 +261,7 @@ def fused_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     """Gradients in q, k, v, w of ``fused_forward`` from its output and log-sum-exp, each in its input's dtype."""
     batch, height, width, channels = q.shape
     num_heads, ksize = k.shape[-1], w.shape[-1]
-    acc = _acc_dtype(q, k, v, w)
+    acc = compute_dtype([q, k, v, w])
     gate = torch.sigmoid(q.to(acc))
     grad_out = grad.to(acc) * out.to(acc)  # grad * sigmoid(q) * mixed
     dq = (grad_out * (1.0 - gate)).to(q.dtype)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from timm.layers import register_notrace_function
 from torch import nn
 
-from ._checks import check_conv_inputs, check_tokens
+from ._checks import check_conv_inputs
 from ._stable import CANCEL_TOL, TINY, flag_below
 from .aft_conv import AFTConv2d
 from .functional import aft_conv2d
@@ -89,8 +89,7 @@ def _aft_conv2d_onehot(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: tor
     if flag_below(denominator, limit, policy) is not None:
         return aft_conv2d(q, k, v, onehot_bias(w, index)).to(out_dtype)
     mixed = (numerator / denominator).reshape(batch, height, width, channels)
-    out = torch.sigmoid(q) * mixed
-    return out.to(out_dtype)
+    return (torch.sigmoid(q) * mixed).to(out_dtype)
 
 
 class AFTConv2dOneHot(AFTConv2d):
@@ -128,15 +127,11 @@ class AFTConv2dOneHot(AFTConv2d):
             return w * sample.view_as(w)
         return onehot_bias(w, w.flatten(1).argmax(dim=1))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        check_tokens(x, f'(B, H, W, {self.dim})', self.dim)
-        q, k, v = self.qkv(x).split([self.dim, self.num_heads, self.dim], dim=-1)  # (B, H, W, C / h / C)
+    def _mix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.training:  # Eq. 6 with the sampled bias: gradients reach every offset's logit
-            x = aft_conv2d(q, k, v, self.effective_bias(), method=self.method)
-        else:  # global pooling plus indexing
-            w = self.dense_bias()
-            x = aft_conv2d_onehot(q, k, v, w, w.detach().flatten(1).argmax(dim=1))  # (B, H, W, C)
-        return self.proj_drop(self.proj(x))
+            return aft_conv2d(q, k, v, self.effective_bias(), method=self.method)
+        w = self.dense_bias()  # else global pooling plus indexing
+        return aft_conv2d_onehot(q, k, v, w, w.detach().flatten(1).argmax(dim=1))  # (B, H, W, C)
 
     def forward_nchw(self, x: torch.Tensor) -> torch.Tensor:
         """``forward`` on a channel-first map (B, C, H, W): in eval the indexing form on token rows, in training

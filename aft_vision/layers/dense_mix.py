@@ -42,10 +42,8 @@ def _bias_grad(grad_log_w: torch.Tensor, w: torch.Tensor, grid: Optional[Tuple[i
                    kernel_size=(height, width))[0]  # (h, 2H - 1, 2W - 1): the sum over each offset's band
     radius = s // 2
     ry, rx = min(radius, height - 1), min(radius, width - 1)
-    grad_w = table.new_zeros(w.shape)
-    grad_w[:, radius - ry:radius + ry + 1, radius - rx:radius + rx + 1] = \
-        table[:, height - 1 - ry:height + ry, width - 1 - rx:width + rx]
-    return grad_w
+    band = table[:, height - 1 - ry:height + ry, width - 1 - rx:width + rx]  # the offsets the crop kept
+    return F.pad(band, [radius - rx, radius - rx, radius - ry, radius - ry])  # 0 for those it cropped
 
 
 def _tokens(k: torch.Tensor, v: torch.Tensor, heads: int):

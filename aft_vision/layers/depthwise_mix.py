@@ -93,13 +93,12 @@ def depthwise_sums(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, height: Op
     return numerator, denominator, scale.detach()
 
 
-def depthwise_mix_nchw(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor,
-                       tiny: float = TINY) -> torch.Tensor:
+def depthwise_mix_nchw(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``sigmoid(q) * N / D`` on channel-first maps q, v (B, C, H, W), k (B, h, H, W) by ``depthwise_sums``: the
-    channel-first graph's form (``models/aft_conv.py``), D floored at ``tiny`` (no repair)."""
+    channel-first graph's form (``models/aft_conv.py``), D floored at ``TINY`` (no repair)."""
     numerator, denominator, _ = depthwise_sums(k, v, w)
     group = int(v.shape[1]) // int(k.shape[1])
-    return torch.sigmoid(q) * (numerator / per_channel(denominator.clamp_min(tiny), group, dim=1))
+    return torch.sigmoid(q) * (numerator / per_channel(denominator.clamp_min(TINY), group, dim=1))
 
 
 def _sums_into(tokens: torch.Tensor, kernel: torch.Tensor, floor: torch.Tensor, contiguous: bool):
@@ -153,11 +152,10 @@ def depthwise_mix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Te
                   dtype: torch.dtype, plain: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``DepthwiseMix``, or ``depthwise_sums`` inside TorchScript, while ``capturing()`` and where ``plain``."""
     if torch.jit.is_scripting() or capturing() or plain:
-        (batch, height, width, channels), num_heads = q.shape, k.shape[-1]
+        height, width = q.shape[1], q.shape[2]
         numerator, denominator, scale = depthwise_sums(
             k.to(dtype).flatten(1, 2), v.to(dtype).flatten(1, 2), w.to(dtype), height, width)
         out = gate(q.to(dtype).flatten(1, 2), numerator, denominator)  # (B, T, C)
-        return (out.view(batch, height, width, channels), denominator.view(batch, height, width, num_heads),
-                scale.unsqueeze(1))
+        return out.view(q.shape), denominator.view(k.shape), scale.unsqueeze(1)
     else:
         return DepthwiseMix.apply(q, k, v, w, contiguous, dtype)

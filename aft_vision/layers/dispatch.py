@@ -14,14 +14,12 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-__all__ = ['CONV_METHODS', 'METHODS', 'DISPATCH_TABLES', 'POLICIES', 'set_conv_method', 'get_conv_method',
-           'choose_conv_method', 'resolve_conv_method', 'device_policy', 'get_device_policy', 'product_dtype',
-           'exporting', 'capturing']
+__all__ = ['METHODS', 'DISPATCH_TABLES', 'POLICIES', 'set_conv_method', 'get_conv_method', 'choose_conv_method',
+           'device_policy', 'get_device_policy', 'product_dtype', 'exporting', 'capturing']
 
 # torch.compiler.is_exporting() tells torch.export from torch.compile from 2.14 on (2.7-2.13: True under both)
 _EXPORT_FLAG_TRUSTED = torch.__version__ >= (2, 14)
-CONV_METHODS = ('dense', 'conv', 'fused')
-METHODS = ('auto',) + CONV_METHODS
+METHODS = ('auto', 'dense', 'conv', 'fused')
 
 # device type -> (ratio, kappa, beta, largest h * T * T for the dense form), fitted as docs/operators.md#dispatch says
 DISPATCH_TABLES: Dict[str, Tuple[float, float, float, int]] = {
@@ -63,11 +61,8 @@ def exporting() -> bool:
 
 def capturing() -> bool:
     """True while a graph is recorded (``exporting()``) or compiled: no host sync, no autograd Function (the jit
-    tracer records a Function's outputs out of order)."""
-    if torch.jit.is_scripting():
-        return False
-    else:
-        return exporting() or torch.compiler.is_compiling()
+    tracer records a Function's outputs out of order). False in TorchScript, as both calls answer there."""
+    return exporting() or torch.compiler.is_compiling()
 
 
 def choose_conv_method(device_type: str, batch: int, height: int, width: int, channels: int, num_heads: int,
@@ -80,18 +75,6 @@ def choose_conv_method(device_type: str, batch: int, height: int, width: int, ch
     dense = num_keys * num_keys * width_n * (1.0 + kappa * num_heads / (batch * width_n))
     conv = ratio * num_keys * window * width_n + beta
     return 'dense' if dense <= conv and num_heads * num_keys * num_keys <= max_weights else 'conv'
-
-
-def resolve_conv_method(method: Optional[str], q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> str:
-    """The evaluation of one call: ``method`` (None: ``get_conv_method()``), 'conv' for 'auto' and 'fused' while
-    exporting, the cost model's choice for 'auto' on the tensors' device."""
-    method = check_choice(get_conv_method() if method is None else method)
-    if exporting() and method in ('auto', 'fused'):
-        return 'conv'
-    if method == 'auto':
-        batch, height, width, channels = q.shape
-        return choose_conv_method(q.device.type, batch, height, width, channels, k.shape[-1], w.shape[-1])
-    return method
 
 
 POLICIES = ('cpu', 'cuda')
@@ -119,10 +102,7 @@ def get_device_policy(device: torch.device) -> str:
 
 def compute_dtype(tensors: List[torch.Tensor]) -> torch.dtype:
     """The dtype of the operators' arithmetic: float64 if any input is float64, else float32."""
-    for tensor in tensors:
-        if tensor.dtype == torch.float64:
-            return torch.float64
-    return torch.float32
+    return torch.float64 if any([tensor.dtype == torch.float64 for tensor in tensors]) else torch.float32
 
 
 def output_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.dtype:
@@ -134,12 +114,9 @@ def product_dtype(device: torch.device, input_dtype: torch.dtype, compute_dtype:
     """The dtype of the matrix products (float32 accumulation): the 16-bit autocast or input dtype where the policy
     takes it (bfloat16; float16 under 'cuda' only, its range would hide underflow from the repair), else
     ``compute_dtype``. Call it before autocast is disabled."""
-    if compute_dtype != torch.float32:
-        return compute_dtype
     half = torch.get_autocast_dtype(device.type) if _autocast_enabled(device) else input_dtype
-    if half == torch.bfloat16 or (half == torch.float16 and policy == 'cuda'):
-        return half
-    return compute_dtype
+    takes_half = half == torch.bfloat16 or (half == torch.float16 and policy == 'cuda')
+    return half if takes_half and compute_dtype == torch.float32 else compute_dtype
 
 
 def _autocast_enabled(device: torch.device) -> bool:

@@ -13,7 +13,8 @@ from ._checks import check_conv_inputs, check_qkv, check_tensor
 from ._stable import CANCEL_TOL, TINY, flag_below, recompute_flagged
 from .dense_mix import dense_mix, log_weights
 from .depthwise_mix import depthwise_mix
-from .dispatch import compute_dtype, get_device_policy, no_autocast, output_dtype, product_dtype, resolve_conv_method
+from .dispatch import (check_choice, choose_conv_method, compute_dtype, exporting, get_conv_method, get_device_policy,
+                       no_autocast, output_dtype, product_dtype)
 from .simple_mix import simple_mix
 
 __all__ = ['aft_full', 'aft_local', 'aft_simple', 'aft_conv2d']
@@ -111,7 +112,12 @@ def aft_conv2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tenso
         dense = method is not None and method == 'dense'
         return _aft_conv2d(q, k, v, w, 'dense' if dense else 'conv', dtype, dtype, 'cpu')[0].to(out_dtype)
     else:
-        method = resolve_conv_method(method, q, k, w)
+        method = check_choice(get_conv_method() if method is None else method)
+        if exporting() and method in ('auto', 'fused'):  # the conv form runs at any size on any runtime
+            method = 'conv'
+        elif method == 'auto':  # the cost model's choice on the tensors' device
+            batch, height, width, channels = q.shape
+            method = choose_conv_method(q.device.type, batch, height, width, channels, k.shape[-1], w.shape[-1])
         if method == 'fused':
             return _fused_op(q, k, v, w.to(q.device))[0]
         policy = get_device_policy(q.device)
@@ -140,11 +146,9 @@ def _aft_conv2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tens
     bad = flag_below(denominator, threshold, policy)  # (B, H, W, h)
     if bad is not None:
         flags = bad.unsqueeze(-1).expand(batch, height, width, num_heads, channels // num_heads)
-        out = recompute_flagged(
-            out.reshape(batch, num_keys, channels), flags.reshape(batch, num_keys, channels),
-            k.to(dtype).reshape(batch, num_keys, num_heads), v.to(dtype).reshape(batch, num_keys, channels),
-            'conv', bias=w.to(dtype), grid_w=width, gate=q.to(dtype).reshape(batch, num_keys, channels),
-        ).view(q.shape)
+        out = recompute_flagged(out.flatten(1, 2), flags.reshape(batch, num_keys, channels), k.to(dtype).flatten(1, 2),
+                                v.to(dtype).flatten(1, 2), 'conv', bias=w.to(dtype), grid_w=width,
+                                gate=q.to(dtype).flatten(1, 2)).view(q.shape)  # as token rows (B, T, n)
     return out, denominator
 
 
