@@ -20,7 +20,7 @@ from ..checkpoints.files import load_weights, output_dir, save_weights
 from ..hub import check_pretrained, create_aft_model, publish, source_architecture
 from ..plots import save_figure
 from .training import (at_size, check_image_folders, check_input_size, eval_data_config, evaluate, fixed_img_size,
-                       plot_history, size_scaled_batches, sizes_text, state_digest, train, write_digits)
+                       plot_history, runs_as_built, size_scaled_batches, sizes_text, state_digest, train, write_digits)
 
 # A small AFT-conv for 32 x 32 digits: patch 4 -> an 8 x 8 token grid, a 15 x 15 window (the whole grid), 8 heads.
 DIGITS_MODEL = dict(patch_size=4, embed_dim=64, depth=4, num_heads=8, kernel_size=15, mlp_ratio=2.)
@@ -208,7 +208,7 @@ def save(model: torch.nn.Module, settings: ClassifySettings, plan: Dict, top1: f
     sha256 = save_weights(model.state_dict(), out / 'model.safetensors', force=True)
     architecture, architecture_kwargs = source_architecture(settings.model, plan['model_kwargs'])
     data_config = eval_data_config(model, settings.img_size)
-    as_built = [size for size in top1_at if size > settings.img_size and at_size(model, size) is model]
+    as_built = [size for size in top1_at if size > settings.img_size and runs_as_built(model, size)]
     best = max(as_built, key=lambda size: (top1_at[size], -size), default=None)
     if best is not None and top1_at[best] >= top1:
         data_config['test_input_size'] = (3, best, best)

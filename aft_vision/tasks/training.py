@@ -76,8 +76,9 @@ def check_image_folders(data_dir: Union[str, Path]) -> List[str]:
     for split in ('train', 'val'):
         if not (data_dir / split).is_dir():
             raise FileNotFoundError(f'--data-dir: {data_dir / split} not found: train/ and val/ ImageFolders needed')
-    train, val = (sorted(entry.name for entry in (data_dir / split).iterdir() if entry.is_dir())  # as ImageFolder,
-                  for split in ('train', 'val'))  # hidden ones too
+    # the class folders as ImageFolder finds them, hidden ones too
+    train, val = (sorted(entry.name for entry in (data_dir / split).iterdir() if entry.is_dir())
+                  for split in ('train', 'val'))
     if len(train) < 2:
         raise ValueError(f'--data-dir: {data_dir / "train"} has {len(train)} class folders ({", ".join(train)}): '
                          'top-1 means something only with at least two classes')
@@ -107,8 +108,8 @@ def eval_data_config(model: torch.nn.Module, img_size: int) -> Dict:
 
 def _image_folder(folder: Path, transform=None) -> ImageFolder:
     try:
-        return ImageFolder(str(folder), transform=transform, loader=read_image)  # never empty: refused below
-    except FileNotFoundError as error:  # no class folder, or one without images
+        return ImageFolder(str(folder), transform=transform, loader=read_image)
+    except FileNotFoundError as error:  # no class folder, or one without images: a dataset is never empty
         raise FileNotFoundError(f'{folder}: {error}') from None
 
 
@@ -138,14 +139,20 @@ def fixed_img_size(model: torch.nn.Module) -> Optional[Tuple[int, int]]:
     return tuple(embed.img_size) if embed.img_size is not None else None
 
 
+def runs_as_built(model: torch.nn.Module, img_size: int) -> bool:
+    """Whether ``model`` runs ``img_size`` px as it is, without ``at_size`` rebuilding it."""
+    fixed = fixed_img_size(model)
+    follows = getattr(model, 'resize_mode', 'keep') != 'keep'  # AFT-conv resizing its windows or patch
+    return (fixed is None and not follows) or fixed == (img_size, img_size) or (
+        follows and tuple(model.patch_embed.img_size) == (img_size, img_size))
+
+
 def at_size(model: torch.nn.Module, img_size: int) -> torch.nn.Module:
     """``model`` if it runs ``img_size`` px as it is, else a copy rebuilt for that size by timm's ``set_input_size``
     (position parameters resampled; AFT-conv's windows or patch as its ``resize_mode`` says)."""
-    fixed = fixed_img_size(model)
-    follows = getattr(model, 'resize_mode', 'keep') != 'keep'  # AFT-conv resizing its windows or patch
-    if (fixed is None and not follows) or fixed == (img_size, img_size) or (
-            follows and tuple(model.patch_embed.img_size) == (img_size, img_size)):
+    if runs_as_built(model, img_size):
         return model
+    fixed = fixed_img_size(model)
     if not hasattr(model, 'set_input_size'):
         raise ValueError(f'{type(model).__name__} is built for {fixed[0]}x{fixed[1]} px and cannot be rebuilt for '
                          f'{img_size} px (no set_input_size)')
