@@ -28,11 +28,14 @@ reaches every term of the row through the division).
   this contributes ``4 u M_arg``, with ``M_arg`` the same sum of magnitudes with each term scaled by
   ``lambda + 2 * (p-average of lambda)`` (its own weight and the denominator's), and the factor 4 for the forward pass
   recomputed in the backward one.
-* Operands stored in a narrower dtype (float16 / bfloat16 inputs or products, unit roundoff ``u_op``) pass through at
-  most three roundings per term (two product operands and the result's cast), twice with the recomputed forward:
-  ``6 u_op M``; a result that is exactly 0 may round to the smallest subnormal of its dtype.
-* The query gradient multiplies by the gate's derivative ``g (1 - g)``, formed from the rounded gate g: ``1 - g``
-  carries an absolute error of about ``2 u g``, i.e. ``4 u |G| g^2 sum_j p_j |v_j|`` more (large where g is near 1).
+* Operands stored in a narrower dtype (float16 / bfloat16 inputs, products and, in the products form, every
+  element-wise result: unit roundoff ``u_op``) pass through at most twelve roundings per term: in the forward E
+  (1), ``p`` and ``p v`` (2), the sums (1), the gate and its product and quotient (3) and, through the division, the
+  denominator's own three; the backward's gate terms and products add at most as many again on top of the part of the
+  forward they reuse, so ``12 u_op M``; a result that is exactly 0 may round to the smallest subnormal of its dtype.
+* The query gradient multiplies by the gate's derivative ``g (1 - g)``, formed from the gate g rounded to ``u_op``:
+  ``1 - g`` carries an absolute error of about ``2 u_op g``, i.e. ``4 u_op |G| g^2 sum_j p_j |v_j|`` more (large
+  where g is near 1).
 
 The largest ratio of error to bound that a correct implementation produced here was 0.241 for an operator (AFT-local
 causal, bfloat16 products, the key gradient) and 0.325 for a whole model (``assert_model_agrees``, aft_conv_test),
@@ -42,7 +45,7 @@ on the host) reach 0.412 (causal AFT-simple, float32; it uses no BLAS) and 0.241
 AMD EPYC with 2 threads: a margin of 2.4x. Run with ``AFT_BOUND_LOG=file.jsonl`` to collect the ratios yourself.
 
 Implementations that split AFT-conv's weights into a global ``exp(-m)`` term plus a windowed correction
-``exp(w - m) - exp(-m)`` (the depthwise convolution and the Triton kernel) sum terms of magnitude
+``exp(w - m) - exp(-m)`` (the depthwise convolution) sum terms of magnitude
 ``exp(k) (|exp(w - m) - exp(-m)| + exp(-m))`` instead of ``exp(k + w - m)``: ``terms='split'`` scales M by that, which
 is the conditioning of the split (large where w is very negative). Under the 'cpu' policy an entry whose denominator
 cancelled below 1% of its global term is recomputed by the positive form (``terms='split_repaired'``).
@@ -287,8 +290,8 @@ def bound(problem: Problem, grad_out: torch.Tensor, terms: str = 'positive', dty
     for name, n in counts.items():
         n = n + 8
         magnitude = plain[name]
-        result[name] = n * u / (1 - n * u) * magnitude + 4 * u * scaled[name] + 6 * u_op * magnitude + tiny
-    result['dq'] = result['dq'] + 4 * u * plain['dq_gate']
+        result[name] = n * u / (1 - n * u) * magnitude + 4 * u * scaled[name] + 12 * u_op * magnitude + tiny
+    result['dq'] = result['dq'] + 4 * max(u, u_op) * plain['dq_gate']
     return result
 
 
@@ -339,10 +342,9 @@ def problem_for(op: str, q, k, v, w, window: int = 3) -> Problem:
 
 
 def terms_for(method: str, policy: str) -> str:
-    """How ``method`` ('dense', 'conv', 'auto', 'fused' or a sequence operator) sums its terms under ``policy`` on a
-    CPU: the depthwise path (which 'auto' may take, and 'fused' without Triton's interpreter) splits AFT-conv's
-    weights, repaired under 'cpu'."""
-    if method in ('conv', 'auto', 'fused'):
+    """How ``method`` ('dense', 'conv', 'auto' or a sequence operator) sums its terms under ``policy`` on a CPU:
+    the depthwise path (which 'auto' may take) splits AFT-conv's weights, repaired under 'cpu'."""
+    if method in ('conv', 'auto'):
         return 'split_repaired' if policy == 'cpu' else 'split'
     return 'positive'
 

@@ -8,9 +8,8 @@ The suite follows the package: a folder or files per part, one topic per file, p
 
 * aft_reference.py: not a test; the float64 reference, the rounding bound and the one input generator every operator,
   model and export test uses. floor_check.py: the script test_dependency_floors.py runs on the minimum dependencies.
-  fused_check.py: the fused operator's cases, run by Triton's interpreter from layers/test_fused_operator.py.
 * layers/: the operators against the reference (exactness, properties, device policy, dispatch, the depthwise
-  backward, capture, the one-hot mixer, the modules, the fused operator).
+  backward, capture, the one-hot mixer, the modules, the CUDA checks).
 * models/: the zoo against timm's contract and the paper's Tables 7 and 8 (models_common.PAPER_TABLES), resizing,
   reliability, the pyramid and the dense clients on it, the recipes, and timm's own tests/test_models.py.
 * test_checkpoints.py: weight files, the DeiT -> AFT transfer, training checkpoints, bad files refused. test_files.py:

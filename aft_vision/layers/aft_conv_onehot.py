@@ -10,11 +10,10 @@ import torch.nn.functional as F
 from timm.layers import register_notrace_function
 from torch import nn
 
-from ._checks import check_conv_inputs
 from ._stable import CANCEL_TOL, TINY, flag_below
 from .aft_conv import AFTConv2d
-from .functional import aft_conv2d
-from .dispatch import capturing, compute_dtype, get_device_policy, no_autocast, output_dtype
+from .dispatch import capturing, get_device_policy, no_autocast
+from .functional import aft_conv2d, check_conv_inputs, compute_dtype, output_dtype
 
 __all__ = ['AFTConv2dOneHot', 'aft_conv2d_onehot', 'onehot_bias', 'convert_to_onehot']
 
@@ -37,7 +36,7 @@ def aft_conv2d_onehot(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torc
         raise ValueError(f'index must be ({num_heads},), got {list(index.shape)}')
     if torch.jit.is_scripting():
         return _aft_conv2d_onehot(q, k, v, w, index, 'cpu')
-    with no_autocast(q.device):
+    with no_autocast():
         return _aft_conv2d_onehot(q, k, v, w, index, get_device_policy(q.device))
 
 

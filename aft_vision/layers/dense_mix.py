@@ -1,160 +1,184 @@
-"""AFT's sums as one positive matrix per bias head times max-shifted tokens (AFT-full, -local, -conv):
-``[N | D] = E_g @ X``, ``E_g = exp(L_g - rowmax L_g)``, ``X = [exp(k - kmax) v | exp(k - kmax)]``. E holds a 1 per row,
-so D cannot cancel; the batch is the product's N dimension (16-bit ``mm_dtype`` allowed). Weights are key-major
-(G, T keys, T queries); an AFT-conv bias is laid out by ``F.unfold`` (queries reversed), its gradient by ``F.fold``."""
-from typing import Optional, Tuple
+"""AFT's sums as one positive matrix per bias group times the keys' softmax (AFT-full, -local, -conv), the products
+form: ``[N | D] = E_g @ X_g``, ``X = [p v | p]``, ``p = softmax_T(k)``, E a row-scaled ``exp`` of the bias (AFT-conv:
+a softmax over the zero-padded window, gathered per (query, key) by a cached index). Every row scale cancels in
+``N / D``, so no maximum is subtracted and no argument is rounded before its ``exp``; E, X and the sums stay in the
+products' dtype (bfloat16 under autocast). ``DenseMix`` saves sigmoid(q), X and D (its output aside), writes each intermediate
+once in the layout its product reads, and takes the bias gradient as sums along E's diagonals: by a 0/1 selector
+product under the 'cuda' policy (tensor cores), by ``index_add_`` under 'cpu'. ``dense_plain`` is the same form in
+plain autograd for TorchScript, exports and ``torch.compile``. docs/operators.md derives it."""
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from ._gate import gate, gate_backward, gate_inplace
-from .dispatch import capturing, no_autocast
+from ._stable import TINY
+from .dispatch import no_autocast
 
-__all__ = ['DenseMix', 'dense_mix', 'log_weights', 'dense_sums']
+__all__ = ['DenseMix', 'dense_mix', 'dense_plain', 'window_cells']
+
+_CELLS: Dict[tuple, torch.Tensor] = {}
 
 
-def log_weights(w: torch.Tensor, grid: Optional[Tuple[int, int]], causal: bool) -> torch.Tensor:
-    """Key-major log weights (G, T keys, T queries): for ``grid`` None of a (T, T) bias ``w[query, key]`` (-inf after
-    the query if ``causal``); for ``grid`` (H, W) of an AFT-conv bias (h, s, s), 0 outside the window, less
-    ``max(0, max w)`` per head, the queries reversed."""
+def _cells(height: int, width: int, kernel_size: int, device: torch.device) -> torch.Tensor:
+    """For an H x W map, the flat cell of the zero-padded (s + 1, s + 1) window table that holds each (query, key)
+    pair's bias: (T queries, T keys) int64; a pair outside the window takes the pad cell ``(s + 1)^2 - 1``."""
+    s, radius = kernel_size, kernel_size // 2
+    ys, xs = torch.arange(height, device=device), torch.arange(width, device=device)
+    dy = ys.view(1, 1, -1, 1) - ys.view(-1, 1, 1, 1) + radius  # (qy, 1, ky, 1): the key's window row
+    dx = xs.view(1, 1, 1, -1) - xs.view(1, -1, 1, 1) + radius  # (1, qx, 1, kx): the key's window column
+    inside = (dy >= 0) & (dy < s) & (dx >= 0) & (dx < s)  # (qy, qx, ky, kx)
+    cells = torch.where(inside, dy * (s + 1) + dx, torch.full_like(dy * dx, (s + 1) * (s + 1) - 1))
+    return cells.reshape(height * width, height * width)
+
+
+def window_cells(height: int, width: int, kernel_size: int, like: torch.Tensor,
+                 dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``_cells`` on ``like``'s device, cached per size (as a kernel keeps its tables): with ``dtype``, their one-hot
+    columns (T * T, (s + 1)^2) in it, the selector whose product sums a (T, T) matrix along its window diagonals."""
+    fake_mode = getattr(like, 'fake_mode', None)  # a fake tensor's table belongs to its mode
+    key = (height, width, kernel_size, like.device, dtype, id(fake_mode))
+    if key not in _CELLS:
+        if len(_CELLS) >= 32:
+            _CELLS.clear()
+        cells = _cells(height, width, kernel_size, like.device)
+        _CELLS[key] = cells if dtype is None else F.one_hot(cells.flatten(), (kernel_size + 1) ** 2).to(dtype)
+    return _CELLS[key]
+
+
+def _weights(w: torch.Tensor, grid: Optional[Tuple[int, int]], causal: bool, mm_dtype: torch.dtype,
+             cells: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The bias's row-scaled exp in w's dtype and E (G, T queries, T keys) in ``mm_dtype``: for ``grid`` None a
+    (T, T) bias ``w[query, key]`` (G = 1, keys after the query dropped if ``causal``), else an AFT-conv bias (h, s, s)
+    as (h, (s + 1)^2) table entries and E gathered from them by ``cells``."""
     if grid is None:
         if causal:
             w = w.masked_fill(torch.ones_like(w, dtype=torch.bool).triu(1), float('-inf'))
-        return w.t().unsqueeze(0)  # (1, T, T)
-    height, width = grid
-    shift = w.detach().amax(dim=(1, 2), keepdim=True).clamp_min(0.0)  # (h, 1, 1): every column's maximum or more
-    radius = w.shape[-1] // 2
-    ry, rx = min(radius, height - 1), min(radius, width - 1)  # offsets a map cannot hold are cropped
-    crop = w[:, radius - ry:radius + ry + 1, radius - rx:radius + rx + 1]
-    # (h, 2H - 1, 2W - 1): w[i, dy + s//2, dx + s//2] at [i, dy + H - 1, dx + W - 1], 0 outside the window
-    table = F.pad(crop, [width - 1 - rx, width - 1 - rx, height - 1 - ry, height - 1 - ry]) - shift
-    columns = F.unfold(table.unsqueeze(0), kernel_size=(height, width))  # (1, h * T, T): [i, key, reversed query]
-    return columns.view(w.shape[0], height * width, height * width)
+        table = torch.softmax(w, dim=-1).unsqueeze(0)  # (1, T, T)
+        return table, table.to(mm_dtype)
+    assert cells is not None
+    table = torch.softmax(F.pad(w, [0, 1, 0, 1]).flatten(1), dim=-1)  # (h, (s + 1)^2), 0 bias in the pad cells
+    return table, table.to(mm_dtype)[:, cells]  # (h, T, T)
 
 
-def _bias_grad(grad_log_w: torch.Tensor, w: torch.Tensor, grid: Optional[Tuple[int, int]]) -> torch.Tensor:
-    """The adjoint of ``log_weights``: (G, T, T) -> the shape of ``w``."""
-    if grid is None:
-        return grad_log_w[0].t()  # zero after the diagonal when causal: the weights are 0 there
-    height, width = grid
-    num_heads, s = w.shape[0], w.shape[-1]
-    table = F.fold(grad_log_w.reshape(1, num_heads * height * width, -1), output_size=(2 * height - 1, 2 * width - 1),
-                   kernel_size=(height, width))[0]  # (h, 2H - 1, 2W - 1): the sum over each offset's band
-    radius = s // 2
-    ry, rx = min(radius, height - 1), min(radius, width - 1)
-    band = table[:, height - 1 - ry:height + ry, width - 1 - rx:width + rx]  # the offsets the crop kept
-    return F.pad(band, [radius - rx, radius - rx, radius - ry, radius - ry])  # 0 for those it cropped
-
-
-def _tokens(k: torch.Tensor, v: torch.Tensor, heads: int):
-    """X per head (G, T, B * n), n = (C + Ck) / G columns per image, in plain autograd."""
-    batch, num_keys, channels = v.shape
-    exp_k = torch.exp(k - k.amax(dim=1, keepdim=True).detach())  # (B, T, Ck), max 1 per image and channel
-    exp_kv = exp_k.unsqueeze(-1) * v.view(batch, num_keys, k.shape[-1], -1)  # (B, T, Ck, C / Ck)
-    tokens = torch.cat([exp_kv.reshape(batch, num_keys, heads, -1), exp_k.view(batch, num_keys, heads, -1)], dim=-1)
-    return tokens.permute(2, 1, 0, 3).reshape(heads, num_keys, -1)  # (G, T, B * n)
-
-
-def _tokens_into(k: torch.Tensor, v: torch.Tensor, heads: int):
-    """X per head (G, T, B * n) written in one buffer (no autograd), exp(k - kmax) (B, T, Ck) and the view
-    exp(k - kmax) v (B, T, Ck, C / Ck) of X. exp runs contiguous (10x faster on CPU) and is copied in."""
+def _tokens(k: torch.Tensor, v: torch.Tensor, groups: int, mm_dtype: torch.dtype) -> torch.Tensor:
+    """X (G, T, B, n), n = (C + Ck) / G: per group its values' ``p v`` then its keys' p, written in place."""
     batch, num_keys, channels = v.shape
     key_channels = k.shape[-1]
-    per_head = channels // heads
-    tokens = v.new_empty(heads, num_keys, batch, per_head + key_channels // heads)  # (G, T, B, n)
+    per_group = channels // groups
+    tokens = v.new_empty(groups, num_keys, batch, per_group + key_channels // groups, dtype=mm_dtype)
     layout = tokens.permute(2, 1, 0, 3)  # (B, T, G, n), a view
-    exp_k = torch.sub(k, k.amax(dim=1, keepdim=True)).exp_()  # (B, T, Ck), max 1 per image and channel
-    keys = exp_k.view(batch, num_keys, heads, -1)  # (B, T, G, Ck / G)
-    layout[..., per_head:].copy_(keys)
-    values = layout[..., :per_head].unflatten(-1, (-1, channels // key_channels))  # (B, T, G, Ck / G, C / Ck)
+    keys = layout[..., per_group:]  # (B, T, G, Ck / G)
+    keys.copy_(torch.softmax(k, dim=1).view(keys.shape))  # the softmax over positions: exp once, in float32
+    values = layout[..., :per_group].unflatten(-1, (-1, channels // key_channels))  # (B, T, G, Ck / G, C / Ck)
     torch.mul(v.view(values.shape), keys.unsqueeze(-1), out=values)
-    return tokens.view(heads, num_keys, -1), exp_k, values.flatten(2, 3)  # exp_kv a view where G = 1 or G = Ck
-
-
-def _split(sums: torch.Tensor, batch: int, channels: int, key_channels: int, reverse: bool):
-    """Per-query sums (G, T, B * n) -> N (B, T, C) and D (B, T, Ck), the queries put back in order if ``reverse``."""
-    heads, num_queries = sums.shape[:2]
-    if reverse:
-        sums = sums.flip(1)
-    sums = sums.view(heads, num_queries, batch, -1).permute(2, 1, 0, 3)  # (B, T, G, n)
-    per_head = channels // heads
-    numerator = sums[..., :per_head].reshape(batch, num_queries, channels)
-    return numerator, sums[..., per_head:].reshape(batch, num_queries, key_channels)
-
-
-def _join(numerator: torch.Tensor, denominator: torch.Tensor, heads: int, reverse: bool) -> torch.Tensor:
-    """N (B, T, C) and D (B, T, Ck) -> (G, T, B * n), the inverse of ``_split``."""
-    batch, num_queries = numerator.shape[:2]
-    joined = torch.cat([numerator.view(batch, num_queries, heads, -1), denominator.view(batch, num_queries, heads, -1)],
-                       dim=-1).permute(2, 1, 0, 3).reshape(heads, num_queries, -1)
-    return joined.flip(1) if reverse else joined
-
-
-def _weights(log_w: torch.Tensor, shifted: bool) -> torch.Tensor:
-    """E (G, T keys, T queries): exp of the log weights less each query's maximum (unless ``shifted`` already)."""
-    return torch.exp(log_w if shifted else log_w - log_w.amax(dim=1, keepdim=True).detach())
-
-
-def _mm(a: torch.Tensor, b: torch.Tensor, mm_dtype: torch.dtype) -> torch.Tensor:
-    return torch.bmm(a.to(mm_dtype), b.to(mm_dtype)).to(a.dtype)
-
-
-def dense_sums(k: torch.Tensor, v: torch.Tensor, log_w: torch.Tensor, reverse: bool, mm_dtype: torch.dtype,
-               tokens: Optional[torch.Tensor] = None):
-    """N (B, T, C) and D (B, T, Ck) for log weights (G, T, T) (``reverse``: AFT-conv's layout); plain autograd unless
-    ``tokens`` come from ``_tokens_into``."""
-    if tokens is None:
-        tokens = _tokens(k, v, log_w.shape[0])
-    sums = _mm(_weights(log_w, reverse).transpose(1, 2), tokens, mm_dtype)  # (G, T queries, B * n)
-    return _split(sums, v.shape[0], v.shape[-1], k.shape[-1], reverse)
+    return tokens
 
 
 class DenseMix(torch.autograd.Function):
-    """``sigmoid(q) * N / D`` and (not differentiable) D for q, v (B, T, C), k (B, T, Ck) and a (T, T) bias (``grid``
-    None) or an AFT-conv bias (h, s, s) on ``grid`` (H, W); arithmetic in ``dtype``, products in ``mm_dtype``."""
+    """``sigmoid(q) * N / D`` and (not differentiable) D (B, T, G, Ck / G) for q, v (B, T, C), k (B, T, Ck) and a
+    (T, T) bias (``grid`` None) or an AFT-conv bias (h, s, s) on ``grid`` (H, W); products and element-wise work in
+    ``mm_dtype``, sums accumulated in float32 by the products."""
 
     @staticmethod
-    def forward(ctx, q, k, v, w, grid, causal, dtype, mm_dtype):
-        ctx.save_for_backward(q, k, v, w)  # as given: under autocast, 16-bit views of the projection's output
-        ctx.grid, ctx.causal, ctx.dtype, ctx.mm_dtype = grid, causal, dtype, mm_dtype
-        q, k, v, w = (x.to(dtype) for x in (q, k, v, w))
-        log_w = log_weights(w, grid, causal)
-        tokens, _, _ = _tokens_into(k, v, log_w.shape[0])
-        numerator, denominator = dense_sums(k, v, log_w, grid is not None, mm_dtype, tokens)
+    def forward(ctx, q, k, v, w, grid, causal, mm_dtype, policy):
+        batch, num_keys, channels = q.shape
+        cells = None if grid is None else window_cells(grid[0], grid[1], w.shape[-1], q)
+        table, weights = _weights(w, grid, causal, mm_dtype, cells)
+        tokens = _tokens(k, v, weights.shape[0], mm_dtype)  # (G, T, B, n)
+        sums = torch.bmm(weights, tokens.flatten(2)).view(tokens.shape)  # (G, T queries, B, n)
+        layout = sums.permute(2, 1, 0, 3)  # (B, T, G, n)
+        per_group = channels // weights.shape[0]
+        denominator = layout[..., per_group:].clamp_min(TINY)  # (B, T, G, Ck / G), its own buffer: N is not kept
+        numerator = layout[..., :per_group].unflatten(-1, (-1, channels // k.shape[-1]))  # (B, T, G, Ck / G, C / Ck)
+        gate = torch.sigmoid(q)  # (B, T, C)
+        out = q.new_empty(numerator.shape, dtype=torch.promote_types(gate.dtype, mm_dtype))
+        torch.mul(gate.view(numerator.shape), numerator, out=out).div_(denominator.unsqueeze(-1))
+        ctx.save_for_backward(gate, tokens, denominator, out, table)
+        ctx.grid, ctx.kernel_size, ctx.mm_dtype, ctx.policy = grid, w.shape[-1], mm_dtype, policy
+        ctx.dtypes = (q.dtype, k.dtype, v.dtype, w.dtype)
         ctx.mark_non_differentiable(denominator)
-        return gate_inplace(q, numerator, denominator), denominator
+        return out.view(q.shape), denominator
 
     @staticmethod
     def backward(ctx, grad_out, _grad_denominator):
-        inputs = ctx.saved_tensors
-        q, k, v, w = (x.to(ctx.dtype) for x in inputs)
-        batch, channels, key_channels = q.shape[0], q.shape[-1], k.shape[-1]
-        reverse = ctx.grid is not None
-        with no_autocast(q.device):
-            weights = _weights(log_weights(w, ctx.grid, ctx.causal), reverse)  # (G, T keys, T queries), recomputed
-            heads = weights.shape[0]
-            tokens, exp_k, exp_kv = _tokens_into(k, v, heads)  # (G, T, B * n)
-            sums = _mm(weights.transpose(1, 2), tokens, ctx.mm_dtype)
-            numerator, denominator = _split(sums, batch, channels, key_channels, reverse)
-            grad_q, grad_num, grad_den = gate_backward(grad_out.to(ctx.dtype), q, numerator, denominator)
-            grad_sums = _join(grad_num, grad_den, heads, reverse)  # (G, T queries, B * n)
-            grad_tokens = _mm(weights, grad_sums, ctx.mm_dtype)  # (G, T keys, B * n)
-            grad_log_w = _mm(tokens, grad_sums.transpose(1, 2), ctx.mm_dtype) * weights  # (G, T keys, T queries)
-            grad_w = _bias_grad(grad_log_w, w, ctx.grid)
-        grad_kv, grad_k = _split(grad_tokens, batch, channels, key_channels, False)  # keys are in order
-        grad_kv = grad_kv.view(exp_kv.shape)  # (B, T, Ck, C / Ck)
-        grad_v = grad_kv * exp_k.unsqueeze(-1)
-        grad_k = (grad_kv * exp_kv).sum(-1) + grad_k * exp_k
-        grads = (grad_q, grad_k, grad_v, grad_w)
-        return tuple(g.reshape(x.shape).to(x.dtype) for g, x in zip(grads, inputs)) + (None, None, None, None)
+        with no_autocast():  # the products in the dtypes chosen here
+            return DenseMix._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out):
+        gate, tokens, denominator, out, table = ctx.saved_tensors
+        groups, num_keys, batch, _ = tokens.shape
+        numerator_shape = out.shape  # (B, T, G, Ck / G, C / Ck)
+        per_group = gate.shape[-1] // groups
+        cells = None if ctx.grid is None else window_cells(ctx.grid[0], ctx.grid[1], ctx.kernel_size, gate)
+        weights = table.to(ctx.mm_dtype) if cells is None else table.to(ctx.mm_dtype)[:, cells]  # E again
+        grad_out = grad_out.reshape(numerator_shape)
+        grad_gated = torch.mul(grad_out, out)  # g * out
+        grad_q = torch.addcmul(grad_gated, grad_gated, gate.view(numerator_shape), value=-1.0)  # g out (1 - gate)
+        grad_sums = torch.empty_like(tokens)  # (G, T, B, n): [grad N | grad D] where the product reads them
+        layout = grad_sums.permute(2, 1, 0, 3)  # (B, T, G, n)
+        grad_num = layout[..., :per_group].unflatten(-1, numerator_shape[-2:])
+        torch.mul(grad_out, gate.view(numerator_shape), out=grad_num).div_(denominator.unsqueeze(-1))  # g gate / D
+        torch.addcdiv(grad_gated.new_zeros(()), _sum_last(grad_gated), denominator, value=-1.0,
+                      out=layout[..., per_group:])  # -sum(g out) / D per key channel
+        grad_tokens = torch.bmm(weights.transpose(1, 2), grad_sums.flatten(2)).view(tokens.shape)  # (G, T keys, B, n)
+        grad_weights = torch.bmm(grad_sums.flatten(2), tokens.flatten(2).transpose(1, 2))  # (G, T queries, T keys)
+        window = None if ctx.grid is None else (ctx.grid[0], ctx.grid[1], ctx.kernel_size)
+        grad_w = _bias_grad(grad_weights, table, cells, window, ctx.policy)  # (T, T) or (h, s, s)
+        x, grad_x = tokens.permute(2, 1, 0, 3), grad_tokens.permute(2, 1, 0, 3)  # (B, T, G, n)
+        keys, grad_keys = x[..., per_group:], grad_x[..., per_group:]  # (B, T, G, Ck / G)
+        values, grad_values = (t[..., :per_group].unflatten(-1, numerator_shape[-2:]) for t in (x, grad_x))
+        grad_v = torch.mul(grad_values, keys.unsqueeze(-1), out=torch.empty_like(out))  # (B, T, G, Ck / G, C / Ck)
+        grad_k = _sum_last(torch.mul(grad_values, values, out=torch.empty_like(out))).addcmul_(grad_keys, keys)
+        grads = (grad_q.flatten(2), grad_k.flatten(2), grad_v.flatten(2), grad_w)
+        return tuple(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)) + (None, None, None, None)
+
+
+def _sum_last(x: torch.Tensor) -> torch.Tensor:
+    """x summed over its last dim (a view where that dim has one entry: no pass over memory)."""
+    return x.squeeze(-1) if x.shape[-1] == 1 else x.sum(-1)
+
+
+def _bias_grad(grad_weights: torch.Tensor, table: torch.Tensor, cells: Optional[torch.Tensor],
+               grid: Optional[Tuple[int, int, int]], policy: str) -> torch.Tensor:
+    """The bias gradient from dL/dE (G, T, T) (``grid``: H, W, s): ``E * dL/dE`` (the row scales are constants: the loss ignores them),
+    summed over the pairs that share a window cell for AFT-conv, then the pad cells dropped."""
+    if grid is None:
+        return (grad_weights * table)[0]  # (T, T)
+    num_heads, side = table.shape[0], grid[2] + 1
+    flat = grad_weights.view(num_heads, -1)  # (h, T * T)
+    if policy == 'cuda':  # one product with the cached 0/1 selector (T * T, (s + 1)^2)
+        by_cell = torch.mm(flat, window_cells(grid[0], grid[1], grid[2], flat, flat.dtype))
+    else:
+        by_cell = table.new_zeros(table.shape).index_add_(1, cells.flatten(), flat.to(table.dtype))
+    return (by_cell * table).view(num_heads, side, side)[:, :-1, :-1]  # (h, s, s)
+
+
+def dense_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, grid: Optional[Tuple[int, int]],
+                causal: bool, mm_dtype: torch.dtype, tiny: float = TINY) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``DenseMix``'s output and D (B, T, Ck) in plain autograd, the index built in the graph."""
+    batch, num_keys, channels = v.shape
+    key_channels = k.shape[-1]
+    cells = None if grid is None else _cells(grid[0], grid[1], w.shape[-1], q.device)
+    _, weights = _weights(w, grid, causal, mm_dtype, cells)
+    groups = weights.shape[0]
+    p = torch.softmax(k, dim=1)  # (B, T, Ck)
+    values = (v.view(batch, num_keys, key_channels, -1) * p.unsqueeze(-1)).view(batch, num_keys, groups, -1)
+    tokens = torch.cat([values, p.view(batch, num_keys, groups, -1)], dim=-1).to(mm_dtype)  # (B, T, G, n)
+    sums = torch.bmm(weights, tokens.permute(2, 1, 0, 3).reshape(groups, num_keys, -1))  # (G, T, B * n)
+    sums = sums.view(groups, num_keys, batch, -1).permute(2, 1, 0, 3)  # (B, T, G, n)
+    per_group = channels // groups
+    denominator = sums[..., per_group:].clamp_min(tiny).reshape(batch, num_keys, key_channels, 1)
+    numerator = sums[..., :per_group].reshape(batch, num_keys, key_channels, -1)
+    out = torch.sigmoid(q).view(numerator.shape) * (numerator / denominator)
+    return out.view(q.shape), denominator.view(k.shape)
 
 
 def dense_mix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, grid: Optional[Tuple[int, int]],
-              causal: bool, dtype: torch.dtype, mm_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``DenseMix``, or its plain-autograd form inside TorchScript and while ``capturing()``."""
-    if torch.jit.is_scripting() or capturing():
-        q, k, v, w = q.to(dtype), k.to(dtype), v.to(dtype), w.to(dtype)
-        numerator, denominator = dense_sums(k, v, log_weights(w, grid, causal), grid is not None, mm_dtype)
-        return gate(q, numerator, denominator), denominator
+              causal: bool, mm_dtype: torch.dtype, policy: str, plain: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The output (B, T, C) and D (B, T, Ck): ``DenseMix``, or ``dense_plain`` in TorchScript and where ``plain``."""
+    if torch.jit.is_scripting() or plain:
+        return dense_plain(q, k, v, w, grid, causal, mm_dtype)
     else:
-        return DenseMix.apply(q, k, v, w, grid, causal, dtype, mm_dtype)
+        out, denominator = DenseMix.apply(q, k, v, w, grid, causal, mm_dtype, policy)
+        return out, denominator.flatten(2)

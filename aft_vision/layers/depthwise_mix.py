@@ -130,7 +130,7 @@ class DepthwiseMix(torch.autograd.Function):
         inputs = ctx.saved_tensors
         q, k, v, w = (x.to(ctx.dtype) for x in inputs)
         channels, num_heads, s = q.shape[-1], k.shape[-1], w.shape[-1]
-        with no_autocast(q.device):
+        with no_autocast():
             tokens, exp_k, exp_kv = _tokens_into(k, v)  # (B, H, W, C + h)
             kernel, floor, inside = _kernel(w, channels // num_heads)
             sums, _, x = _sums_into(tokens, kernel, floor, ctx.contiguous)

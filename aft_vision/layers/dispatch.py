@@ -1,25 +1,28 @@
-"""How an AFT call runs, in one place (as timm's ``layers/config.py``): the method, the device policy, capture.
+"""The switches of how an AFT call runs, in one place (as timm's ``layers/config.py``): the method, the device policy,
+capture. ``functional.py`` reads them per call.
 
 Method: fixed when an AFT-conv layer is built (``method=``, ``mixer_kwargs``, else ``set_conv_method``'s default,
-first ``AFT_CONV_METHOD`` or 'auto': one switch for timm's scripts, as timm's ``TIMM_FUSED_ATTN``);
-'auto' picks per call by ``choose_conv_method``'s cost tables (docs/performance.md). Policy (``device_policy``,
+first ``AFT_CONV_METHOD`` or 'auto': one switch for timm's scripts, as timm's ``TIMM_FUSED_ATTN``); 'auto' picks per
+call by ``choose_conv_method``'s cost tables (``DISPATCH_TABLES``, docs/performance.md). Policy (``device_policy``,
 ``AFT_DEVICE_POLICY``): 'cpu' repairs underflowed or cancelled entries on the host, exact for any finite input;
-'cuda' never syncs and floors denominators, exact within stated bounds (docs/operators.md). ``capturing()`` (export,
-jit tracing, compiling) is the one capture check: every mixer takes its plain-autograd form, nothing is repaired;
-``exporting()`` also sends 'auto' and 'fused' to 'conv', which runs at any size on any runtime.
+'cuda' never syncs and floors denominators, exact within stated bounds (docs/operators.md). Both variables are read
+when first needed, so a bad value is an error of the call that reads it, naming the variable, never of an import.
+``capturing()`` (export, jit tracing, compiling) is the one capture check: every mixer takes its plain-autograd form,
+nothing is repaired; ``exporting()`` also sends 'auto' to 'conv', which runs at any size on any runtime.
 """
 import contextlib
 import os
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 
-__all__ = ['METHODS', 'DISPATCH_TABLES', 'POLICIES', 'set_conv_method', 'get_conv_method', 'choose_conv_method',
-           'device_policy', 'get_device_policy', 'product_dtype', 'exporting', 'capturing']
+__all__ = ['METHODS', 'DISPATCH_TABLES', 'POLICIES', 'set_conv_method', 'get_conv_method', 'device_policy',
+           'get_device_policy', 'forced_policy', 'exporting', 'capturing', 'no_autocast']
 
 # torch.compiler.is_exporting() tells torch.export from torch.compile from 2.14 on (2.7-2.13: True under both)
 _EXPORT_FLAG_TRUSTED = torch.__version__ >= (2, 14)
-METHODS = ('auto', 'dense', 'conv', 'fused')
+METHODS = ('auto', 'dense', 'conv')
+POLICIES = ('cpu', 'cuda')
 
 # device type -> (ratio, kappa, beta, largest h * T * T for the dense form), fitted as docs/operators.md#dispatch says
 DISPATCH_TABLES: Dict[str, Tuple[float, float, float, int]] = {
@@ -33,7 +36,13 @@ def check_choice(value: str, allowed: Tuple[str, ...] = METHODS, origin: str = '
     return value
 
 
-_default_method = check_choice(os.environ.get('AFT_CONV_METHOD') or 'auto', METHODS, 'AFT_CONV_METHOD')
+def _from_env(name: str, allowed: Tuple[str, ...]) -> Optional[str]:
+    """The environment variable ``name`` (any case), checked against ``allowed``; None where unset or empty."""
+    value = os.environ.get(name, '').strip()
+    return check_choice(value.lower(), allowed, name) if value else None
+
+
+_default_method: Optional[str] = None  # set_conv_method's; None: AFT_CONV_METHOD, else 'auto'
 
 
 def set_conv_method(method: str) -> None:
@@ -43,8 +52,8 @@ def set_conv_method(method: str) -> None:
 
 
 def get_conv_method() -> str:
-    """The process default ``set_conv_method`` set (``AFT_CONV_METHOD``, else 'auto', unless changed)."""
-    return _default_method
+    """The process default: ``set_conv_method``'s, else ``AFT_CONV_METHOD``, else 'auto'."""
+    return _default_method or _from_env('AFT_CONV_METHOD', METHODS) or 'auto'
 
 
 def exporting() -> bool:
@@ -65,22 +74,7 @@ def capturing() -> bool:
     return exporting() or torch.compiler.is_compiling()
 
 
-def choose_conv_method(device_type: str, batch: int, height: int, width: int, channels: int, num_heads: int,
-                       kernel_size: int) -> str:
-    """'dense' or 'conv' for B, H, W, C, h, s on ``device_type`` (others use the CPU table): the cheaper of
-    ``T^2 (C + h) (1 + kappa h / (B (C + h)))`` and ``ratio T A (C + h) + beta`` (A: the usable window) per image."""
-    ratio, kappa, beta, max_weights = DISPATCH_TABLES['cuda' if device_type == 'cuda' else 'cpu']
-    num_keys, width_n = height * width, channels + num_heads
-    window = min(kernel_size, 2 * height - 1) * min(kernel_size, 2 * width - 1)
-    dense = num_keys * num_keys * width_n * (1.0 + kappa * num_heads / (batch * width_n))
-    conv = ratio * num_keys * window * width_n + beta
-    return 'dense' if dense <= conv and num_heads * num_keys * num_keys <= max_weights else 'conv'
-
-
-POLICIES = ('cpu', 'cuda')
-_ENV = 'AFT_DEVICE_POLICY'
 _override: Optional[str] = None
-_ENV_DEFAULT = os.environ.get(_ENV) and check_choice(os.environ[_ENV], POLICIES, _ENV)
 
 
 @contextlib.contextmanager
@@ -95,36 +89,19 @@ def device_policy(kind: Optional[str]) -> Iterator[None]:
         _override = previous
 
 
+def forced_policy() -> Optional[str]:
+    """The ``device_policy`` in force, else ``AFT_DEVICE_POLICY``; None: each call takes its tensors' device's."""
+    return _override or _from_env('AFT_DEVICE_POLICY', POLICIES)
+
+
 def get_device_policy(device: torch.device) -> str:
-    """The ``device_policy`` in force, else ``AFT_DEVICE_POLICY``, else 'cuda' on CUDA and 'cpu' elsewhere."""
-    return _override or _ENV_DEFAULT or ('cuda' if device.type == 'cuda' else 'cpu')
+    """``forced_policy()``, else 'cuda' on CUDA and 'cpu' elsewhere."""
+    return forced_policy() or ('cuda' if device.type == 'cuda' else 'cpu')
 
 
-def compute_dtype(tensors: List[torch.Tensor]) -> torch.dtype:
-    """The dtype of the operators' arithmetic: float64 if any input is float64, else float32."""
-    return torch.float64 if any([tensor.dtype == torch.float64 for tensor in tensors]) else torch.float32
-
-
-def output_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.dtype:
-    return torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
-
-
-def product_dtype(device: torch.device, input_dtype: torch.dtype, compute_dtype: torch.dtype,
-                  policy: str) -> torch.dtype:
-    """The dtype of the matrix products (float32 accumulation): the 16-bit autocast or input dtype where the policy
-    takes it (bfloat16; float16 under 'cuda' only, its range would hide underflow from the repair), else
-    ``compute_dtype``. Call it before autocast is disabled."""
-    half = torch.get_autocast_dtype(device.type) if _autocast_enabled(device) else input_dtype
-    takes_half = half == torch.bfloat16 or (half == torch.float16 and policy == 'cuda')
-    return half if takes_half and compute_dtype == torch.float32 else compute_dtype
-
-
-def _autocast_enabled(device: torch.device) -> bool:
-    return device.type in ('cpu', 'cuda', 'xpu', 'mps') and torch.is_autocast_enabled(device.type)
-
-
-def no_autocast(device: torch.device):
-    """Disable autocast on ``device``'s type, so products and convolutions run in the dtype cast to."""
-    if _autocast_enabled(device):
-        return torch.autocast(device_type=device.type, enabled=False)
+def no_autocast():
+    """Disable autocast where it is on (CUDA, else the CPU, XPU or MPS), so products run in the dtype cast to."""
+    for device_type in ('cuda', 'cpu', 'xpu', 'mps'):
+        if torch.is_autocast_enabled(device_type):
+            return torch.autocast(device_type=device_type, enabled=False)
     return contextlib.nullcontext()

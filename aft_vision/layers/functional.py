@@ -1,30 +1,104 @@
 """Functional AFT operators (Eqs. 2, 4, 5, 6 of Zhai et al., arXiv 2105.14103), like ``F.scaled_dot_product_attention``:
-projected q, k, v in, mixed tokens out (promoted dtype); only the inputs saved for backward, no (B, T, T, C) tensor.
-Under the 'cpu' policy exact to the rounding of the operands for any finite input; under 'cuda' (and when captured)
-finite for any finite input, exact within the bounds each function states (docs/operators.md)."""
-import importlib.util
-import os
-from typing import Optional, Tuple
+projected q, k, v in, mixed tokens out (promoted dtype); no (B, T, T, C) tensor. Each call checks its inputs, picks
+its form and dtypes here, then runs one form file (``dense_mix.py``: the products; ``depthwise_mix.py``: the window;
+``simple_mix.py``). Under the 'cpu' policy exact to the rounding of the operands for any finite input (the repair of
+``_stable.py``); under 'cuda' (and when captured) finite for any finite input, exact within the bounds each function
+states (docs/operators.md)."""
+from typing import List, Optional
 
 import torch
 from timm.layers import register_notrace_function
 
-from ._checks import check_conv_inputs, check_qkv, check_tensor
 from ._stable import CANCEL_TOL, TINY, flag_below, recompute_flagged
-from .dense_mix import dense_mix, log_weights
+from .dense_mix import dense_mix
 from .depthwise_mix import depthwise_mix
-from .dispatch import (check_choice, choose_conv_method, compute_dtype, exporting, get_conv_method, get_device_policy,
-                       no_autocast, output_dtype, product_dtype)
+from .dispatch import DISPATCH_TABLES, capturing, check_choice, exporting, forced_policy, get_conv_method, no_autocast
 from .simple_mix import simple_mix
 
-__all__ = ['aft_full', 'aft_local', 'aft_simple', 'aft_conv2d']
+__all__ = ['aft_full', 'aft_local', 'aft_simple', 'aft_conv2d', 'choose_conv_method', 'product_dtype',
+           'compute_dtype', 'output_dtype', 'check_conv_inputs']
+
+
+def check_tensor(name: str, tensor: torch.Tensor, ndim: int, layout: str):
+    """``tensor`` (argument ``name``): a floating-point torch.Tensor with ``ndim`` dims laid out as ``layout``."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f'{name} must be a torch.Tensor, got {type(tensor).__name__}')
+    if not tensor.is_floating_point():
+        raise ValueError(f'{name} must be a floating-point tensor, got dtype {tensor.dtype}')
+    if tensor.dim() != ndim:
+        raise ValueError(f'{name} must be {ndim}-D {layout}, got shape {list(tensor.shape)}')
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ndim: int, layout: str, key_layout: str):
+    """q and v in ``layout``, k in ``key_layout`` over the same positions, one device, not empty."""
+    for name, tensor, tensor_layout in (('q', q, layout), ('k', k, key_layout), ('v', v, layout)):
+        check_tensor(name, tensor, ndim, tensor_layout)
+    if q.shape != v.shape:
+        raise ValueError(f'q and v must have the same shape {layout}, got q {list(q.shape)} and v {list(v.shape)}')
+    if k.shape[:-1] != q.shape[:-1]:
+        raise ValueError(f'k must match q in every dim but the last, got q {list(q.shape)} and k {list(k.shape)}')
+    if q.device != k.device or q.device != v.device:
+        raise ValueError(f'q, k and v must be on one device, got {q.device}, {k.device} and {v.device}')
+    if key_layout == layout and k.shape != q.shape:
+        raise ValueError(f'k must have the shape of q {layout}, got q {list(q.shape)} and k {list(k.shape)}')
+    if q.numel() == 0:
+        raise ValueError(f'q must not be empty, got shape {list(q.shape)}')
+
+
+def check_conv_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor) -> None:
+    """Check AFT-conv's q, v (B, H, W, C), k (B, H, W, h) with h dividing C, and w (h, s, s) with s odd."""
+    check_qkv(q, k, v, 4, '(B, H, W, C)', '(B, H, W, h)')
+    check_tensor('w', w, 3, '(h, s, s)')
+    channels, num_heads = q.shape[-1], k.shape[-1]
+    if channels % num_heads:
+        raise ValueError(f'C = {channels} (q {list(q.shape)}) is not divisible by h = {num_heads} '
+                         f'(k {list(k.shape)})')
+    if w.shape[0] != num_heads or w.shape[1] != w.shape[2]:
+        raise ValueError(f'w must have shape (h, s, s) with h = {num_heads}, got {list(w.shape)}')
+    if w.shape[1] % 2 == 0:
+        raise ValueError(f'kernel size s must be odd, got w of shape {list(w.shape)}')
+
+
+def compute_dtype(tensors: List[torch.Tensor]) -> torch.dtype:
+    """The dtype of the operators' float arithmetic: float64 if any input is float64, else float32."""
+    return torch.float64 if any([tensor.dtype == torch.float64 for tensor in tensors]) else torch.float32
+
+
+def output_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+
+
+def product_dtype(device: torch.device, input_dtype: torch.dtype, compute_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the products form's operands (float32 accumulation): bfloat16 under bfloat16 autocast or for
+    bfloat16 inputs, else ``compute_dtype`` (float16's range cannot hold the softmax-scaled sums). Call it before
+    autocast is disabled."""
+    autocast = device.type in ('cpu', 'cuda', 'xpu', 'mps') and torch.is_autocast_enabled(device.type)
+    half = torch.get_autocast_dtype(device.type) if autocast else input_dtype
+    return half if half == torch.bfloat16 and compute_dtype == torch.float32 else compute_dtype
+
+
+def choose_conv_method(device_type: str, batch: int, height: int, width: int, channels: int, num_heads: int,
+                       kernel_size: int) -> str:
+    """'dense' or 'conv' for B, H, W, C, h, s on ``device_type`` (others use the CPU table): the cheaper of
+    ``T^2 (C + h) (1 + kappa h / (B (C + h)))`` and ``ratio T A (C + h) + beta`` (A: the usable window) per image."""
+    ratio, kappa, beta, max_weights = DISPATCH_TABLES['cuda' if device_type == 'cuda' else 'cpu']
+    num_keys, width_n = height * width, channels + num_heads
+    window = min(kernel_size, 2 * height - 1) * min(kernel_size, 2 * width - 1)
+    dense = num_keys * num_keys * width_n * (1.0 + kappa * num_heads / (batch * width_n))
+    conv = ratio * num_keys * window * width_n + beta
+    return 'dense' if dense <= conv and num_heads * num_keys * num_keys <= max_weights else 'conv'
+
+
+def _operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype, mm_dtype: torch.dtype):
+    """q, k, v as the products form takes them: as given in ``mm_dtype`` (16-bit), else in ``dtype``."""
+    return [x if x.dtype == mm_dtype else x.to(dtype) for x in [q, k, v]]
 
 
 @register_notrace_function
 def aft_full(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, causal: bool = False) -> torch.Tensor:
     """AFT-full (Eq. 2): ``sigmoid(q_t) * sum_t' exp(k_t' + w_tt') v_t' / sum_t' exp(k_t' + w_tt')`` for q, k, v
     (B, T, C) and a (T, T) bias ``w[query, key]``, by ``dense_mix.py``; ``causal`` keeps t' <= t. Under 'cuda' exact
-    to rounding while each row of ``w`` spans less than ~50 (beyond, finite)."""
+    to rounding while each row of ``w`` and the keys each span less than ~40 (beyond, finite)."""
     check_qkv(q, k, v, 3, '(B, T, C)', '(B, T, C)')
     check_tensor('w', w, 2, '(T, T)')
     if w.shape[0] != q.shape[1] or w.shape[1] != q.shape[1]:
@@ -32,22 +106,25 @@ def aft_full(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor,
     out_dtype = output_dtype(q, k, v)
     dtype = compute_dtype([q, k, v, w])
     if torch.jit.is_scripting():
-        return _aft_full(q, k, v, w, causal, dtype, dtype, 'cpu').to(out_dtype)
+        return _aft_full(q, k, v, w, causal, dtype, dtype, 'cpu', True).to(out_dtype)
     else:
-        policy = get_device_policy(q.device)
-        mm_dtype = product_dtype(q.device, out_dtype, dtype, policy)
-        with no_autocast(q.device):
-            return _aft_full(q, k, v, w, causal, dtype, mm_dtype, policy).to(out_dtype)
+        plain = capturing()
+        policy = 'cuda' if plain else forced_policy() or ('cuda' if q.device.type == 'cuda' else 'cpu')
+        mm_dtype = product_dtype(q.device, out_dtype, dtype)
+        with no_autocast():
+            return _aft_full(q, k, v, w, causal, dtype, mm_dtype, policy, plain).to(out_dtype)
 
 
 def _aft_full(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, causal: bool, dtype: torch.dtype,
-              mm_dtype: torch.dtype, policy: str, tiny: float = TINY) -> torch.Tensor:
-    w = w.to(q.device)
-    out, denominator = dense_mix(q, k, v, w, None, causal, dtype, mm_dtype)
-    bad = flag_below(denominator, denominator.new_full((), tiny), policy)  # (B, T, C): the largest term underflowed
+              mm_dtype: torch.dtype, policy: str, plain: bool, tiny: float = TINY) -> torch.Tensor:
+    q, k, v = _operands(q, k, v, dtype, mm_dtype)
+    w = w.to(device=q.device, dtype=dtype)
+    out, denominator = dense_mix(q, k, v, w, None, causal, mm_dtype, policy, plain)
+    bad = flag_below(denominator, denominator.new_full((), 2 * tiny), policy)  # (B, T, C): underflowed (floored)
     if bad is not None:
-        log_bias = log_weights(w.to(dtype), None, causal)[0].t()  # (T queries, T keys)
-        out = recompute_flagged(out, bad, k.to(dtype), v.to(dtype), 'pairwise', bias=log_bias, gate=q.to(dtype))
+        if causal:
+            w = w.masked_fill(torch.ones_like(w, dtype=torch.bool).triu(1), float('-inf'))
+        out = recompute_flagged(out.to(dtype), bad, k.to(dtype), v.to(dtype), 'pairwise', bias=w, gate=q.to(dtype))
     return out
 
 
@@ -72,8 +149,8 @@ def aft_simple(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool =
     if torch.jit.is_scripting():
         return _aft_simple(q, k, v, causal, 'cpu')
     else:
-        with no_autocast(q.device):
-            return _aft_simple(q, k, v, causal, get_device_policy(q.device))
+        with no_autocast():
+            return _aft_simple(q, k, v, causal, forced_policy() or ('cuda' if q.device.type == 'cuda' else 'cpu'))
 
 
 def _aft_simple(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, policy: str,
@@ -94,10 +171,10 @@ def aft_conv2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tenso
     """AFT-conv (Eq. 6) on a 2-D token grid: every key of the image contributes, those inside the s x s window
     around the query with the extra bias ``w``.
 
-    ``method`` (None: ``get_conv_method()``): 'fused' (the operator ``torch.ops.aft_vision.aft_conv2d``: the fused
-    Triton kernels on CUDA, exact for any finite input), 'dense' (``dense_mix.py``), 'conv' (``depthwise_mix.py``) or
-    'auto' (``dispatch.py``). Under 'cuda' the dense form is exact to rounding while a head's bias spans less than
-    ~50, the conv form to ``6e-8 * exp(max(0, -min w))`` of its denominator.
+    ``method`` (None: ``get_conv_method()``): 'dense' (the products, ``dense_mix.py``), 'conv' (the window,
+    ``depthwise_mix.py``) or 'auto' (``choose_conv_method``; 'conv' while exporting). Under 'cuda' the dense form is
+    exact to rounding while a head's bias and its keys each span less than ~40, the conv form to
+    ``6e-8 * exp(max(0, -min w))`` of its denominator.
 
     Args:
         q: Queries (B, H, W, C), before the sigmoid. v: Values (B, H, W, C).
@@ -108,113 +185,44 @@ def aft_conv2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tenso
     check_conv_inputs(q, k, v, w)
     out_dtype = output_dtype(q, k, v)
     dtype = compute_dtype([q, k, v, w])
-    if torch.jit.is_scripting():  # TorchScript, like export, takes the convolution for 'auto' and 'fused'
+    if torch.jit.is_scripting():  # TorchScript, like export, takes the convolution for 'auto'
         dense = method is not None and method == 'dense'
-        return _aft_conv2d(q, k, v, w, 'dense' if dense else 'conv', dtype, dtype, 'cpu')[0].to(out_dtype)
+        return _aft_conv2d(q, k, v, w, 'dense' if dense else 'conv', dtype, dtype, 'cpu', True).to(out_dtype)
     else:
         method = check_choice(get_conv_method() if method is None else method)
-        if exporting() and method in ('auto', 'fused'):  # the conv form runs at any size on any runtime
+        if exporting() and method == 'auto':  # the conv form runs at any size on any runtime
             method = 'conv'
         elif method == 'auto':  # the cost model's choice on the tensors' device
             batch, height, width, channels = q.shape
             method = choose_conv_method(q.device.type, batch, height, width, channels, k.shape[-1], w.shape[-1])
-        if method == 'fused':
-            return _fused_op(q, k, v, w.to(q.device))[0]
-        policy = get_device_policy(q.device)
-        mm_dtype = product_dtype(q.device, out_dtype, dtype, policy)
-        with no_autocast(q.device):
-            return _aft_conv2d(q, k, v, w, method, dtype, mm_dtype, policy)[0].to(out_dtype)
+        plain = capturing()
+        policy = 'cuda' if plain else forced_policy() or ('cuda' if q.device.type == 'cuda' else 'cpu')
+        mm_dtype = product_dtype(q.device, out_dtype, dtype)
+        with no_autocast():
+            return _aft_conv2d(q, k, v, w, method, dtype, mm_dtype, policy, plain).to(out_dtype)
 
 
 def _aft_conv2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, method: str, dtype: torch.dtype,
-                mm_dtype: torch.dtype, policy: str, tiny: float = TINY, cancel_tol: float = CANCEL_TOL,
-                plain: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The output and the denominator D (B, H, W, h) of the dense or conv form (repaired under 'cpu'); ``plain``:
-    the conv form in plain autograd."""
+                mm_dtype: torch.dtype, policy: str, plain: bool, tiny: float = TINY,
+                cancel_tol: float = CANCEL_TOL) -> torch.Tensor:
+    """The output of the dense or conv form, repaired under the 'cpu' policy."""
     batch, height, width, channels = q.shape
     num_heads = k.shape[-1]
     num_keys = height * width
     w = w.to(q.device)
     if method == 'dense':
-        out, denominator = dense_mix(q.reshape(batch, num_keys, channels), k.reshape(batch, num_keys, num_heads),
-                                     v.reshape(batch, num_keys, channels), w, (height, width), False, dtype, mm_dtype)
+        rows = [x.flatten(1, 2) for x in _operands(q, k, v, dtype, mm_dtype)]  # (B, T, .) token rows
+        out, denominator = dense_mix(rows[0], rows[1], rows[2], w.to(dtype), (height, width), False, mm_dtype, policy,
+                                     plain)
         out, denominator = out.view(q.shape), denominator.view(k.shape)
-        threshold = denominator.new_full((), tiny)  # the largest joint term underflowed
+        threshold = denominator.new_full((), 2 * tiny)  # the largest joint term underflowed (D floored at tiny)
     else:
         out, denominator, scale = depthwise_mix(q, k, v, w, q.device.type == 'cuda', dtype, plain)  # cuDNN: NCHW
         threshold = (scale * cancel_tol).clamp_min(tiny)  # (B, 1, 1, h): mostly cancellation (or underflow)
     bad = flag_below(denominator, threshold, policy)  # (B, H, W, h)
     if bad is not None:
         flags = bad.unsqueeze(-1).expand(batch, height, width, num_heads, channels // num_heads)
-        out = recompute_flagged(out.flatten(1, 2), flags.reshape(batch, num_keys, channels), k.to(dtype).flatten(1, 2),
-                                v.to(dtype).flatten(1, 2), 'conv', bias=w.to(dtype), grid_w=width,
-                                gate=q.to(dtype).flatten(1, 2)).view(q.shape)  # as token rows (B, T, n)
-    return out, denominator
-
-
-# The operator: one graph node for eager, torch.compile and CUDA graphs; exports never see it (``exporting()``).
-@torch.library.custom_op('aft_vision::aft_conv2d', mutates_args=())
-def _fused_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The gated output (B, H, W, C) and the log-sum-exp of each query's logits (B, H, W, h) in the arithmetic's
-    dtype (``compute_dtype``)."""
-    check_conv_inputs(q, k, v, w)
-    if _kernels_run_on(q.device):
-        from .aft_conv_fused import fused_forward  # imports triton on first use only
-        return fused_forward(q, k, v, w)
-    dtype = compute_dtype([q, k, v, w])
-    policy = get_device_policy(q.device)
-    with no_autocast(q.device):
-        out, denominator = _aft_conv2d(q, k, v, w, 'conv', dtype, product_dtype(q.device, q.dtype, dtype, policy),
-                                       policy)
-    shift = k.detach().amax(dim=(1, 2), keepdim=True).to(dtype) + w.detach().amax(dim=(1, 2)).clamp_min(0.0).to(dtype)
-    return out.to(output_dtype(q, k, v)).contiguous(), (torch.log(denominator.to(dtype)) + shift).contiguous()
-
-
-@torch.library.custom_op('aft_vision::aft_conv2d_backward', mutates_args=())
-def _fused_op_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor,
-                       out: torch.Tensor, lse: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                      torch.Tensor]:
-    """Gradients in q, k, v, w: the fused kernels from ``out`` and ``lse``; elsewhere the conv form's, recomputed."""
-    if _kernels_run_on(q.device):
-        from .aft_conv_fused import fused_backward
-        return fused_backward(grad, q, k, v, w, out, lse)
-    dtype = compute_dtype([q, k, v, w])
-    policy = get_device_policy(q.device)
-
-    def plain(*inputs):  # the conv form in plain autograd (functorch cannot trace its autograd Function)
-        with no_autocast(q.device):
-            return _aft_conv2d(*inputs, 'conv', dtype, dtype, policy, plain=True)[0]
-
-    grads = torch.func.vjp(plain, q, k, v, w)[1](grad.to(output_dtype(q, k, v)))
-    return tuple(g.to(x.dtype).contiguous() for g, x in zip(grads, (q, k, v, w)))
-
-
-def _kernels_run_on(device: torch.device) -> bool:
-    """Whether the operator runs the Triton kernels on ``device``: CUDA, or the CPU under ``TRITON_INTERPRET=1``,
-    with triton installed (else the conv form, as SDPA falls back to its math kernel)."""
-    interpret = os.environ.get('TRITON_INTERPRET', '0').lower() in ('1', 'true', 'yes', 'on')
-    return (device.type == 'cuda' or (device.type == 'cpu' and interpret)) and _HAS_TRITON
-
-
-_HAS_TRITON = importlib.util.find_spec('triton') is not None
-
-
-@_fused_op.register_fake
-def _(q, k, v, w):
-    return q.new_empty(q.shape, dtype=output_dtype(q, k, v)), k.new_empty(k.shape, dtype=compute_dtype([q, k, v, w]))
-
-
-@_fused_op_backward.register_fake
-def _(grad, q, k, v, w, out, lse):
-    return tuple(x.new_empty(x.shape) for x in (q, k, v, w))
-
-
-def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs, *output)
-
-
-def _backward(ctx, grad, _grad_lse):
-    return _fused_op_backward(grad.contiguous(), *ctx.saved_tensors)
-
-
-_fused_op.register_autograd(_backward, setup_context=_setup_context)
+        out = recompute_flagged(out.to(dtype).flatten(1, 2), flags.reshape(batch, num_keys, channels),
+                                k.to(dtype).flatten(1, 2), v.to(dtype).flatten(1, 2), 'conv', bias=w.to(dtype),
+                                grid_w=width, gate=q.to(dtype).flatten(1, 2)).view(q.shape)  # as token rows (B, T, n)
+    return out

@@ -17,7 +17,7 @@ from aft_vision.layers.dispatch import DISPATCH_TABLES
 # One layer of each registered model, (B, H, W, C, h, s), and the method bench --ops measured fastest forward +
 # backward (docs/performance.md, "The dispatch table" and "GPU"). CPU: one thread, float32, batch 8 (64 for the digits
 # model; aft_conv_base_25_h32 at 224 px, a tie within 2%, is left out). CUDA: an H100, bfloat16, batch 64, dense
-# against conv (the Triton kernel, faster in three layers, is never picked automatically).
+# against conv.
 MEASURED = {
     'cpu': [((8, side, side, c, h, s), 'conv')
             for side in (14, 24) for c, h, s in ((384, 384, 15), (384, 16, 11), (192, 192, 11))]
@@ -80,7 +80,7 @@ def test_method_and_layout_follow_the_device_not_the_policy(policy):
     assert choose_conv_method('cuda', batch, side, side, channels, heads, s) == 'dense'
     assert choose_conv_method('cpu', batch, side, side, channels, heads, s) == 'conv'
     q, k, v, w = grid_inputs(2, side, side, channels, heads, s)  # 2 images: the method depends on the shapes only
-    with mock.patch('aft_vision.layers.dispatch.choose_conv_method',
+    with mock.patch('aft_vision.layers.functional.choose_conv_method',
                     lambda device_type, _batch, *rest: choose_conv_method(device_type, batch, *rest)):
         with device_policy(policy), _Kernels() as kernels:
             aft_conv2d(q, k, v, w)
@@ -114,7 +114,7 @@ def test_a_layer_fixes_its_method_when_built():
         with _Kernels() as kernels:
             aft_conv2d(q, k, v, w)
         assert kernels.products == 0 and kernels.conv_channels_last
-        with pytest.raises(ValueError, match='method must be one of auto, dense, conv, fused'):
+        with pytest.raises(ValueError, match='method must be one of auto, dense, conv,'):
             set_conv_method('fft')
     finally:
         set_conv_method('auto')
@@ -127,10 +127,10 @@ def test_a_layer_fixes_its_method_when_built():
 
 
 @pytest.mark.filterwarnings('ignore::torch.jit.TracerWarning')
-@pytest.mark.parametrize('method', ['auto', 'fused'])
+@pytest.mark.parametrize('method', ['auto'])
 def test_exported_graphs_take_the_convolution(method):
-    """While exporting, 'auto' (the dense form in eager here) and 'fused' (the operator) record the depthwise
-    convolution, which runs at any input size on any runtime."""
+    """While exporting, 'auto' (the dense form in eager here) records the depthwise convolution, which runs at any
+    input size on any runtime."""
     q, k, v, w = grid_inputs(2, 4, 4, 8, 2, 3)
     traced = torch.jit.trace(lambda *t: aft_conv2d(*t, method=method), (q, k, v, w), check_trace=False)
     kinds = {node.kind() for node in traced.graph.nodes()}
