@@ -16,6 +16,8 @@ The rules that define the figure (``TrafficCounter``):
 What the count cannot see: the kernels inside one aten op (cuDNN's own transposes, a matmul's workspace).
 """
 import collections
+import contextlib
+import logging
 from typing import Dict, Optional, Tuple
 
 import timm
@@ -26,7 +28,8 @@ from torch.utils._pytree import tree_leaves
 
 from ..layers import AFTConv2d, AFTFull, AFTSimple, aft_conv2d, aft_full, aft_simple, choose_conv_method, device_policy
 
-__all__ = ['TrafficCounter', 'tensor_bytes', 'layer_shape', 'count_layer', 'inductor_counts']
+__all__ = ['TrafficCounter', 'tensor_bytes', 'layer_shape', 'mixer_inputs', 'mixer_call', 'auto_method',
+           'count_layer', 'inductor_counts']
 
 _ALLOCATIONS = {'aten::empty', 'aten::empty_strided', 'aten::new_empty', 'aten::new_empty_strided',
                 'aten::empty_like'}
@@ -122,9 +125,10 @@ def layer_shape(name: str, img_size: int) -> Dict:
     return {'kind': 'full' if isinstance(layer, AFTFull) else 'simple', **shape, 'tokens': tokens}
 
 
-def _inputs(shape: Dict, batch_size: int, precision: str, device: str):
-    """q, k, v (what bf16 autocast's qkv projection hands the mixer for 'bf16') and w (float32), leaves."""
-    dtype = torch.bfloat16 if precision == 'bf16' else torch.float32
+def mixer_inputs(shape: Dict, batch_size: int, precision: str, device):
+    """q, k, v (in bfloat16 for 'bf16', float16 for 'fp16': what autocast's qkv projection hands the mixer) and w
+    (float32; None for AFT-simple), random leaves requiring grad."""
+    dtype = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}[precision]
     if shape['kind'] == 'conv':
         grid = (batch_size, shape['height'], shape['width'])
         sizes = [(*grid, shape['channels']), (*grid, shape['num_heads']), (*grid, shape['channels'])]
@@ -136,8 +140,8 @@ def _inputs(shape: Dict, batch_size: int, precision: str, device: str):
     return (*qkv, None if w is None else torch.randn(w, device=device, requires_grad=True))
 
 
-def _mix(shape: Dict, method: Optional[str]):
-    """The mixer call of ``shape``'s kind: f(q, k, v, w)."""
+def mixer_call(shape: Dict, method: Optional[str] = None):
+    """The mixer call of ``shape``'s kind, f(q, k, v, w); ``method``: AFT-conv's."""
     if shape['kind'] == 'conv':
         return lambda q, k, v, w: aft_conv2d(q, k, v, w, method=method)
     if shape['kind'] == 'full':
@@ -145,10 +149,14 @@ def _mix(shape: Dict, method: Optional[str]):
     return lambda q, k, v, w: aft_simple(q, k, v)
 
 
-def _cuda_method(shape: Dict, batch_size: int) -> Optional[str]:
+_METHOD_OF = {'full': 'dense', 'simple': 'simple'}  # what the other kinds' call is named in reports
+
+
+def auto_method(shape: Dict, batch_size: int, device_type: str = 'cuda') -> str:
+    """The method 'auto' picks for the layer on ``device_type`` (AFT-full: 'dense', AFT-simple: 'simple')."""
     if shape['kind'] != 'conv':
-        return None
-    return choose_conv_method('cuda', batch_size, shape['height'], shape['width'], shape['channels'],
+        return _METHOD_OF[shape['kind']]
+    return choose_conv_method(device_type, batch_size, shape['height'], shape['width'], shape['channels'],
                               shape['num_heads'], shape['kernel_size'])
 
 
@@ -174,13 +182,13 @@ def count_layer(name_or_shape, img_size: int, batch_size: int, precision: str, m
         [count, MB] of the forward + backward) and the layer's shape.
     """
     shape = layer_shape(name_or_shape, img_size) if isinstance(name_or_shape, str) else dict(name_or_shape)
-    method = method or _cuda_method(shape, batch_size)
-    mix = _mix(shape, method)
+    method = method or auto_method(shape, batch_size)
+    mix = mixer_call(shape, method)
     with torch._subclasses.fake_tensor.FakeTensorMode(), device_policy('cuda'):
-        inputs = _inputs(shape, batch_size, precision, 'cuda')
+        inputs = mixer_inputs(shape, batch_size, precision, 'cuda')
         with TrafficCounter() as forward:
             mix(*inputs)
-        inputs = _inputs(shape, batch_size, precision, 'cpu')
+        inputs = mixer_inputs(shape, batch_size, precision, 'cpu')
         out = mix(*inputs)
         grad = torch.randn_like(out)
         with TrafficCounter() as backward:
@@ -191,37 +199,50 @@ def count_layer(name_or_shape, img_size: int, batch_size: int, precision: str, m
             largest[op][0] += count
             largest[op][1] += moved / 1e6
     largest = dict(sorted(largest.items(), key=lambda item: -item[1][1])[:5])
-    return {**shape, 'batch_size': batch_size, 'precision': precision, 'method': method or shape['kind'],
+    return {**shape, 'batch_size': batch_size, 'precision': precision, 'method': method,
             'forward_ops': forward.ops, 'forward_mb': forward.bytes / 1e6, 'ops': forward.ops + backward.ops,
             'mb': (forward.bytes + backward.bytes) / 1e6, 'largest': largest}
+
+
+def _no_compile_caches():
+    """Compile afresh: a graph loaded from Inductor's caches generates no kernels and counts no bytes."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch._inductor.config.patch(fx_graph_cache=False))
+    stack.enter_context(torch._functorch.config.patch(enable_autograd_cache=False))
+    return stack
 
 
 def inductor_counts(name_or_shape, img_size: int, batch_size: int, precision: str,
                     method: Optional[str] = None) -> Dict:
     """Inductor's kernels and bytes (``torch._inductor.metrics``: ``generated_kernel_count``,
     ``num_bytes_accessed``) for the same mixer call under ``torch.compile(fullgraph=True)`` on the CPU (real
-    tensors: it compiles and runs once), forward alone and forward + backward. Extern kernels (convolutions,
-    matrix products) are not among Inductor's generated kernels.
+    tensors: it compiles and runs once), forward alone and forward + backward. The bytes are those of every scheduled
+    node, extern kernels (convolutions, matrix products) included, which are not among the generated kernels.
+    Inductor counts bytes only while its metrics log is enabled at INFO: it is, during the call, with no handler.
 
     Returns:
         Dict with 'forward_kernels', 'forward_mb', 'kernels', 'mb' (forward + backward).
     """
     from torch._inductor import metrics
+    from torch._inductor.compile_fx import inductor_metrics_log
 
     shape = layer_shape(name_or_shape, img_size) if isinstance(name_or_shape, str) else dict(name_or_shape)
-    method = method or _cuda_method(shape, batch_size)
-    torch._dynamo.reset()
-    compiled = torch.compile(_mix(shape, method), fullgraph=True)
-    counts = {}
-    for key, train in (('forward', False), ('train', True)):
-        torch._dynamo.reset()
-        metrics.reset()
-        inputs = [x if x is None else x.detach().requires_grad_(train)
-                  for x in _inputs(shape, batch_size, precision, 'cpu')]
-        with device_policy('cuda'), torch.set_grad_enabled(train):
-            out = compiled(*inputs)
-            if train:
-                out.backward(torch.randn_like(out))
-        counts[key] = (metrics.generated_kernel_count, metrics.num_bytes_accessed / 1e6)
-    return {'method': method or shape['kind'], 'forward_kernels': counts['forward'][0],
+    method = method or auto_method(shape, batch_size)
+    compiled = torch.compile(mixer_call(shape, method), fullgraph=True)
+    counts, level = {}, inductor_metrics_log.level
+    inductor_metrics_log.setLevel(logging.INFO)
+    try:
+        for key, train in (('forward', False), ('train', True)):
+            torch._dynamo.reset()
+            metrics.reset()
+            inputs = [x if x is None else x.detach().requires_grad_(train)
+                      for x in mixer_inputs(shape, batch_size, precision, 'cpu')]
+            with _no_compile_caches(), device_policy('cuda'), torch.set_grad_enabled(train):
+                out = compiled(*inputs)
+                if train:
+                    out.backward(torch.randn_like(out))
+            counts[key] = (metrics.generated_kernel_count, metrics.num_bytes_accessed / 1e6)
+    finally:
+        inductor_metrics_log.setLevel(level)
+    return {'method': method, 'forward_kernels': counts['forward'][0],
             'forward_mb': counts['forward'][1], 'kernels': counts['train'][0], 'mb': counts['train'][1]}
