@@ -170,3 +170,15 @@ def test_gmacs_count_attention_and_aft_conv_as_their_products():
         model = timm.create_model('aft_conv_test', mixer_kwargs={'method': method}).eval()
         assert count_macs(model, images) == by_conv
         assert {m.method for m in model.modules() if hasattr(m, 'method') and isinstance(m.method, str)} == {method}
+
+
+def test_ops_count_only_counts_every_method_of_each_kind_without_timing(tmp_path, capsys):
+    assert cli_main(['bench', '--ops-count-only', '--models', 'aft_conv_test', 'aft_full_test', '--resolutions', '32',
+                     '--batch-size', '2', '--precision', 'bf16', '--out-dir', str(tmp_path)]) == 0
+    conv, full = json.loads((tmp_path / 'ops.json').read_text())['rows']
+    assert (conv['kind'], set(conv['counts']), full['kind'], set(full['counts'])) == ('conv', {'dense', 'conv'},
+                                                                                      'full', {'dense'})
+    assert 'ms' not in conv and full['tokens'] == full['height'] * full['width'] + 1 and full['cuda_auto'] == 'dense'
+    for count in [*conv['counts'].values(), *full['counts'].values()]:
+        assert 0 < count['forward_ops'] < count['ops'] and 0 < count['forward_mb'] < count['mb']
+    assert 'counted on the CUDA path' in capsys.readouterr().out

@@ -1,19 +1,18 @@
-"""``aft-vision bench --ops``: every AFT-conv method on the mixer layer of each model, timed forward and backward
-apart, beside the one ``method='auto'`` picks: the measurements behind the dispatch tables
-(``aft_vision/layers/dispatch.py``; docs/performance.md, "Choosing the AFT-conv method")."""
+"""``aft-vision bench --ops``: every method on the mixer layer of each model, timed forward and backward apart, beside
+the one ``method='auto'`` picks and each method's traffic count on the CUDA path (``traffic.py``): the measurements
+behind the dispatch tables (``aft_vision/layers/dispatch.py``; docs/performance.md, "Choosing the AFT-conv method")."""
 import contextlib
 import statistics
 import time
 from typing import Dict, List
 
-import timm
 import torch
 from tqdm import tqdm
 
-from ..layers import AFTConv2d, aft_conv2d, choose_conv_method
 from .report import write_report
+from .traffic import auto_method, count_layer, inductor_counts, layer_shape, mixer_call, mixer_inputs
 
-__all__ = ['layer_shape', 'time_methods', 'main', 'autocast', 'sync']
+__all__ = ['variants_for', 'time_methods', 'main', 'autocast', 'sync']
 
 
 def autocast(device: torch.device, precision: str):
@@ -29,40 +28,26 @@ def sync(device: torch.device):
         torch.cuda.synchronize(device)
 
 
-def layer_shape(name: str, img_size: int) -> Dict[str, int]:
-    """The first AFT-conv layer of a registered model at ``img_size``: grid, width, heads, window (on meta)."""
-    model = timm.create_model(name, img_size=img_size, device='meta')
-    layer = next((m for m in model.modules() if isinstance(m, AFTConv2d)), None)
-    if layer is None:
-        raise ValueError(f'{name} has no AFT-conv layer; --ops times the AFT-conv methods')
-    patch = model.patch_embed.patch_size
-    return {'height': img_size // patch[0], 'width': img_size // patch[1], 'channels': layer.dim,
-            'num_heads': layer.num_heads, 'kernel_size': layer.kernel_size}
+def variants_for(kind: str) -> List[str]:
+    """What ``--ops`` runs for a layer of ``kind`` (``layer_shape``): AFT-conv's 'dense' and 'conv:forward_conv',
+    AFT-full's 'dense', AFT-simple's 'simple'."""
+    return {'conv': ['dense', 'conv:forward_conv'], 'full': ['dense'], 'simple': ['simple']}[kind]
 
 
-def variants_for(device: torch.device) -> List[str]:
-    """What ``--ops`` can time on ``device``: 'dense', 'conv:forward_conv' and, on CUDA, 'fused' (the operator)."""
-    return ['dense', 'conv:forward_conv'] + (['fused'] if device.type == 'cuda' else [])
-
-
-def time_methods(shape: Dict[str, int], batch_size: int, device: torch.device, precision: str, repeats: int,
+def time_methods(shape: Dict, batch_size: int, device: torch.device, precision: str, repeats: int,
                  warmup: int, variants: List[str]) -> Dict[str, Dict[str, float]]:
-    """Median forward and backward milliseconds of ``aft_conv2d`` for one layer shape, per variant of
+    """Median forward and backward milliseconds of the mixer call for one layer shape, per variant of
     ``variants_for``."""
-    gen = torch.Generator(device=device).manual_seed(0)
-    grid = (batch_size, shape['height'], shape['width'])
-    q, v = (torch.randn(*grid, shape['channels'], device=device, generator=gen, requires_grad=True) for _ in 'qv')
-    k = torch.randn(*grid, shape['num_heads'], device=device, generator=gen, requires_grad=True)
-    w = torch.randn(shape['num_heads'], shape['kernel_size'], shape['kernel_size'], device=device, generator=gen,
-                    requires_grad=True)
+    torch.manual_seed(0)
+    q, k, v, w = mixer_inputs(shape, batch_size, 'fp32', device)
     dtype = {'fp32': None, 'bf16': torch.bfloat16, 'fp16': torch.float16}[precision]
 
     def step(variant):
-        method = variant.partition(':')[0]
+        mix = mixer_call(shape, variant.partition(':')[0])
         inputs = [x.to(dtype) if dtype else x for x in (q, k, v)]
         start = time.perf_counter()
         with autocast(device, precision):
-            out = aft_conv2d(*inputs, w, method=method)
+            out = mix(*inputs, w)
         loss = out.float().sum()
         sync(device)
         middle = time.perf_counter()
@@ -78,32 +63,83 @@ def time_methods(shape: Dict[str, int], batch_size: int, device: torch.device, p
                       'backward': statistics.median(run[variant][1] for run in runs)} for variant in variants}
 
 
+def _counts(shape: Dict, settings, variants: List[str]) -> Dict[str, Dict]:
+    """Per method: the traffic count on the CUDA path and, with ``--compile``, Inductor's on the CPU."""
+    counts = {}
+    for variant in variants:
+        method = variant.partition(':')[0] if shape['kind'] == 'conv' else None
+        count = count_layer(shape, 0, settings.batch_size, settings.precision, method)
+        counts[count['method']] = {key: count[key] for key in ('forward_ops', 'forward_mb', 'ops', 'mb')}
+        if settings.compile:
+            counts[count['method']]['inductor'] = inductor_counts(shape, 0, settings.batch_size, settings.precision,
+                                                                  method)
+    return counts
+
+
+def _mb(value: float) -> str:
+    return f'{value:,.0f}' if value >= 10 else f'{value:.2f}'
+
+
+def _table(rows: List[Dict], timed: bool, compiled: bool) -> str:
+    """The markdown table: per row the shape, per method its ms (when timed), its counts, Inductor's (compiled);
+    '-' where a row's layer has no such method."""
+    methods = list(dict.fromkeys(method for row in rows for method in row['counts']))
+    variants = list(dict.fromkeys(variant for row in rows for variant in row.get('split_ms', ())))
+    first = rows[0]
+    head = ('| model | res | grid | C | h | s | ' + ''.join(f'{m} ms | ' for m in methods if timed)
+            + ('fastest | ' if timed else '') + 'auto | CUDA auto | '
+            + ' | '.join(f'{m} fwd ops / MB | {m} fwd+bwd ops / MB' for m in methods)
+            + ''.join(f' | {m} Inductor, CPU: fwd / fwd+bwd kernels, MB' for m in methods if compiled) + ' |')
+    lines = [f"Ops and MB (1e6 bytes): the aten ops one mixer call runs and what they read and write, counted on the "
+             f"CUDA path (bench/traffic.py) whatever --device times; batch {first['batch_size']}, "
+             f"{first['precision']}.", '', head, '|' + '---|' * (head.count('|') - 1)]
+    for row in rows:
+        grid = f"{row['height']}x{row['width']}" + (f" ({row['tokens']} tokens)" if 'tokens' in row else '')
+        cells = [row['model'], row['resolution'], grid, row['channels'], row.get('num_heads', '-'),
+                 row.get('kernel_size', '-')]
+        if timed:
+            cells += [f"{row['ms'][m]:.2f}" if m in row['ms'] else '-' for m in methods] + [row['fastest']]
+        cells += [row['auto'], row['cuda_auto']]
+        counts = row['counts']
+        for m in methods:
+            cells += [f"{counts[m]['forward_ops']} / {_mb(counts[m]['forward_mb'])}",
+                      f"{counts[m]['ops']} / {_mb(counts[m]['mb'])}"] if m in counts else ['-', '-']
+        for m in methods if compiled else ():
+            ind = counts[m]['inductor'] if m in counts else None
+            cells.append(f"{ind['forward_kernels']} / {ind['kernels']}, {_mb(ind['forward_mb'])} / {_mb(ind['mb'])}"
+                         if ind else '-')
+        lines.append('| ' + ' | '.join(str(cell) for cell in cells) + ' |')
+    if timed:
+        lines += ['', '| model | res | ' + ' | '.join(f'{v} fwd / bwd ms' for v in variants) + ' |',
+                  '|---|---|' + '---|' * len(variants)]
+        lines += [f"| {row['model']} | {row['resolution']} | " + ' | '.join(
+            f"{row['split_ms'][v]['forward']:.2f} / {row['split_ms'][v]['backward']:.2f}" if v in row['split_ms']
+            else '-' for v in variants) + ' |' for row in rows]
+    return '\n'.join(lines)
+
+
 def main(settings, models: List[str], resolutions: List[int]) -> int:
-    """``aft-vision bench --ops``: ``settings`` is a ``BenchSettings``; writes ``ops.json`` and ``ops.md``."""
+    """``aft-vision bench --ops``: ``settings`` is a ``BenchSettings``; writes ``ops.json`` and ``ops.md``: per layer
+    the methods' times (none under ``ops_count_only``) beside their traffic counts."""
     device = torch.device(settings.device)
-    variants = settings.ops_methods or variants_for(device)
-    if set(variants) - set(variants_for(device)):
-        raise ValueError(f'--ops-methods takes {", ".join(variants_for(device))}, got {variants}')
+    timed = not settings.ops_count_only
     rows = []
     pairs = [(res, name) for res in resolutions for name in models]
     for res, name in tqdm(pairs, desc='bench --ops', unit='layer'):
         shape = layer_shape(name, res)
-        split = time_methods(shape, settings.batch_size, device, settings.precision, settings.repeats,
-                             settings.warmup, variants)
-        ms = {variant.partition(':')[0]: sum(parts.values()) for variant, parts in split.items()}
-        auto = choose_conv_method(device.type, settings.batch_size, shape['height'], shape['width'],
-                                  shape['channels'], shape['num_heads'], shape['kernel_size'])
-        rows.append({'model': name, 'resolution': res, **shape, 'batch_size': settings.batch_size,
-                     'device': str(device), 'precision': settings.precision, 'threads': torch.get_num_threads(),
-                     'ms': ms, 'split_ms': split, 'fastest': min(ms, key=ms.get), 'auto': auto})
-    head = ('| model | res | grid | C | h | s | ' + ' | '.join(f'{m} ms' for m in rows[0]['ms'])
-            + ' | fastest | auto | ' + ' | '.join(f'{v} fwd / bwd' for v in rows[0]['split_ms']) + ' |')
-    lines = [head, '|' + '---|' * (head.count('|') - 1)]
-    for row in rows:
-        lines.append(f"| {row['model']} | {row['resolution']} | {row['height']}x{row['width']} | {row['channels']} | "
-                     f"{row['num_heads']} | {row['kernel_size']} | "
-                     + ' | '.join(f'{value:.2f}' for value in row['ms'].values())
-                     + f" | {row['fastest']} | {row['auto']} | "
-                     + ' | '.join(f"{t['forward']:.2f} / {t['backward']:.2f}" for t in row['split_ms'].values()) + ' |')
-    write_report(settings, 'ops', rows, '\n'.join(lines))
+        variants = settings.ops_methods or variants_for(shape['kind'])
+        if set(variants) - set(variants_for(shape['kind'])):
+            raise ValueError(f"--ops-methods takes {', '.join(variants_for(shape['kind']))} for {name}, got {variants}")
+        row = {'model': name, 'resolution': res, **shape, 'batch_size': settings.batch_size, 'device': str(device),
+               'precision': settings.precision, 'threads': torch.get_num_threads()}
+        if timed:
+            split = time_methods(shape, settings.batch_size, device, settings.precision, settings.repeats,
+                                 settings.warmup, variants)
+            ms = {variant.partition(':')[0]: sum(parts.values()) for variant, parts in split.items()}
+            row.update(ms=ms, split_ms=split, fastest=min(ms, key=ms.get))
+        row['auto'], row['cuda_auto'] = (auto_method(shape, settings.batch_size, kind)
+                                         for kind in (device.type, 'cuda'))
+        row['counts'] = _counts(shape, settings, variants)
+        rows.append(row)
+    write_report(settings, 'ops', rows, _table(rows, timed, settings.compile))
     return 0

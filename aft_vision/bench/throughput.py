@@ -283,6 +283,7 @@ class BenchSettings:
     compile: bool = False  # the same as runtime='compile'
     ops: bool = False  # time every AFT-conv method on the layers of models instead (ops.py)
     ops_methods: Optional[List[str]] = None  # ops: the variants to time (None: all)
+    ops_count_only: bool = False  # ops without timing: the traffic counts alone (traffic.py)
     dense: bool = False  # time whole segmentation networks instead (DENSE_PAIR in smp's DPT, batch 1)
     quick: bool = False  # tiny run: aft_conv_test vs test_vit at 64 px
     readme: bool = False  # the run behind docs/performance.md (README_RUN)
@@ -338,7 +339,7 @@ def main(settings: BenchSettings) -> int:
     torch.manual_seed(0)
     if settings.dense:
         return dense_main(settings, runtime, resolutions)
-    if settings.ops:
+    if settings.ops or settings.ops_count_only:
         return ops_main(settings, models, resolutions)
     rows = _benchmark(settings, models, resolutions, baselines, pairs, batch_at, runtime)
     table = markdown_table(rows) + '\n\nAFT against its baseline (the README table):\n\n' + summary_table(rows)

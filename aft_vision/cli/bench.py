@@ -28,9 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help='what runs both models: eager PyTorch, torch.compile(fullgraph=True), onnxruntime or '
                              'openvino (inference on the CPU: implies --no-train --no-peak-memory)')
     parser.add_argument('--compile', action='store_true', help='the same as --runtime compile')
-    parser.add_argument('--ops', action='store_true', help='time every AFT-conv method on --models\' layers')
+    parser.add_argument('--ops', action='store_true',
+                        help='time every method of --models\' first AFT layer and count its ops and MB (CUDA path)')
     parser.add_argument('--ops-methods', nargs='+', default=None, metavar='VARIANT',
-                        help='--ops: the variants to time (default: all; fused on CUDA)')
+                        help='--ops: the variants to run (default: all: dense, conv:forward_conv; AFT-full: dense)')
+    parser.add_argument('--ops-count-only', action='store_true', help='--ops without timing: the counts alone')
     parser.add_argument('--dense', action='store_true',
                         help=f'time {DENSE_PAIR[0]} against {DENSE_PAIR[1]} in the same smp DPT instead, batch 1 '
                              f'(default --resolutions {DENSE_RESOLUTIONS}; needs aft-vision[dense])')

@@ -1,0 +1,248 @@
+"""A traffic count of one AFT mixer call: the aten ops that run a kernel and the bytes they read and write, counted on
+the path CUDA takes without a GPU (``count_layer``), beside what Inductor generates for it (``inductor_counts``).
+
+The rules that define the figure (``TrafficCounter``):
+
+* An op counts once per call if it runs a kernel. Views and metadata queries do not: an op whose outputs all alias
+  its inputs without writing (the schema's alias info: ``view``, ``permute``, ``split``, ``detach``...) or share
+  their storage (``_unsafe_view``), and queries such as ``aten.sym_size``, ``aten.is_contiguous``, ``prim.device``.
+  Allocations that write nothing (``empty``, ``empty_strided``, ``new_empty``, ``empty_like``) are not kernels.
+* Its bytes are those of its distinct tensor inputs plus those of its distinct tensor outputs. A tensor moves
+  ``element_size * min(numel, 1 + sum((size - 1) * stride))``: a broadcast or overlapping view moves its storage
+  once, not its logical size. The same tensor (storage, offset, shape, strides, dtype) given twice counts once.
+* An in-place op counts the tensor it mutates as input and output; an ``out=`` tensor is an output only.
+* An op of another namespace than aten and prims (a custom operator) is refused: its kernels are not seen.
+
+What the count cannot see: the kernels inside one aten op (cuDNN's own transposes, a matmul's workspace).
+"""
+import collections
+import contextlib
+import logging
+from typing import Dict, Optional, Tuple
+
+import timm
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from ..layers import AFTConv2d, AFTFull, AFTSimple, aft_conv2d, aft_full, aft_simple, choose_conv_method, device_policy
+
+__all__ = ['TrafficCounter', 'tensor_bytes', 'layer_shape', 'mixer_inputs', 'mixer_call', 'auto_method',
+           'count_layer', 'inductor_counts']
+
+_ALLOCATIONS = {'aten::empty', 'aten::empty_strided', 'aten::new_empty', 'aten::new_empty_strided',
+                'aten::empty_like'}
+_QUERIES = {'aten::sym_size', 'aten::sym_stride', 'aten::sym_numel', 'aten::sym_storage_offset', 'aten::size',
+            'aten::stride', 'aten::numel', 'aten::dim', 'aten::is_contiguous', 'aten::is_strides_like_format',
+            'aten::is_non_overlapping_and_dense', 'prim::device', 'prim::layout', 'prim::dtype'}
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    """The bytes ``tensor`` spans in its storage: ``element_size * min(numel, 1 + sum((size - 1) * stride))``."""
+    if tensor.numel() == 0:
+        return 0
+    span = 1 + sum((size - 1) * abs(stride) for size, stride in zip(tensor.shape, tensor.stride()))
+    return tensor.element_size() * min(tensor.numel(), span)
+
+
+def _key(tensor: torch.Tensor) -> Tuple:
+    """What makes two tensor arguments the same tensor: storage, offset, shape, strides, dtype."""
+    return (StorageWeakRef(tensor.untyped_storage()).cdata, tensor.storage_offset(), tuple(tensor.shape),
+            tuple(tensor.stride()), tensor.dtype)
+
+
+def _total(tensors) -> int:
+    distinct = {_key(tensor): tensor for tensor in tensors}
+    return sum(tensor_bytes(tensor) for tensor in distinct.values())
+
+
+class TrafficCounter(TorchDispatchMode):
+    """Counts the aten ops that run a kernel and the bytes they move, by the module docstring's rules.
+
+    Attributes:
+        ops: Ops counted.
+        bytes: Bytes read and written by them.
+        by_name: Op overload name -> [count, bytes], for the largest items.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.bytes = 0, 0
+        self.by_name: Dict[str, list] = collections.defaultdict(lambda: [0, 0])
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        schema = func._schema
+        if schema.name in _QUERIES or schema.name in _ALLOCATIONS:
+            return out
+        if func.namespace not in ('aten', 'prims'):
+            raise RuntimeError(f'TrafficCounter cannot see inside {func}: count its ops or leave it out')
+        written = [arg for arg in schema.arguments if arg.alias_info is not None and arg.alias_info.is_write]
+        bound = dict(zip((arg.name for arg in schema.arguments), args), **kwargs)
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if not written and outputs and self._aliases(schema, outputs, args, kwargs):
+            return out
+        mutated = [t for arg in written for t in tree_leaves(bound.get(arg.name)) if isinstance(t, torch.Tensor)]
+        out_args = {id(t) for arg in written if arg.is_out for t in tree_leaves(bound.get(arg.name))}
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and id(t) not in out_args]
+        moved = _total(inputs) + _total(outputs + mutated)
+        self.ops += 1
+        self.bytes += moved
+        tally = self.by_name[str(func)]
+        tally[0] += 1
+        tally[1] += moved
+        return out
+
+    @staticmethod
+    def _aliases(schema, outputs, args, kwargs) -> bool:
+        """Whether every output is a view of an input: by the schema's alias info, else by shared storage."""
+        if schema.returns and all(ret.alias_info is not None for ret in schema.returns):
+            return True
+        storages = {StorageWeakRef(t.untyped_storage()).cdata for t in tree_leaves((args, kwargs))
+                    if isinstance(t, torch.Tensor)}
+        return all(StorageWeakRef(t.untyped_storage()).cdata in storages for t in outputs)
+
+    def largest(self, n: int = 5) -> Dict[str, list]:
+        """The ``n`` op names that moved the most bytes: name -> [count, bytes]."""
+        return dict(sorted(self.by_name.items(), key=lambda item: -item[1][1])[:n])
+
+
+def layer_shape(name: str, img_size: int) -> Dict:
+    """The first AFT layer of a registered model at ``img_size`` (built on meta): its kind ('conv', 'full',
+    'simple'), grid, width and, for AFT-conv, heads and window; for AFT-full, the tokens T (prefix included)."""
+    model = timm.create_model(name, img_size=img_size, device='meta')
+    layer = next((m for m in model.modules() if isinstance(m, (AFTConv2d, AFTFull, AFTSimple))), None)
+    if layer is None:
+        raise ValueError(f'{name} has no AFT layer')
+    patch = model.patch_embed.patch_size
+    shape = {'height': img_size // patch[0], 'width': img_size // patch[1], 'channels': layer.dim}
+    if isinstance(layer, AFTConv2d):
+        return {'kind': 'conv', **shape, 'num_heads': layer.num_heads, 'kernel_size': layer.kernel_size}
+    tokens = layer.seq_len if isinstance(layer, AFTFull) else shape['height'] * shape['width'] \
+        + getattr(model, 'num_prefix_tokens', 0)
+    return {'kind': 'full' if isinstance(layer, AFTFull) else 'simple', **shape, 'tokens': tokens}
+
+
+def mixer_inputs(shape: Dict, batch_size: int, precision: str, device):
+    """q, k, v (in bfloat16 for 'bf16', float16 for 'fp16': what autocast's qkv projection hands the mixer) and w
+    (float32; None for AFT-simple), random leaves requiring grad."""
+    dtype = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}[precision]
+    if shape['kind'] == 'conv':
+        grid = (batch_size, shape['height'], shape['width'])
+        sizes = [(*grid, shape['channels']), (*grid, shape['num_heads']), (*grid, shape['channels'])]
+        w = (shape['num_heads'], shape['kernel_size'], shape['kernel_size'])
+    else:
+        sizes = [(batch_size, shape['tokens'], shape['channels'])] * 3
+        w = (shape['tokens'], shape['tokens']) if shape['kind'] == 'full' else None
+    qkv = [torch.randn(size, dtype=dtype, device=device, requires_grad=True) for size in sizes]
+    return (*qkv, None if w is None else torch.randn(w, device=device, requires_grad=True))
+
+
+def mixer_call(shape: Dict, method: Optional[str] = None):
+    """The mixer call of ``shape``'s kind, f(q, k, v, w); ``method``: AFT-conv's."""
+    if shape['kind'] == 'conv':
+        return lambda q, k, v, w: aft_conv2d(q, k, v, w, method=method)
+    if shape['kind'] == 'full':
+        return lambda q, k, v, w: aft_full(q, k, v, w)
+    return lambda q, k, v, w: aft_simple(q, k, v)
+
+
+_METHOD_OF = {'full': 'dense', 'simple': 'simple'}  # what the other kinds' call is named in reports
+
+
+def auto_method(shape: Dict, batch_size: int, device_type: str = 'cuda') -> str:
+    """The method 'auto' picks for the layer on ``device_type`` (AFT-full: 'dense', AFT-simple: 'simple')."""
+    if shape['kind'] != 'conv':
+        return _METHOD_OF[shape['kind']]
+    return choose_conv_method(device_type, batch_size, shape['height'], shape['width'], shape['channels'],
+                              shape['num_heads'], shape['kernel_size'])
+
+
+def count_layer(name_or_shape, img_size: int, batch_size: int, precision: str, method: Optional[str] = None) -> Dict:
+    """Ops and MB (1e6 bytes) of the mixer call of a model's first AFT layer, forward and forward + backward, on the
+    path CUDA takes, without a GPU and without computing anything.
+
+    The forward runs on fake CUDA tensors (``FakeTensorMode``) under CUDA's policy. The autograd engine refuses fake
+    CUDA tensors, so the backward (everything ``out.backward(grad)`` runs, the output gradient ``grad`` made
+    outside the count) runs on fake CPU tensors under ``device_policy('cuda')`` with the same method. Where the
+    layers branch on the device type itself (the conv form's NCHW copies for cuDNN), that backward takes the CPU's
+    branch.
+
+    Args:
+        name_or_shape: A registered model name, or a ``layer_shape`` dict.
+        img_size: Input resolution (px), when a name is given.
+        batch_size: Images per call.
+        precision: 'bf16' (q, k, v in bfloat16, w float32, as under bf16 autocast) or 'fp32'.
+        method: AFT-conv's method (None: what 'auto' picks on CUDA).
+
+    Returns:
+        Dict with 'method', 'forward_ops', 'forward_mb', 'ops', 'mb' (forward + backward), 'largest' (op ->
+        [count, MB] of the forward + backward) and the layer's shape.
+    """
+    shape = layer_shape(name_or_shape, img_size) if isinstance(name_or_shape, str) else dict(name_or_shape)
+    method = method or auto_method(shape, batch_size)
+    mix = mixer_call(shape, method)
+    with torch._subclasses.fake_tensor.FakeTensorMode(), device_policy('cuda'):
+        inputs = mixer_inputs(shape, batch_size, precision, 'cuda')
+        with TrafficCounter() as forward:
+            mix(*inputs)
+        inputs = mixer_inputs(shape, batch_size, precision, 'cpu')
+        out = mix(*inputs)
+        grad = torch.randn_like(out)
+        with TrafficCounter() as backward:
+            out.backward(grad)
+    largest = collections.defaultdict(lambda: [0, 0.0])
+    for counter in (forward, backward):
+        for op, (count, moved) in counter.by_name.items():
+            largest[op][0] += count
+            largest[op][1] += moved / 1e6
+    largest = dict(sorted(largest.items(), key=lambda item: -item[1][1])[:5])
+    return {**shape, 'batch_size': batch_size, 'precision': precision, 'method': method,
+            'forward_ops': forward.ops, 'forward_mb': forward.bytes / 1e6, 'ops': forward.ops + backward.ops,
+            'mb': (forward.bytes + backward.bytes) / 1e6, 'largest': largest}
+
+
+def _no_compile_caches():
+    """Compile afresh: a graph loaded from Inductor's caches generates no kernels and counts no bytes."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch._inductor.config.patch(fx_graph_cache=False))
+    stack.enter_context(torch._functorch.config.patch(enable_autograd_cache=False))
+    return stack
+
+
+def inductor_counts(name_or_shape, img_size: int, batch_size: int, precision: str,
+                    method: Optional[str] = None) -> Dict:
+    """Inductor's kernels and bytes (``torch._inductor.metrics``: ``generated_kernel_count``,
+    ``num_bytes_accessed``) for the same mixer call under ``torch.compile(fullgraph=True)`` on the CPU (real
+    tensors: it compiles and runs once), forward alone and forward + backward. The bytes are those of every scheduled
+    node, extern kernels (convolutions, matrix products) included, which are not among the generated kernels.
+    Inductor counts bytes only while its metrics log is enabled at INFO: it is, during the call, with no handler.
+
+    Returns:
+        Dict with 'forward_kernels', 'forward_mb', 'kernels', 'mb' (forward + backward).
+    """
+    from torch._inductor import metrics
+    from torch._inductor.compile_fx import inductor_metrics_log
+
+    shape = layer_shape(name_or_shape, img_size) if isinstance(name_or_shape, str) else dict(name_or_shape)
+    method = method or auto_method(shape, batch_size)
+    compiled = torch.compile(mixer_call(shape, method), fullgraph=True)
+    counts, level = {}, inductor_metrics_log.level
+    inductor_metrics_log.setLevel(logging.INFO)
+    try:
+        for key, train in (('forward', False), ('train', True)):
+            torch._dynamo.reset()
+            metrics.reset()
+            inputs = [x if x is None else x.detach().requires_grad_(train)
+                      for x in mixer_inputs(shape, batch_size, precision, 'cpu')]
+            with _no_compile_caches(), device_policy('cuda'), torch.set_grad_enabled(train):
+                out = compiled(*inputs)
+                if train:
+                    out.backward(torch.randn_like(out))
+            counts[key] = (metrics.generated_kernel_count, metrics.num_bytes_accessed / 1e6)
+    finally:
+        inductor_metrics_log.setLevel(level)
+    return {'method': method, 'forward_kernels': counts['forward'][0],
+            'forward_mb': counts['forward'][1], 'kernels': counts['train'][0], 'mb': counts['train'][1]}
