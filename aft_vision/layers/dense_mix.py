@@ -97,10 +97,13 @@ class DenseMix(torch.autograd.Function):
         ctx.grid, ctx.kernel_size, ctx.mm_dtype, ctx.policy = grid, w.shape[-1], mm_dtype, policy
         ctx.dtypes = (q.dtype, k.dtype, v.dtype, w.dtype)
         ctx.mark_non_differentiable(denominator)
+        ctx.set_materialize_grads(False)  # no zeros made for D's gradient
         return out.view(q.shape), denominator
 
     @staticmethod
     def backward(ctx, grad_out, _grad_denominator):
+        if grad_out is None:  # the output was not used
+            return (None,) * 8
         with no_autocast():  # the products in the dtypes chosen here
             return DenseMix._backward(ctx, grad_out)
 
