@@ -30,7 +30,7 @@ def check_tensor(name: str, tensor: torch.Tensor, ndim: int, layout: str):
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ndim: int, layout: str, key_layout: str):
-    """q and v in ``layout``, k in ``key_layout`` over the same positions, one device, not empty."""
+    """q and v in ``layout``, k in ``key_layout`` over the same positions, one device, empty in the batch only."""
     for name, tensor, tensor_layout in (('q', q, layout), ('k', k, key_layout), ('v', v, layout)):
         check_tensor(name, tensor, ndim, tensor_layout)
     if q.shape != v.shape:
@@ -41,8 +41,8 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ndim: int, layo
         raise ValueError(f'q, k and v must be on one device, got {q.device}, {k.device} and {v.device}')
     if key_layout == layout and k.shape != q.shape:
         raise ValueError(f'k must have the shape of q {layout}, got q {list(q.shape)} and k {list(k.shape)}')
-    if q.numel() == 0:
-        raise ValueError(f'q must not be empty, got shape {list(q.shape)}')
+    if q.numel() == 0 and q.shape[0] != 0:
+        raise ValueError(f'q must not be empty but in its batch dim, got shape {list(q.shape)}')
 
 
 def check_conv_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor) -> None:
@@ -105,6 +105,8 @@ def aft_full(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor,
         raise ValueError(f'w must have shape (T, T) = ({q.shape[1]}, {q.shape[1]}), got {list(w.shape)}')
     out_dtype = output_dtype(q, k, v)
     dtype = compute_dtype([q, k, v, w])
+    if q.shape[0] == 0:  # an empty batch, as timm's attention answers it
+        return (q * 0.0).to(out_dtype)
     if torch.jit.is_scripting():
         return _aft_full(q, k, v, w, causal, dtype, dtype, 'cpu', True).to(out_dtype)
     else:
@@ -146,6 +148,8 @@ def aft_simple(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool =
     """AFT-simple (Eq. 5): ``sigmoid(q_t) * sum_t' softmax(k)_t' v_t'`` for q, k, v (B, T, C), linear in T, in float32;
     ``causal`` takes prefix sums (under 'cuda' exact while a prefix's largest key is within ~50 of the maximum)."""
     check_qkv(q, k, v, 3, '(B, T, C)', '(B, T, C)')
+    if q.shape[0] == 0:
+        return (q * 0.0).to(output_dtype(q, k, v))
     if torch.jit.is_scripting():
         return _aft_simple(q, k, v, causal, 'cpu')
     else:
@@ -185,6 +189,8 @@ def aft_conv2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tenso
     check_conv_inputs(q, k, v, w)
     out_dtype = output_dtype(q, k, v)
     dtype = compute_dtype([q, k, v, w])
+    if q.shape[0] == 0:
+        return (q * 0.0).to(out_dtype)
     if torch.jit.is_scripting():  # TorchScript, like export, takes the convolution for 'auto'
         dense = method is not None and method == 'dense'
         return _aft_conv2d(q, k, v, w, 'dense' if dense else 'conv', dtype, dtype, 'cpu', True).to(out_dtype)

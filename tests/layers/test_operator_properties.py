@@ -115,3 +115,23 @@ def test_each_image_is_independent_of_its_batch(op):
         problem = ref.conv_problem(*image, w) if op in ('conv', 'dense') else ref.problem_for(op, *image, w)
         for out in (call(*image), batched[i:i + 1], padded[i:i + 1]):
             ref.assert_output(out, problem, ref.terms_for(op, 'cpu'), label=f'{op} image {i}')
+
+
+@pytest.mark.parametrize('op', ['full', 'local', 'simple', 'dense', 'conv'])
+def test_an_empty_batch_gives_an_empty_result_as_attention_does(op):
+    """A batch of 0 images: the output is empty with the inputs' shape and dtype, and backward runs (as
+    ``F.scaled_dot_product_attention`` answers); a dim other than the batch at 0 is still refused by name."""
+    q, k, v, w = grid_inputs(2, 3, 4, 4, 2, 3) if op in ('dense', 'conv') else seq_inputs(2, 5, 4)
+    q, k, v = (x[:0].bfloat16().requires_grad_() for x in (q, k, v))
+    call = {'full': lambda: aft_full(q, k, v, w), 'local': lambda: aft_local(q, k, v, w, 2),
+            'simple': lambda: aft_simple(q, k, v), 'dense': lambda: aft_conv2d(q, k, v, w, method='dense'),
+            'conv': lambda: aft_conv2d(q, k, v, w, method='conv')}[op]
+    out = call()
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    out.sum().backward()
+    assert q.grad.shape == q.shape
+    expected = torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    assert expected.shape == out.shape
+    no_positions = [x.new_zeros(1, 0, *x.shape[2:]) for x in (q, k, v)]  # one image without positions
+    with pytest.raises(ValueError, match='q must not be empty but in its batch dim'):
+        aft_conv2d(*no_positions, w) if op in ('dense', 'conv') else aft_simple(*no_positions)
