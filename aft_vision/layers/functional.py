@@ -77,6 +77,9 @@ def product_dtype(device: torch.device, input_dtype: torch.dtype, compute_dtype:
     return half if half == torch.bfloat16 and compute_dtype == torch.float32 else compute_dtype
 
 
+_COMPILED_BATCH = 64  # the batch 'auto' assumes in a compiled graph, whose batch size may change between calls
+
+
 def choose_conv_method(device_type: str, batch: int, height: int, width: int, channels: int, num_heads: int,
                        kernel_size: int) -> str:
     """'dense' or 'conv' for B, H, W, C, h, s on ``device_type`` (others use the CPU table): the cheaper of
@@ -191,21 +194,23 @@ def aft_conv2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tenso
     dtype = compute_dtype([q, k, v, w])
     if q.shape[0] == 0:
         return (q * 0.0).to(out_dtype)
-    if torch.jit.is_scripting():  # TorchScript, like export, takes the convolution for 'auto'
-        dense = method is not None and method == 'dense'
-        return _aft_conv2d(q, k, v, w, 'dense' if dense else 'conv', dtype, dtype, 'cpu', True).to(out_dtype)
-    else:
+    if not torch.jit.is_scripting():
         method = check_choice(get_conv_method() if method is None else method)
         if exporting() and method == 'auto':  # the conv form runs at any size on any runtime
             method = 'conv'
         elif method == 'auto':  # the cost model's choice on the tensors' device
             batch, height, width, channels = q.shape
+            if torch.compiler.is_compiling():  # the batch may be symbolic: decide by the map alone, no guard on it
+                batch = _COMPILED_BATCH
             method = choose_conv_method(q.device.type, batch, height, width, channels, k.shape[-1], w.shape[-1])
         plain = capturing()
         policy = 'cuda' if plain else forced_policy() or ('cuda' if q.device.type == 'cuda' else 'cpu')
         mm_dtype = product_dtype(q.device, out_dtype, dtype)
         with no_autocast():
             return _aft_conv2d(q, k, v, w, method, dtype, mm_dtype, policy, plain).to(out_dtype)
+    else:  # TorchScript, like export, takes the convolution for 'auto'
+        dense = method is not None and method == 'dense'
+        return _aft_conv2d(q, k, v, w, 'dense' if dense else 'conv', dtype, dtype, 'cpu', True).to(out_dtype)
 
 
 def _aft_conv2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, method: str, dtype: torch.dtype,
