@@ -37,12 +37,13 @@ reaches every term of the row through the division).
   ``1 - g`` carries an absolute error of about ``2 u_op g``, i.e. ``4 u_op |G| g^2 sum_j p_j |v_j|`` more (large
   where g is near 1).
 
-The largest ratio of error to bound that a correct implementation produced here was 0.241 for an operator (AFT-local
-causal, bfloat16 products, the key gradient) and 0.325 for a whole model (``assert_model_agrees``, aft_conv_test),
-the same on every OpenBLAS kernel (``OPENBLAS_CORETYPE`` unset, Haswell, SkylakeX, Prescott) and with 1 and 2
-threads: margins of 4.1x and 3.1x. The 'cpu' policy's cases at key scale 60 and bias scale 40 (entries recomputed
-on the host) reach 0.412 (causal AFT-simple, float32; it uses no BLAS) and 0.241 with bfloat16 products, on one
-AMD EPYC with 2 threads: a margin of 2.4x. Run with ``AFT_BOUND_LOG=file.jsonl`` to collect the ratios yourself.
+The largest ratio of error to bound that a correct implementation produced here was 0.244 for an operator (the
+products form's bias gradient, float32) and 0.143 in bfloat16 (AFT-full's value gradient, the products form of
+2026-11-28 against the twelve-rounding bound), and 0.325 for a whole model (``assert_model_agrees``, aft_conv_test;
+the float32 figures the same on every OpenBLAS kernel, ``OPENBLAS_CORETYPE`` unset, Haswell, SkylakeX, Prescott, and
+with 1 and 2 threads): margins of 4.1x, 7x and 3.1x. The 'cpu' policy's cases at key scale 60 and bias scale 40
+(entries recomputed on the host) reach 0.412 (causal AFT-simple, float32; it uses no BLAS), on one AMD EPYC with 2
+threads: a margin of 2.4x. Run with ``AFT_BOUND_LOG=file.jsonl`` to collect the ratios yourself.
 
 Implementations that split AFT-conv's weights into a global ``exp(-m)`` term plus a windowed correction
 ``exp(w - m) - exp(-m)`` (the depthwise convolution) sum terms of magnitude
