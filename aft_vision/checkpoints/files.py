@@ -200,7 +200,7 @@ def atomic_dir(path: PathLike, force: bool = False) -> contextlib.AbstractContex
 
 def swap_in(staging: Path, target: Path, names: Optional[Sequence[str]] = None) -> None:
     """Move ``staging``'s entries (or those ``names``) into ``target``: all, or (a move failed) none, the replaced
-    ones put back."""
+    ones put back; ``staging`` removed."""
     moved = []
     with _hidden_folder(target) as retired:
         retired = Path(retired)
@@ -214,6 +214,8 @@ def swap_in(staging: Path, target: Path, names: Optional[Sequence[str]] = None) 
             for name in reversed(moved):
                 _put_back(retired, target, name)
             raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 def _put_back(retired: Path, target: Path, name: str) -> None:

@@ -155,7 +155,6 @@ def _problems(args: argparse.Namespace) -> Iterator[Optional[str]]:
     if command == 'transfer' and not Path(args.src).is_file() and not args.src.startswith(('hf-hub:', 'local-dir:')):
         if Path(args.src).suffix in WEIGHT_SUFFIXES or not timm.is_model(args.src):
             yield f'--src: {args.src} not found: neither a checkpoint file nor a timm model name'
-        yield _fails('--src: ', check_pretrained, args.src)  # weights to download, the Hub reachable or cached
     for name in [options.get('model')] + list(options.get('models') or []):
         yield name and _fails(f'--model{"s" if options.get("models") else ""}: ', _check_model, name, command, options)
     if options.get('model_kwargs') and ':' not in (options.get('model') or ':'):
@@ -169,6 +168,8 @@ def _problems(args: argparse.Namespace) -> Iterator[Optional[str]]:
                      _training_kwargs(options), num_classes)
     if options.get('device') is not None:
         yield _fails('--device: ', parse_device, options['device'])
+    if command == 'transfer' and timm.is_model(args.src) and not Path(args.src).is_file():  # last: it may wait 3 s
+        yield _fails('--src: ', check_pretrained, args.src)  # weights to download: the Hub reachable, or cached
 
 
 class ModelKwargs(ParseKwargs):
