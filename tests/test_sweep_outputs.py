@@ -253,6 +253,15 @@ def test_writers_take_names_up_to_name_max(writer, name, tmp_path):
         writer == 'files'))
 
 
+@pytest.mark.parametrize('command', list(_commands(Path('.'), 'x')) + list(_dir_commands(Path('.'), 'x')))
+def test_a_name_past_name_max_is_refused_naming_the_option(command, inputs, tmp_path, capsys):
+    """A 300-byte output name: one line naming ``--out`` / ``--out-dir``, nothing made."""
+    argv = {**_commands(inputs, str(tmp_path / ('n' * 300))), **_dir_commands(inputs, str(tmp_path / ('n' * 300)))}
+    code, _, err = _run(argv[command], capsys)
+    _refused(code, err, '--out-dir' if '--out-dir' in argv[command] else '--out', 'too long')
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize('name', list(NAMES))
 @pytest.mark.parametrize('command', ['export', 'transfer', 'show-bias'])
