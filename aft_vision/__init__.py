@@ -17,7 +17,7 @@ try:
     from . import layers
     from . import models
 except KeyboardInterrupt:  # Ctrl-C while ``aft-vision`` starts (torch and timm load for seconds): one line, as later
-    if _os.path.basename(_sys.argv[0] if _sys.argv else '') != 'aft-vision':
+    if _os.path.basename(_sys.argv[0] if _sys.argv else '') not in ('aft-vision', '-m'):  # -m: python -m aft_vision.*
         raise  # any other program that imports aft_vision handles its own interrupts
     print('aft-vision: stopped by SIGINT while starting: nothing was written', file=_sys.stderr)
     raise SystemExit(130) from None

@@ -34,12 +34,15 @@ SUBCOMMANDS = next(a for a in build_parser()._actions if isinstance(a, argparse.
 
 
 @pytest.fixture
-def setup(tmp_path, monkeypatch):
+def setup(tmp_path, monkeypatch, offline_hub):
     """Inputs that exist (``inputs/``), an empty output folder (``out/``, also the working directory), and a valid
-    command line per subcommand writing only under ``out/``."""
+    command line per subcommand writing only under ``out/`` (transfer's source in the offline Hub cache)."""
     inputs, out = tmp_path / 'inputs', tmp_path / 'out'
     inputs.mkdir()
     out.mkdir()
+    (inputs / 'deit').mkdir()
+    (inputs / 'deit' / 'model.safetensors').write_bytes(b'')  # only looked for: the checks download nothing
+    offline_hub('timm/deit_tiny_patch16_224.fb_in1k', inputs / 'deit')
     monkeypatch.chdir(out)
     checkpoint = inputs / 'w.safetensors'
     save_weights(timm.create_model('aft_conv_test', num_classes=3).state_dict(), checkpoint)

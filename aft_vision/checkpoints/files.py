@@ -1,6 +1,7 @@
-"""Safe weight files and outputs: read only safetensors or tensor-only pickles; write through a temporary sibling and
-swap it in, never clobbering silently; ``--force`` replaces only the entries a command writes; modes follow the
-user's umask. (timm's ``load_state_dict`` reads any pickle and its savers write in place.)"""
+"""Safe weight files and outputs: read only safetensors or tensor-only pickles; write through a hidden temporary folder
+and swap it in, the output locked from the check to the swap, never clobbering silently; ``--force`` replaces only
+the entries a command writes, of their own kind; modes follow the user's umask. (timm's ``load_state_dict`` reads any
+pickle and its savers write in place.)"""
 import argparse
 import contextlib
 import hashlib
@@ -15,17 +16,19 @@ import zipfile
 from pathlib import Path
 from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
+import filelock
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 
-__all__ = ['load_weights', 'save_weights', 'atomic_file', 'atomic_files', 'atomic_dir', 'output_dir',
-           'check_output_dir', 'swap_in', 'sha256sum', 'umask_mode']
+__all__ = ['load_weights', 'save_weights', 'atomic_file', 'atomic_files', 'atomic_dir', 'output_dir', 'check_output',
+           'check_output_dir', 'swap_in', 'sha256sum', 'umask_mode', 'WRITTEN']
 
 PathLike = Union[str, os.PathLike]
 # globals of a weights-only pickle: torch's tensor rebuilders and storages, and what timm train.py checkpoints hold
 _TENSOR_GLOBALS = ('torch.', 'collections.OrderedDict', 'argparse.Namespace', '_codecs.encode')
+WRITTEN: List[Path] = []  # the outputs this process put in place whole (what a stopped command says is on disk)
 
 
 def load_weights(path: PathLike) -> Dict[str, torch.Tensor]:
@@ -95,11 +98,29 @@ def umask_mode(mode: int = 0o777) -> int:
     return mode & ~mask
 
 
-def _temporary_dir(target: Path, kind: str = '') -> Path:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    folder = Path(tempfile.mkdtemp(prefix=f'.{target.name}.{kind}', dir=target.parent))
-    folder.chmod(umask_mode())
-    return folder
+def _hidden_folder(folder: Path) -> tempfile.TemporaryDirectory:
+    # a staging or set-aside folder: hidden, a short random name whatever the output's, in the output's own folder
+    return tempfile.TemporaryDirectory(prefix='.aft-', dir=folder, ignore_cleanup_errors=True)
+
+
+@contextlib.contextmanager
+def _guard(path: Path) -> Iterator[None]:
+    """``path`` held from the check to the swap against every other writer of it: a lock file beside it (removed while
+    still held: a writer that opened it meanwhile tries again), BlockingIOError while another process holds it."""
+    where = Path(os.path.abspath(path))  # '..' and 'a/..' named as the folder they are
+    where.parent.mkdir(parents=True, exist_ok=True)
+    lock_file = where.parent / f'.aft-{hashlib.sha256(os.fsencode(where.name)).hexdigest()[:16]}.lock'
+    lock = filelock.FileLock(lock_file, timeout=0)
+    try:
+        lock.acquire()
+    except filelock.Timeout:
+        raise BlockingIOError(f'{path} is being written by another process: wait for it to end, or write elsewhere'
+                              ) from None
+    try:
+        yield
+    finally:
+        lock_file.unlink(missing_ok=True)
+        lock.release()
 
 
 def _remove(path: Path) -> None:
@@ -109,10 +130,22 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
-def _check_free(paths: Sequence[Path], force: bool) -> None:
-    for path in paths:
-        if path.exists() and not force and not (path.is_dir() and not any(path.iterdir())):
-            raise FileExistsError(f'{path} exists; pass force=True (--force) to overwrite it')
+def check_output(path: PathLike, force: bool = False, folder: bool = False, option: str = '') -> None:
+    """Raise (the message after ``option``) unless ``path`` may be written as a file (``folder``: a folder) from a
+    writable folder: absent (an empty folder counts so), or, with ``force``, an entry of that kind. A folder is never
+    a file's output; a file or a link never a folder's."""
+    path = Path(path)
+    if folder and (path.is_symlink() or (path.exists() and not path.is_dir())):
+        what = f'a link to {os.readlink(path)}' if path.is_symlink() else 'a file'
+        raise NotADirectoryError(f'{option}{path} is {what}, not a folder; give the folder itself')
+    if not folder and path.is_dir() and not path.is_symlink():
+        raise IsADirectoryError(f'{option}{path} is a folder; give the file to write')
+    if (path.exists() or path.is_symlink()) and not force and not (folder and not any(path.iterdir())):
+        what = 'what this command writes there' if folder else 'it'
+        raise FileExistsError(f'{option}{path} exists; pass --force (force=True) to replace {what}')
+    existing = next(parent for parent in Path(os.path.abspath(path)).parents if parent.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise PermissionError(f'{option}cannot write {path} ({existing} is not a writable folder)')
 
 
 def _with_umask(folder: Path) -> None:
@@ -133,19 +166,24 @@ def save_weights(state_dict: Mapping[str, torch.Tensor], path: PathLike, force: 
 
 
 @contextlib.contextmanager
-def atomic_files(paths: Sequence[PathLike], force: bool = False) -> Iterator[List[Path]]:
-    """Temporary paths (in a hidden sibling folder) for files of one folder written together, e.g. an OpenVINO .xml
-    and .bin: all replace ``paths`` (``swap_in``, modes from the umask) if the block succeeds, none if it fails.
-    FileExistsError if one exists, unless ``force``."""
+def atomic_files(paths: Sequence[PathLike], force: bool = False, folder: bool = False) -> Iterator[List[Path]]:
+    """Temporary paths (in a hidden folder beside them) for files of one folder written together, e.g. an OpenVINO .xml
+    and .bin, held against other writers (``_guard``): all replace ``paths`` (``swap_in``, modes from the umask) if
+    the block succeeds, none if it fails. ``check_output`` before and again at the swap; ``folder``: one path, a
+    folder, whose entries are those of the temporary folder yielded."""
     paths = [Path(path) for path in paths]
-    _check_free(paths, force)
-    staging = _temporary_dir(paths[0])
-    try:
-        yield [staging / path.name for path in paths]
-        _with_umask(staging)
-        swap_in(staging, paths[0].parent, [path.name for path in paths])
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    with _guard(paths[0]), _hidden_folder(paths[0].parent) as staging:
+        for path in paths:
+            check_output(path, force, folder)
+        yield Path(staging) if folder else [Path(staging) / path.name for path in paths]
+        for path in paths:  # again: a program that takes no lock may have written one meanwhile
+            check_output(path, force, folder)
+        _with_umask(Path(staging))
+        if folder and not paths[0].is_dir():
+            os.replace(staging, paths[0])
+        else:
+            swap_in(Path(staging), *((paths[0], None) if folder else (paths[0].parent, [p.name for p in paths])))
+        WRITTEN.extend(paths)
 
 
 @contextlib.contextmanager
@@ -155,42 +193,29 @@ def atomic_file(path: PathLike, force: bool = False) -> Iterator[Path]:
         yield temp
 
 
-@contextlib.contextmanager
-def atomic_dir(path: PathLike, force: bool = False) -> Iterator[Path]:
-    """A temporary sibling whose entries reach ``path`` if the block succeeds (``force``: through ``swap_in``)."""
-    path = Path(path)
-    _check_free([path], force)
-    staging = _temporary_dir(path)
-    try:
-        yield staging
-        _with_umask(staging)
-        if path.is_dir():
-            swap_in(staging, path)
-        else:
-            _remove(path)  # a file or a link: the folder replaces it
-            os.replace(staging, path)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+def atomic_dir(path: PathLike, force: bool = False) -> contextlib.AbstractContextManager:
+    """``atomic_files`` for a folder: a temporary one whose entries reach ``path`` if the block succeeds."""
+    return atomic_files([path], force, folder=True)
 
 
 def swap_in(staging: Path, target: Path, names: Optional[Sequence[str]] = None) -> None:
     """Move ``staging``'s entries (or those ``names``) into ``target``: all, or (a move failed) none, the replaced
-    ones put back."""
-    retired = _temporary_dir(target, 'old.')
+    ones put back; ``staging`` removed."""
     moved = []
-    try:
-        for name in names or sorted(entry.name for entry in staging.iterdir()):
-            if (target / name).exists() or (target / name).is_symlink():
-                os.replace(target / name, retired / name)
-            moved.append(name)
-            os.replace(staging / name, target / name)
-    except BaseException:
-        for name in reversed(moved):
-            _put_back(retired, target, name)
-        raise
-    finally:
-        shutil.rmtree(retired, ignore_errors=True)
-        shutil.rmtree(staging, ignore_errors=True)
+    with _hidden_folder(target) as retired:
+        retired = Path(retired)
+        try:
+            for name in names or sorted(entry.name for entry in staging.iterdir()):
+                if (target / name).exists() or (target / name).is_symlink():
+                    os.replace(target / name, retired / name)
+                moved.append(name)
+                os.replace(staging / name, target / name)
+        except BaseException:
+            for name in reversed(moved):
+                _put_back(retired, target, name)
+            raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 def _put_back(retired: Path, target: Path, name: str) -> None:
@@ -201,44 +226,39 @@ def _put_back(retired: Path, target: Path, name: str) -> None:
 
 
 def check_output_dir(path: PathLike, force: bool = False, resumes: bool = False) -> None:
-    """Raise unless a command may write the folder ``path``: no file, empty unless ``force`` / ``resumes``, writable."""
-    path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise NotADirectoryError(f'--out-dir: {path} is a file, not a folder')
-    if path.is_dir() and not (force or resumes) and any(path.iterdir()):
-        raise FileExistsError(f'--out-dir: {path} exists; pass --force to replace what this command writes there')
-    existing = next(folder for folder in [path, *path.absolute().parents] if folder.exists())
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise PermissionError(f'--out-dir: cannot write {path} ({existing} is not a writable folder)')
+    """``check_output`` of the folder ``path`` (``resumes``: a command that continues what it holds), for --out-dir."""
+    check_output(path, force or resumes, folder=True, option='--out-dir: ')
 
 
 @contextlib.contextmanager
 def output_dir(path: PathLike, force: bool = False, writes: Sequence[str] = (), active: bool = True
                ) -> Iterator[Path]:
-    """``path`` for a job to write into (``check_output_dir``), the entries ``writes`` names set aside: dropped on
-    success, put back on failure (a folder it made removed). ``active`` False (ranks but 0): untouched."""
+    """``path`` for a job to write into, held against other writers (``_guard``, ``check_output_dir``), the entries
+    ``writes`` names set aside: dropped on success, put back on failure (a folder it made removed). ``active`` False
+    (torchrun's ranks but 0, which write nothing there): untouched."""
     path = Path(path)
     if not active:
         yield path
         return
-    check_output_dir(path, force)
-    created = not path.exists()
-    path.mkdir(parents=True, exist_ok=True)
-    retired = _temporary_dir(path / 'old')  # hidden, outside ``writes``; made here: the folder is writable
-    try:
-        for name in writes:
-            if (path / name).exists() or (path / name).is_symlink():
-                os.replace(path / name, retired / name)
-        yield path
-    except BaseException:
-        if created:
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            for name in writes:
-                _put_back(retired, path, name)
-        raise
-    finally:
-        shutil.rmtree(retired, ignore_errors=True)
+    with _guard(path):
+        check_output_dir(path, force)
+        created = not path.exists()
+        path.mkdir(parents=True, exist_ok=True)
+        with _hidden_folder(path) as retired:  # outside ``writes``; made here: the folder is writable
+            try:
+                for name in writes:
+                    if (path / name).exists() or (path / name).is_symlink():
+                        os.replace(path / name, Path(retired) / name)
+                yield path
+            except BaseException:
+                if created:
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    for name in writes:
+                        _put_back(Path(retired), path, name)
+                WRITTEN[:] = [done for done in WRITTEN if not done.is_relative_to(path)]  # put back, not written
+                raise
+    WRITTEN.append(path)
 
 
 def sha256sum(path: PathLike) -> str:

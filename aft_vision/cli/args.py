@@ -6,7 +6,6 @@ import argparse
 import dataclasses
 import functools
 import math
-import os
 import signal
 import sys
 import threading
@@ -15,13 +14,14 @@ from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import timm
 import torch
+from safetensors import SafetensorError
 from timm.utils import ParseKwargs
 
-from ..checkpoints import check_output_dir
+from ..checkpoints import WRITTEN, check_output
 from ..hub import (check_aft_model, check_init_weights, check_model_kwargs, check_model_name, check_pretrained,
                    check_source)
 from ..tasks import classify, segment
-from ..tasks.training import check_image_folders
+from ..tasks.training import check_image_folders, launched_world
 
 __all__ = ['LIMITS', 'TASKS', 'TASK_DEFAULTS', 'Parser', 'check_args', 'one_line', 'parse_device', 'run_command',
            'settings_from']
@@ -60,6 +60,9 @@ WEIGHT_SUFFIXES = ('.safetensors', '.pth', '.pt', '.bin')
 AFT_ONLY = ('predict', 'export', 'show-bias', 'show-keys', 'transfer')  # commands that run only AFT models
 LOADS_SOURCE = ('predict', 'export', 'show-bias', 'show-keys')  # commands that load a local-dir: / hf-hub: --model
 RESUMES = ('study',)  # commands that continue what their --out-dir holds
+# optional modules -> the extra that installs them (setup.cfg)
+EXTRAS = {**dict.fromkeys(('onnx', 'onnxruntime', 'onnxscript', 'openvino', 'nncf'), 'deploy'),
+          'matplotlib': 'demo', 'sklearn': 'demo', 'segmentation_models_pytorch': 'dense'}
 
 
 def _option(dest: str) -> str:
@@ -141,15 +144,11 @@ def _problems(args: argparse.Namespace) -> Iterator[Optional[str]]:
     if value is not None:
         if suffix and Path(value).suffix.lower() != suffix:
             yield f'--out: must be a {suffix} file, got {value}'
-        if Path(value).exists() and not options.get('force'):
-            yield f'--out: {value} exists; pass --force to overwrite it'
-        try:
-            check_output_dir(Path(value).parent, resumes=True)  # a folder the user can write
-        except OSError as error:
-            yield f'--out: {str(error).split(": ", 1)[1]}'
-    writer = int(os.environ.get('RANK', 0)) == 0  # under torchrun the other ranks only read (rank 0 has begun)
-    if options.get('out_dir') is not None and writer:
-        yield _fails('', check_output_dir, options['out_dir'], options.get('force', False), command in RESUMES)
+        yield _fails('--out: ', check_output, value, options.get('force', False))
+    if command == 'train':  # every rank checks what follows before any joins the others (training.join_peers)
+        yield _fails('', launched_world)
+    if options.get('out_dir') is not None:
+        yield _fails('--out-dir: ', check_output, options['out_dir'], options.get('force') or command in RESUMES, True)
     data_dir = options.get('data_dir')
     if data_dir is not None:
         yield _fails('', check_image_folders, data_dir)
@@ -169,6 +168,8 @@ def _problems(args: argparse.Namespace) -> Iterator[Optional[str]]:
                      _training_kwargs(options), num_classes)
     if options.get('device') is not None:
         yield _fails('--device: ', parse_device, options['device'])
+    if command == 'transfer' and timm.is_model(args.src) and not Path(args.src).is_file():  # last: it may wait 3 s
+        yield _fails('--src: ', check_pretrained, args.src)  # weights to download: the Hub reachable, or cached
 
 
 class ModelKwargs(ParseKwargs):
@@ -199,6 +200,7 @@ def run_command(parser: argparse.ArgumentParser, argv: Sequence[str],
                 setattr(args, dest, value)
     except SystemExit as e:  # --help, --version, or a usage error argparse already printed
         return 0 if e.code is None else e.code if isinstance(e.code, int) else 2
+    WRITTEN.clear()
     stops = {signal.SIGINT: signal.getsignal(signal.SIGINT), signal.SIGTERM: signal.getsignal(signal.SIGTERM)}
     in_main_thread = threading.current_thread() is threading.main_thread()  # where Python runs signal handlers
     try:
@@ -209,14 +211,17 @@ def run_command(parser: argparse.ArgumentParser, argv: Sequence[str],
             print(f'{parser.prog} {args.command}: error: argument {problem}', file=sys.stderr)
             return 2
         return command(args)
-    except (ValueError, TypeError, OSError, KeyError, RuntimeError) as e:  # OSError: missing or unwritable paths
+    except (ValueError, TypeError, OSError, KeyError, RuntimeError, SafetensorError, ImportError) as e:
+        # OSError: missing, unwritable or full paths (SafetensorError: the same from its writer); ImportError: an extra
         message = f'missing key {e.args[0]!r}' if isinstance(e, KeyError) and e.args else str(e).strip() or repr(e)
+        extra = EXTRAS.get((getattr(e, 'name', None) or '').split('.')[0])
+        message = f'{e.name} is not installed: pip install "aft-vision[{extra}]"' if extra else message
         print(f'{parser.prog}: error: {one_line(message)}', file=sys.stderr)  # one line, whatever raised it
         return 2
     except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM (``_stop``): the job's outputs are already restored
         name = stop.args[0] if stop.args and stop.args[0] == 'SIGTERM' else 'SIGINT'
-        print(f'{parser.prog}: stopped by {name}: nothing half-written is left; earlier outputs are back in place',
-              file=sys.stderr)
+        done = f'wrote {", ".join(map(str, WRITTEN))} in full before the stop' if WRITTEN else 'earlier ones are back'
+        print(f'{parser.prog}: stopped by {name}: nothing half-written is left; {one_line(done)}', file=sys.stderr)
         return 128 + signal.Signals[name].value
     finally:
         for number, handler in stops.items() if in_main_thread else ():

@@ -2,6 +2,7 @@
 images), read back by its runtime and compared with eager PyTorch in a temporary folder before it is moved into
 place, so a failed export leaves nothing (timm's ``onnx_export`` writes the ONNX graph there)."""
 import os
+import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -58,18 +59,20 @@ def write_model(model: torch.nn.Module, example: torch.Tensor, fmt: str, target:
     """``model`` as an .onnx file or an .xml and .bin (a dynamic batch; height and width: ``dynamic_size``, else
     ``example``'s); INT8 where calibrated."""
     if fmt == 'onnx':
-        float_file = target.with_name('float.onnx') if calibration else target
-        runtimes.export_onnx(model, example, float_file, dynamic_size)
-        if calibration:
-            runtimes.quantize_onnx(float_file, target, calibration)
-            float_file.unlink()
+        with tempfile.TemporaryDirectory(dir=target.parent) as scratch:  # INT8's float model: never ``target``'s name
+            float_file = Path(scratch) / 'float.onnx' if calibration else target
+            runtimes.export_onnx(model, example, float_file, dynamic_size)
+            if calibration:
+                runtimes.quantize_onnx(float_file, target, calibration)
         return
     import openvino as ov
 
     ov_model = runtimes.convert_openvino(model, example, dynamic_size)
     if calibration:
         ov_model = runtimes.quantize_openvino(ov_model, calibration)
-    ov.save_model(ov_model, str(target), compress_to_fp16=False)  # float32 weights, as the model holds them
+    # float32 weights, as the model holds them; OpenVINO writes only a lower-case .xml (and the .bin of its stem)
+    ov.save_model(ov_model, str(target.with_suffix('.xml')), compress_to_fp16=False)
+    target.with_suffix('.xml').replace(target)
 
 
 def runs_any_size(model: torch.nn.Module) -> bool:

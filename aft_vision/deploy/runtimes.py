@@ -123,9 +123,9 @@ def openvino_runner(ov_model, precision: str = 'fp32', threads: Optional[int] = 
 def load_runner(path: os.PathLike, precision: str = 'fp32', threads: Optional[int] = None) -> Runner:
     """The runner of an ``.onnx`` file or an ``.xml`` OpenVINO IR."""
     path = Path(path)
-    if path.suffix == '.onnx':
+    if path.suffix.lower() == '.onnx':
         return onnx_runner(path, threads)
-    if path.suffix == '.xml':
+    if path.suffix.lower() == '.xml':
         import openvino as ov
 
         return openvino_runner(ov.Core().read_model(str(path)), precision, threads)

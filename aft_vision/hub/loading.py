@@ -60,7 +60,8 @@ def create_aft_model(name: str, pretrained: bool = False, **kwargs) -> torch.nn.
 
 
 def check_pretrained(name: str, classifier: bool = False) -> None:
-    """ValueError unless ``name``'s tag has weights (``classifier``: a trained head), before any download."""
+    """ValueError unless ``name``'s tag has weights (``classifier``: a trained head) on a reachable Hub or in its cache
+    (``_check_hub``), before any download."""
     if ':' in name:
         return
     check_model_name(name)
@@ -71,6 +72,8 @@ def check_pretrained(name: str, classifier: bool = False) -> None:
     if classifier and not cfg.num_classes:
         raise ValueError(f'{name} has no trained classifier: its weights are a backbone to fine-tune from '
                          f'(num_classes=0)')
+    if cfg.hf_hub_id:
+        _check_hub(cfg.hf_hub_id, 'model.safetensors')
 
 
 def check_aft_model(name: str) -> None:
@@ -98,8 +101,9 @@ def _build(name: str, kwargs: Dict[str, Any], given: Dict[str, Any], where: str 
                          ) from None
 
 
-def _check_hub(repo_id: str) -> None:
-    """Reachable within ``HUB_TIMEOUT_S`` (no retries), or cached, the process then in huggingface_hub offline mode."""
+def _check_hub(repo_id: str, filename: str = 'config.json') -> None:
+    """Reachable within ``HUB_TIMEOUT_S`` (no retries), or ``filename`` cached, the process then in huggingface_hub
+    offline mode (answered from the cache at once, no retries)."""
     from huggingface_hub import constants, try_to_load_from_cache
 
     if not constants.HF_HUB_OFFLINE:
@@ -112,7 +116,7 @@ def _check_hub(repo_id: str) -> None:
     os.environ['HF_HUB_OFFLINE'] = '1'
     constants.HF_HUB_OFFLINE = True
     repo, _, revision = repo_id.partition('@')
-    if not isinstance(try_to_load_from_cache(repo, 'config.json', revision=revision or None), str):
+    if not isinstance(try_to_load_from_cache(repo, filename, revision=revision or None), str):
         raise ValueError(f'hf-hub:{repo_id}: the Hub cannot be reached ({constants.ENDPOINT}, offline or '
                          f'HF_HUB_OFFLINE set) and {repo} is not in the cache {constants.HF_HUB_CACHE}')
 

@@ -3,7 +3,6 @@
 timm and check every figure, plot its curves. The recipe lives in ``training``; docs/training.md explains it."""
 import hashlib
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,14 +12,14 @@ import timm
 import torch
 import torch.distributed as dist
 from timm.data import resolve_data_config
-from timm.utils.distributed import init_distributed_device_so
 from tqdm import tqdm
 
 from ..checkpoints.files import load_weights, output_dir, save_weights
 from ..hub import check_pretrained, create_aft_model, publish, source_architecture
 from ..plots import save_figure
 from .training import (at_size, check_image_folders, check_input_size, eval_data_config, evaluate, fixed_img_size,
-                       plot_history, runs_as_built, size_scaled_batches, sizes_text, state_digest, train, write_digits)
+                       join_peers, plot_history, runs_as_built, size_scaled_batches, sizes_text, state_digest, train,
+                       write_digits)
 
 # A small AFT-conv for 32 x 32 digits: patch 4 -> an 8 x 8 token grid, a 15 x 15 window (the whole grid), 8 heads.
 DIGITS_MODEL = dict(patch_size=4, embed_dim=64, depth=4, num_heads=8, kernel_size=15, mlp_ratio=2.)
@@ -61,9 +60,12 @@ def run(settings: ClassifySettings) -> Dict:
     (empty on ranks other than 0)."""
     start = time.perf_counter()
     writes = RUN_OUTPUTS + (() if settings.data_dir else ('data',))
-    with output_dir(settings.out_dir, settings.force, writes, active=int(os.environ.get('RANK', 0)) == 0):
-        plan = _plan(settings)  # every option checked before anything is written
-        trained = _train_on_every_rank(settings, plan)
+    plan = _plan(settings)  # every option checked before anything is written or waited for
+    if settings.device.startswith('cuda') and not torch.cuda.is_available():
+        raise ValueError(f'--device {settings.device}: CUDA is not available')
+    rank, world_size, device = join_peers(settings.device)  # every rank, before rank 0 touches out_dir
+    with output_dir(settings.out_dir, settings.force, writes, active=rank == 0):
+        trained = _train_on_every_rank(settings, plan, rank, world_size, device)
         if trained['rank'] != 0:
             return {}
         model, data_dir, out = trained['model'], trained['data_dir'], Path(settings.out_dir)
@@ -160,13 +162,10 @@ def check_model_and_sizes(settings: ClassifySettings, model_kwargs: Dict) -> Tup
     return model_kwargs, train_sizes
 
 
-def _train_on_every_rank(settings: ClassifySettings, plan: Dict) -> Dict:
-    """Write the digits (rank 0), train on every rank (timm's ``init_distributed_device_so`` joins torchrun's group:
-    gloo on CPU, NCCL on CUDA), and gather each rank's weight and size-schedule digests."""
-    if settings.device.startswith('cuda') and not torch.cuda.is_available():
-        raise ValueError(f'--device {settings.device}: CUDA is not available')
-    world = init_distributed_device_so(settings.device)
-    rank, world_size, device = world['global_rank'], world['world_size'], torch.device(world['device'])
+def _train_on_every_rank(settings: ClassifySettings, plan: Dict, rank: int, world_size: int, device: torch.device
+                         ) -> Dict:
+    """Write the digits (rank 0), train on every rank of the group ``join_peers`` joined, and gather each rank's
+    weight and size-schedule digests."""
     try:
         data_dir = Path(settings.data_dir) if settings.data_dir else Path(settings.out_dir) / 'data'
         if not settings.data_dir and rank == 0:

@@ -3,7 +3,6 @@ scratch on digit scenes (``scenes``), scored by mean IoU over 11 classes at ``im
 ``eval_img_size`` (docs/dense.md, "The dense job")."""
 import json
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +15,7 @@ from ..checkpoints.files import output_dir, save_weights
 from ..hub import create_aft_model
 from ..plots import save_figure
 from .scenes import NUM_CLASSES, Scenes, digit_split, make_scenes
-from .training import check_input_size, fit, plot_history
+from .training import check_input_size, fit, launched_world, plot_history
 
 __all__ = ['DPT_SIZE_MULTIPLE', 'SegmentSettings', 'build_dpt', 'predict', 'confusion', 'mean_iou', 'run']
 
@@ -78,11 +77,8 @@ def mean_iou(counts: torch.Tensor) -> float:
 
 def _check_model_and_sizes(settings: SegmentSettings) -> None:
     """An AFT-conv model and sizes DPT and the model take, on a meta-device copy, before anything is built."""
-    try:
-        import segmentation_models_pytorch  # noqa: F401
-    except ImportError:
-        raise RuntimeError('--task segment needs segmentation_models_pytorch: pip install aft-vision[dense]') from None
-    if int(os.environ.get('WORLD_SIZE', '1')) > 1:
+    import segmentation_models_pytorch  # noqa: F401 (missing: the command line names aft-vision[dense])
+    if launched_world()[2] > 1:
         raise RuntimeError('--task segment runs in one process: start it without torchrun')
     probe = create_aft_model(settings.model, device='meta', **settings.model_kwargs)
     if getattr(probe, 'output_fmt', None) != 'NHWC':

@@ -6,10 +6,12 @@ import hashlib
 import math
 import os
 import random
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
+import torch.distributed as dist
 from timm.data import create_loader, create_transform, resolve_data_config
 from timm.loss import LabelSmoothingCrossEntropy
 from timm.optim import create_optimizer_v2
@@ -29,7 +31,51 @@ from .regularizers import position_bias_entropy
 
 __all__ = ['split_digits', 'write_digits', 'check_image_folders', 'eval_data_config', 'evaluate', 'fixed_img_size',
            'at_size', 'check_input_size', 'size_scaled_batches', 'sizes_text', 'train_loader', 'fit', 'train',
-           'plot_history', 'state_digest']
+           'plot_history', 'state_digest', 'launched_world', 'join_peers']
+
+LAUNCHER_VARIABLES = ('LOCAL_WORLD_SIZE', 'TORCHELASTIC_RUN_ID')  # set by torchrun (torch.distributed.run) alone
+PEER_TIMEOUT_S = 1800  # how long a rank waits for the others (torch's default for gloo), to join and at each step
+
+
+def launched_world() -> Tuple[int, int, int]:
+    """(rank, local rank, world size) as torchrun set them; (0, 0, 1) in a process no launcher started. ValueError
+    naming the variable: RANK, LOCAL_RANK or WORLD_SIZE without torchrun's (left in the shell), or not a number."""
+    names = ('RANK', 'LOCAL_RANK', 'WORLD_SIZE')
+    if not any(name in os.environ for name in LAUNCHER_VARIABLES):
+        stray = next((name for name in names if name in os.environ), None)
+        if stray:
+            raise ValueError(f'{stray}={os.environ[stray]!r} is set, but no launcher started this process (torchrun '
+                             f'sets {" and ".join(LAUNCHER_VARIABLES)}): unset {stray}, or start the job with torchrun')
+        return 0, 0, 1
+    for name in names:
+        if not os.environ.get(name, '').isdecimal():
+            raise ValueError(f'{name}={os.environ.get(name)!r}: torchrun sets it to a whole number')
+    rank, local_rank, world_size = (int(os.environ[name]) for name in names)
+    if rank >= world_size:
+        raise ValueError(f'RANK={rank} is not below WORLD_SIZE={world_size}')
+    return rank, local_rank, world_size
+
+
+def join_peers(device: str) -> Tuple[int, int, torch.device]:
+    """Join torchrun's process group (gloo on CPU, NCCL on CUDA with one GPU per local rank), saying whom it waits for;
+    RuntimeError in one line if they are not all there within ``PEER_TIMEOUT_S``. Returns (rank, world size, device):
+    (0, 1, ``device``) outside torchrun."""
+    rank, local_rank, world_size = launched_world()
+    device = torch.device(device)
+    if world_size == 1:
+        return 0, 1, device
+    if device.type == 'cuda':
+        device = torch.device('cuda', local_rank)
+        torch.cuda.set_device(device)
+    where = f'{os.environ.get("MASTER_ADDR")}:{os.environ.get("MASTER_PORT")} (MASTER_ADDR:MASTER_PORT)'
+    print(f'rank {rank} of {world_size}: waiting up to {PEER_TIMEOUT_S} s for the other ranks at {where}', flush=True)
+    try:
+        dist.init_process_group('nccl' if device.type == 'cuda' else 'gloo', timeout=timedelta(seconds=PEER_TIMEOUT_S))
+    except (RuntimeError, ValueError) as error:  # torch's store and network errors are RuntimeErrors
+        cause = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise RuntimeError(f'rank {rank} of {world_size}: the other ranks did not join at {where} within '
+                           f'{PEER_TIMEOUT_S} s ({cause})') from None
+    return rank, world_size, device
 
 
 def split_digits(targets: torch.Tensor, val_fraction: float = 0.2, seed: int = 0) -> Dict[str, torch.Tensor]:

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..checkpoints import check_output
 from ..hub import load_model, warn_random_weights
 from ..images import read_image
 from ..layers import AFTConv2d, AFTFull, AFTSimple
@@ -145,8 +146,7 @@ def _check_out(path: PathLike, force: bool) -> Path:
     path = Path(path)
     if path.suffix.lower() != '.png':
         raise ValueError(f'output must be a .png file, got {path}')
-    if path.exists() and not force:
-        raise FileExistsError(f'{path} exists; pass force=True (--force) to overwrite it')
+    check_output(path, force)
     return path
 
 
@@ -257,12 +257,9 @@ def plot_key_maps(keys: np.ndarray, path: PathLike, image: Optional[np.ndarray] 
 
 def _load(out: PathLike, force: bool, model: str, checkpoint: Optional[PathLike], pretrained: bool, use_ema: bool,
           model_kwargs: Optional[Dict], image: Optional[PathLike] = None) -> Tuple[nn.Module, str]:
-    """Check first that matplotlib is present (a RuntimeError, one line), ``out`` writable and ``image`` there; then
+    """Check first that matplotlib is present (``plots.figure``), ``out`` writable and ``image`` there; then
     ``hub.load_model``'s model and weights."""
-    try:
-        figure(1, 1)
-    except ImportError as e:
-        raise RuntimeError(str(e)) from None
+    figure(1, 1)
     _check_out(out, force)
     if image is not None and not Path(image).is_file():
         raise FileNotFoundError(f'image not found: {image}')
