@@ -35,32 +35,43 @@ class TransferReport:
     renamed: Dict[str, str] = field(default_factory=dict)  # target key -> the source tensors it was taken from
     weights: str = ''  # which of the source checkpoint's weights were taken (``select_weights``)
     source: str = ''  # the source's architecture, or 'a state dict'
+    assumed: List[str] = field(default_factory=list)  # what the weights alone do not say (``SourceLayout.assumed``)
 
     def summary(self) -> str:
         """A short human-readable report, one section per outcome."""
         lines = [f'copied {len(self.copied)} tensors, resampled {len(self.resampled)}, partially copied '
                  f'{len(self.partial)}, skipped {len(self.skipped)} source tensors, fresh {len(self.fresh)}']
+        depth = _num_blocks([*self.copied, *self.partial, *self.fresh])
         carried = dict.fromkeys(re.sub(r'\.(weight|bias|gamma)$', '', key) for key in _collapse(
-            dict.fromkeys(self.copied, '')))
+            dict.fromkeys(self.copied, ''), depth))
         if carried:
             lines.append(f'  copied    {", ".join(carried)}')
         lines += [f'  {title:9s} {key}: {why}' for title, items in (
             ('renamed', self.renamed), ('resampled', self.resampled), ('partial', self.partial),
             ('skipped', self.skipped))
-            for key, why in _collapse(items).items()]
-        lines += [f'  fresh     {key}' for key in _collapse(dict.fromkeys(self.fresh, ''))]
+            for key, why in _collapse(items, depth).items()]
+        lines += [f'  fresh     {key}' for key in _collapse(dict.fromkeys(self.fresh, ''), depth)]
+        lines += [f'  assumed   {what}' for what in self.assumed]
         if self.weights:
             of = f' of {self.source}' if self.source and self.source != 'a state dict' else ''
             lines.append(f'  source    {self.weights}{of}')
         return '\n'.join(lines)
 
 
-def _collapse(items: Mapping[str, str]) -> Dict[str, str]:
-    """``items`` with one entry for every block (``blocks.*.``) and for SigLIP's attention pool (``attn_pool.*``)."""
+def _collapse(items: Mapping[str, str], depth: int) -> Dict[str, str]:
+    """``items`` with one entry (``blocks.*.``) for what all ``depth`` blocks have, per block otherwise, and one for
+    SigLIP's attention pool (``attn_pool.*``)."""
+    blocks: Dict[str, set] = {}
+    for key in items:
+        found = re.match(r'blocks\.(\d+)\.(.*)', key)
+        if found:
+            blocks.setdefault(found.group(2), set()).add(found.group(1))
     folded: Dict[str, str] = {}
     for key, why in items.items():
-        key = re.sub(r'^attn_pool\..*', 'attn_pool.*', re.sub(r'^blocks\.\d+\.', 'blocks.*.', key))
-        folded.setdefault(key, re.sub(r'blocks\.\d+\.', 'blocks.*.', why))
+        found = re.match(r'blocks\.\d+\.(.*)', key)
+        if found and len(blocks[found.group(1)]) == depth:
+            key, why = f'blocks.*.{found.group(1)}', re.sub(r'blocks\.\d+\.', 'blocks.*.', why)
+        folded.setdefault(re.sub(r'^attn_pool\..*', 'attn_pool.*', key), why)
     return folded
 
 
@@ -73,6 +84,8 @@ def select_weights(checkpoint: Mapping, use_ema: bool = True) -> Tuple[Dict[str,
     for key, value in state_dict.items():
         if not isinstance(value, torch.Tensor):
             raise ValueError(f'checkpoint entry {key!r} is a {type(value).__name__}, not a tensor: not a state dict')
+        if value.is_floating_point() and not torch.isfinite(value).all():
+            raise ValueError(f'checkpoint tensor {key!r} holds NaN or infinite values: no weights are taken from it')
     if taken in EMA_KEYS:
         return state_dict, f"the EMA weights ('{taken}'; use_ema=False / --no-ema for the trained ones)"
     if not taken:
@@ -196,7 +209,9 @@ def transfer_vit_weights(state_dict: Mapping[str, torch.Tensor], model: torch.nn
                          layout: Optional[SourceLayout] = None) -> Tuple[Dict[str, torch.Tensor], TransferReport]:
     """A complete state dict for ``model`` from a ViT-family one (DeiT / DeiT III, DINOv2, CLIP, SigLIP, EVA-02), and
     the report; ValueError naming what misfits. ``layout``: the source's, read from its timm model
-    (``sources.read_layout``); None infers it from the keys, which cannot tell the activation (GELU assumed)."""
+    (``sources.read_layout``), checked against the keys; None infers it from them, the activation and norm epsilon
+    assumed (``report.assumed``). Refuses non-finite tensors and any tensor the model takes from a ViT that the source
+    lacks (only the classifier and what AFT adds start fresh)."""
     source, weights = select_weights(state_dict, use_ema)
     for required in ('patch_embed.proj.weight', 'blocks.0.attn.qkv.weight'):
         if required not in source:
@@ -206,19 +221,24 @@ def transfer_vit_weights(state_dict: Mapping[str, torch.Tensor], model: torch.nn
     if stem:
         raise ValueError(f'a hybrid CNN stem (key {stem!r}), which no AFT patch embedding holds: only a '
                          f'single-convolution patch embedding maps')
-    layout = layout or infer_layout(source)
+    layout = _check_family(layout, infer_layout(source)) if layout else infer_layout(source)
     target = model.state_dict()
-    report = TransferReport(weights=weights, source=layout.name)
+    report = TransferReport(weights=weights, source=layout.name, assumed=layout.assumed())
     _check_structure(layout, model)
     source = _canonical(source, layout, report)
     src_depth, dst_depth = _num_blocks(source), _num_blocks(target)
     if src_depth != dst_depth:
         raise ValueError(f'depth mismatch: the checkpoint has {src_depth} blocks (blocks.0-{src_depth - 1}), '
-                         f'the model {dst_depth}')
-    src_patch, dst_patch = source['patch_embed.proj.weight'], target['patch_embed.proj.weight']
-    if src_patch.shape[0] != dst_patch.shape[0] or src_patch.shape[2:] != dst_patch.shape[2:]:
-        raise ValueError(f'width mismatch at patch_embed.proj.weight: checkpoint {list(src_patch.shape)}, '
-                         f'model {list(dst_patch.shape)}')
+                         f'the model {dst_depth}: build it with depth={src_depth}')
+    (src_dim, _, *src_patch), (dst_dim, _, *dst_patch) = (
+        sd['patch_embed.proj.weight'].shape for sd in (source, target))  # (C, in_chans, p, p)
+    if src_dim != dst_dim:
+        raise ValueError(f'width mismatch at patch_embed.proj.weight: the checkpoint is {src_dim} wide, the model '
+                         f'{dst_dim}: build it with embed_dim={src_dim}')
+    if src_patch != dst_patch:
+        raise ValueError(f'patch size mismatch at patch_embed.proj.weight: the checkpoint\'s patches are '
+                         f'{"x".join(map(str, src_patch))} px, the model\'s {"x".join(map(str, dst_patch))}: build it '
+                         f'with patch_size={src_patch[0] if src_patch[0] == src_patch[1] else tuple(src_patch)}')
     mapped = dict(target)
     num_prefix = getattr(model, 'num_prefix_tokens', 1)
     values_only = any(key.endswith('.attn.pos_weight') for key in target)  # AFT-conv
@@ -248,17 +268,43 @@ def transfer_vit_weights(state_dict: Mapping[str, torch.Tensor], model: torch.nn
         report.skipped['rope'] = 'rotary positions (no tensors): the AFT position biases start fresh in their place'
     written = set(report.copied) | set(report.resampled) | set(report.partial)
     report.fresh = [key for key in target if key not in written]
+    missing = _collapse(dict.fromkeys((key for key in report.fresh if not _fresh_by_design(key, layout)), ''),
+                        dst_depth)
+    if missing:
+        raise ValueError(f'the checkpoint lacks {", ".join(list(missing)[:3])}{" and more" if len(missing) > 3 else ""}'
+                         f', which {type(model).__name__} takes from it: refused rather than left random'
+                         f'{_hint(next(iter(missing)), in_source=False)}')
     for key in written:
         mapped[key] = mapped[key].to(dtype=target[key].dtype)
     return mapped, report
 
 
-def _hint(key: str) -> str:
-    """What to build the AFT model with for a source key it lacks."""
-    for part, arg in (('.ls1.', 'init_values=1e-5 (LayerScale)'), ('.ls2.', 'init_values=1e-5 (LayerScale)'),
-                      ('norm_pre.', 'pre_norm=True'), ('cls_token', 'class_token=True')):
+def _fresh_by_design(key: str, layout: SourceLayout) -> bool:
+    """Whether ``key`` of an AFT model starts fresh in every transfer: the classifier, the AFT position biases, and
+    the position embedding of a source with rotary positions."""
+    return key.startswith('head.') or '.attn.pos_' in key or (key == 'pos_embed' and layout.rotary)
+
+
+def _check_family(layout: SourceLayout, found: SourceLayout) -> SourceLayout:
+    """``layout`` (of a named architecture) if the checkpoint's keys (``found``) show its structure; else ValueError
+    naming what differs (width and depth may: a checkpoint of another size of the family)."""
+    for what, attr in (('patch size', 'patch_size'), ('class token', 'class_token'), ('register tokens', 'reg_tokens'),
+                       ('LayerScale', 'layer_scale'), ('norm_pre', 'pre_norm'), ('MLP', 'mlp_layer')):
+        if getattr(layout, attr) != getattr(found, attr):
+            raise ValueError(f'family mismatch: the checkpoint is no {layout.name} ({what}: {getattr(found, attr)} in '
+                             f'the checkpoint, {getattr(layout, attr)} in {layout.name}; is it the architecture the '
+                             f'weights were saved from?)')
+    return layout
+
+
+def _hint(key: str, in_source: bool = True) -> str:
+    """What to build the AFT model with for a key only the source (``in_source``) or only the model has."""
+    for part, given, lacking in (('.ls1.', 'init_values=1e-5 (LayerScale)', 'init_values=None'),
+                                 ('.ls2.', 'init_values=1e-5 (LayerScale)', 'init_values=None'),
+                                 ('norm_pre.', 'pre_norm=True', 'pre_norm=False'),
+                                 ('cls_token', 'class_token=True', "class_token=False, global_pool='avg'")):
         if part in key:
-            return f': build it with {arg}'
+            return f': build it with {given if in_source else lacking}'
     return ''
 
 
