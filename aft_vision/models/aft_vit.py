@@ -112,7 +112,8 @@ class AFTVisionTransformer(AFTTransformerBase):
             norm_eps: Optional[float] = None, device=None,
             dtype=None,
     ):
-        super().__init__(num_classes, in_chans, embed_dim, weight_init)
+        super().__init__(num_classes, in_chans, embed_dim, weight_init, img_size=img_size, patch_size=patch_size,
+                         depth=depth, mlp_ratio=mlp_ratio)
         dd = {'device': device, 'dtype': dtype}
         if mixer not in MIXERS:
             raise ValueError(f'unknown mixer {mixer!r}: choose one of {MIXERS}')
