@@ -255,6 +255,16 @@ def train(data_dir: Path, model_name: str, epochs: int, img_size: int, batch_siz
     batch_sizes = list(train_batch_sizes or size_scaled_batches(batch_size, img_size, sizes))
     loader = train_loader(data_dir / 'train', model, sizes, batch_sizes, size_schedule, epochs, seed,
                           distributed=world_size > 1)
+    drawn = set()  # the sizes timm's schedule draws in these epochs (sizes by index, with their batch sizes)
+    for epoch in range(epochs):
+        loader.batch_sampler.set_epoch(epoch)
+        drawn.update(choice for choice, _ in loader.batch_sampler.schedule)
+    never = [f'{size} px (batches of {batch})' for i, (size, batch) in enumerate(zip(sizes, batch_sizes))
+             if i not in drawn]
+    if never:
+        raise ValueError(f'--train-img-sizes: {", ".join(never)} never drawn in {epochs} epochs of '
+                         f'{len(loader.batch_sampler.sampler)} training images per process: a smaller batch size '
+                         f'or more epochs, or leave the size out')
     net = model  # what the training step calls; DDP averages the gradients across ranks
     if world_size > 1:
         net = DistributedDataParallel(model, device_ids=[device] if device.type == 'cuda' else None)
