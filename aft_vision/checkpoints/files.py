@@ -36,7 +36,9 @@ def load_weights(path: PathLike) -> Dict[str, torch.Tensor]:
         raise FileNotFoundError(f'weight file not found: {path}')
     if path.stat().st_size == 0:
         raise ValueError(f'weight file is empty: {path}')
-    if path.suffix == '.safetensors' or _is_safetensors(path):  # by content too: a safetensors file named .pth
+    with open(path, 'rb') as file:  # safetensors by content too (named .pth): an 8-byte header length, then JSON
+        head = file.read(9)
+    if path.suffix == '.safetensors' or head[8:] == b'{' and int.from_bytes(head[:8], 'little') < path.stat().st_size:
         try:
             return load_file(str(path), device='cpu')
         except (SafetensorError, OSError, ValueError) as error:
@@ -50,13 +52,6 @@ def load_weights(path: PathLike) -> Dict[str, torch.Tensor]:
     if not isinstance(checkpoint, Mapping):
         raise ValueError(f'{path} holds a {type(checkpoint).__name__}, not a state dict')
     return dict(checkpoint)
-
-
-def _is_safetensors(path: Path) -> bool:
-    """Whether ``path`` starts as safetensors do: an 8-byte little-endian header length, then a JSON object."""
-    with open(path, 'rb') as file:
-        head = file.read(9)
-    return len(head) == 9 and head[8:] == b'{' and int.from_bytes(head[:8], 'little') < path.stat().st_size
 
 
 def _refusal(path: Path, error: BaseException) -> str:

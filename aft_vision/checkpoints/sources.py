@@ -4,7 +4,7 @@ that hold it. ``transfer.py`` maps the tensors; which tensors each source gives 
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
@@ -38,8 +38,8 @@ class SourceLayout:
         act_layer: The MLP's activation by timm name; None where the weights alone cannot say (GELU is assumed).
         mlp_layer: 'mlp' or 'swiglu_packed'; mlp_hidden: fc1's width.
         fc_norm: The final norm follows the pooling (EVA-02's); rotary: rotary positions (no tensors).
-        norm_eps: The LayerNorms' epsilon (CLIP's 1e-5, others' 1e-6); None where the weights alone cannot say (1e-5
-            is assumed for a file with CLIP's ``norm_pre``, else 1e-6).
+        norm_eps: The LayerNorms' epsilon (CLIP's 1e-5, others' 1e-6).
+        assumed: What the weights alone do not say and the layout assumes (a state dict's: activation, epsilon).
     """
     name: str
     embed_dim: int
@@ -56,20 +56,8 @@ class SourceLayout:
     mlp_hidden: int
     fc_norm: bool = False
     rotary: bool = False
-    norm_eps: Optional[float] = 1e-6
-
-    @property
-    def eps(self) -> float:
-        """``norm_eps``, or the one assumed where unknown."""
-        return self.norm_eps if self.norm_eps is not None else 1e-5 if self.pre_norm else 1e-6
-
-    def assumed(self) -> List[str]:
-        """What the model is built with that the source did not say (a state dict's layout), in words."""
-        why = '--src-model ARCH reads it'
-        return ([f'MLP activation GELU: the weights alone do not say it ({why})'] * (self.act_layer is None) +
-                [f'LayerNorm epsilon {self.eps:g} ({"CLIP" if self.pre_norm else "DeiT"}\'s, for a file '
-                 f'{"with" if self.pre_norm else "without"} norm_pre): the weights alone do not say it ({why})'
-                 ] * (self.norm_eps is None))
+    norm_eps: float = 1e-6
+    assumed: Tuple[str, ...] = ()
 
     def model_args(self, family: str) -> Dict[str, Any]:
         """The AFT model arguments for ``family`` 'conv' or 'vit': patch size and MLP ratio, and those of the rest
@@ -78,7 +66,7 @@ class SourceLayout:
             'patch_size': self.patch_size[0] if self.patch_size[0] == self.patch_size[1] else self.patch_size,
             'mlp_ratio': _ratio(self.mlp_hidden, self.embed_dim)}
         differing = (('init_values', self.layer_scale, 1e-5),  # LayerScale: the value is the source's, loaded over this
-                     ('pre_norm', self.pre_norm, True), ('norm_eps', self.eps != 1e-6, self.eps),
+                     ('pre_norm', self.pre_norm, True), ('norm_eps', self.norm_eps != 1e-6, self.norm_eps),
                      ('act_layer', self.act_layer not in (None, 'gelu'), self.act_layer),
                      ('mlp_layer', self.mlp_layer != 'mlp', self.mlp_layer))
         args.update({key: value for key, differs, value in differing if differs})
@@ -157,6 +145,7 @@ def infer_layout(state_dict: Mapping[str, torch.Tensor]) -> SourceLayout:
     fc1, fc2 = state_dict.get('blocks.0.mlp.fc1.weight'), state_dict.get('blocks.0.mlp.fc2.weight')
     packed = fc1 is not None and fc2 is not None and fc1.shape[0] == 2 * fc2.shape[1]
     reg = state_dict.get('reg_token')
+    eps = 1e-5 if 'norm_pre.weight' in state_dict else 1e-6  # CLIP's (timm's ViTs with norm_pre), else DeiT's
     return SourceLayout(
         name='a state dict', embed_dim=kernel.shape[0], depth=depth, patch_size=tuple(kernel.shape[2:]),
         grid_size=grid, pos_prefix=prefix, class_token='cls_token' in state_dict,
@@ -164,7 +153,9 @@ def infer_layout(state_dict: Mapping[str, torch.Tensor]) -> SourceLayout:
         layer_scale='blocks.0.ls1.gamma' in state_dict or 'blocks.0.gamma_1' in state_dict,
         pre_norm='norm_pre.weight' in state_dict, act_layer='silu' if packed else None,
         mlp_layer='swiglu_packed' if packed else 'mlp', mlp_hidden=fc1.shape[0] if fc1 is not None else 0,
-        fc_norm='fc_norm.weight' in state_dict and 'norm.weight' not in state_dict, norm_eps=None)
+        fc_norm='fc_norm.weight' in state_dict and 'norm.weight' not in state_dict, norm_eps=eps,
+        assumed=('MLP activation GELU',) * (not packed) + (f'LayerNorm epsilon {eps:g} (CLIP\'s with norm_pre, else '
+                                                             f'DeiT\'s)',))
 
 
 @functools.lru_cache(maxsize=None)

@@ -41,16 +41,15 @@ class TransferReport:
         """A short human-readable report, one section per outcome."""
         lines = [f'copied {len(self.copied)} tensors, resampled {len(self.resampled)}, partially copied '
                  f'{len(self.partial)}, skipped {len(self.skipped)} source tensors, fresh {len(self.fresh)}']
-        depth = _num_blocks([*self.copied, *self.partial, *self.fresh])
         carried = dict.fromkeys(re.sub(r'\.(weight|bias|gamma)$', '', key) for key in _collapse(
-            dict.fromkeys(self.copied, ''), depth))
+            dict.fromkeys(self.copied, '')))
         if carried:
             lines.append(f'  copied    {", ".join(carried)}')
         lines += [f'  {title:9s} {key}: {why}' for title, items in (
             ('renamed', self.renamed), ('resampled', self.resampled), ('partial', self.partial),
             ('skipped', self.skipped))
-            for key, why in _collapse(items, depth).items()]
-        lines += [f'  fresh     {key}' for key in _collapse(dict.fromkeys(self.fresh, ''), depth)]
+            for key, why in _collapse(items).items()]
+        lines += [f'  fresh     {key}' for key in _collapse(dict.fromkeys(self.fresh, ''))]
         lines += [f'  assumed   {what}' for what in self.assumed]
         if self.weights:
             of = f' of {self.source}' if self.source and self.source != 'a state dict' else ''
@@ -58,20 +57,12 @@ class TransferReport:
         return '\n'.join(lines)
 
 
-def _collapse(items: Mapping[str, str], depth: int) -> Dict[str, str]:
-    """``items`` with one entry (``blocks.*.``) for what all ``depth`` blocks have, per block otherwise, and one for
-    SigLIP's attention pool (``attn_pool.*``)."""
-    blocks: Dict[str, set] = {}
-    for key in items:
-        found = re.match(r'blocks\.(\d+)\.(.*)', key)
-        if found:
-            blocks.setdefault(found.group(2), set()).add(found.group(1))
+def _collapse(items: Mapping[str, str]) -> Dict[str, str]:
+    """``items`` with one entry for every block (``blocks.*.``) and for SigLIP's attention pool (``attn_pool.*``)."""
     folded: Dict[str, str] = {}
     for key, why in items.items():
-        found = re.match(r'blocks\.\d+\.(.*)', key)
-        if found and len(blocks[found.group(1)]) == depth:
-            key, why = f'blocks.*.{found.group(1)}', re.sub(r'blocks\.\d+\.', 'blocks.*.', why)
-        folded.setdefault(re.sub(r'^attn_pool\..*', 'attn_pool.*', key), why)
+        key = re.sub(r'^attn_pool\..*', 'attn_pool.*', re.sub(r'^blocks\.\d+\.', 'blocks.*.', key))
+        folded.setdefault(key, re.sub(r'blocks\.\d+\.', 'blocks.*.', why))
     return folded
 
 
@@ -223,22 +214,20 @@ def transfer_vit_weights(state_dict: Mapping[str, torch.Tensor], model: torch.nn
                          f'single-convolution patch embedding maps')
     layout = _check_family(layout, infer_layout(source)) if layout else infer_layout(source)
     target = model.state_dict()
-    report = TransferReport(weights=weights, source=layout.name, assumed=layout.assumed())
+    report = TransferReport(weights=weights, source=layout.name, assumed=[
+        f'{what}: the weights do not say (--src-model reads it)' for what in layout.assumed])
     _check_structure(layout, model)
     source = _canonical(source, layout, report)
     src_depth, dst_depth = _num_blocks(source), _num_blocks(target)
     if src_depth != dst_depth:
         raise ValueError(f'depth mismatch: the checkpoint has {src_depth} blocks (blocks.0-{src_depth - 1}), '
                          f'the model {dst_depth}: build it with depth={src_depth}')
-    (src_dim, _, *src_patch), (dst_dim, _, *dst_patch) = (
-        sd['patch_embed.proj.weight'].shape for sd in (source, target))  # (C, in_chans, p, p)
-    if src_dim != dst_dim:
-        raise ValueError(f'width mismatch at patch_embed.proj.weight: the checkpoint is {src_dim} wide, the model '
-                         f'{dst_dim}: build it with embed_dim={src_dim}')
-    if src_patch != dst_patch:
-        raise ValueError(f'patch size mismatch at patch_embed.proj.weight: the checkpoint\'s patches are '
-                         f'{"x".join(map(str, src_patch))} px, the model\'s {"x".join(map(str, dst_patch))}: build it '
-                         f'with patch_size={src_patch[0] if src_patch[0] == src_patch[1] else tuple(src_patch)}')
+    src_kernel, dst_kernel = (sd['patch_embed.proj.weight'].shape for sd in (source, target))  # (C, in_chans, p, p)
+    for what, arg, src, dst in (('width', 'embed_dim', src_kernel[0], dst_kernel[0]),
+                                ('patch size', 'patch_size', tuple(src_kernel[2:]), tuple(dst_kernel[2:]))):
+        if src != dst:
+            raise ValueError(f'{what} mismatch at patch_embed.proj.weight: {src} in the checkpoint, {dst} in the '
+                             f'model: build it with {arg}={src}')
     mapped = dict(target)
     num_prefix = getattr(model, 'num_prefix_tokens', 1)
     values_only = any(key.endswith('.attn.pos_weight') for key in target)  # AFT-conv
@@ -268,21 +257,15 @@ def transfer_vit_weights(state_dict: Mapping[str, torch.Tensor], model: torch.nn
         report.skipped['rope'] = 'rotary positions (no tensors): the AFT position biases start fresh in their place'
     written = set(report.copied) | set(report.resampled) | set(report.partial)
     report.fresh = [key for key in target if key not in written]
-    missing = _collapse(dict.fromkeys((key for key in report.fresh if not _fresh_by_design(key, layout)), ''),
-                        dst_depth)
+    missing = [key for key in report.fresh if not (key.startswith('head.') or '.attn.pos_' in key or (
+        key == 'pos_embed' and layout.rotary))]  # fresh by design: the classifier, AFT's biases; rotary positions
     if missing:
-        raise ValueError(f'the checkpoint lacks {", ".join(list(missing)[:3])}{" and more" if len(missing) > 3 else ""}'
-                         f', which {type(model).__name__} takes from it: refused rather than left random'
-                         f'{_hint(next(iter(missing)), in_source=False)}')
+        more = f' and {len(missing) - 3} more' if len(missing) > 3 else ''
+        raise ValueError(f'the checkpoint lacks {", ".join(missing[:3])}{more}, which {type(model).__name__} takes '
+                         f'from a ViT: refused rather than left random')
     for key in written:
         mapped[key] = mapped[key].to(dtype=target[key].dtype)
     return mapped, report
-
-
-def _fresh_by_design(key: str, layout: SourceLayout) -> bool:
-    """Whether ``key`` of an AFT model starts fresh in every transfer: the classifier, the AFT position biases, and
-    the position embedding of a source with rotary positions."""
-    return key.startswith('head.') or '.attn.pos_' in key or (key == 'pos_embed' and layout.rotary)
 
 
 def _check_family(layout: SourceLayout, found: SourceLayout) -> SourceLayout:
@@ -297,14 +280,12 @@ def _check_family(layout: SourceLayout, found: SourceLayout) -> SourceLayout:
     return layout
 
 
-def _hint(key: str, in_source: bool = True) -> str:
-    """What to build the AFT model with for a key only the source (``in_source``) or only the model has."""
-    for part, given, lacking in (('.ls1.', 'init_values=1e-5 (LayerScale)', 'init_values=None'),
-                                 ('.ls2.', 'init_values=1e-5 (LayerScale)', 'init_values=None'),
-                                 ('norm_pre.', 'pre_norm=True', 'pre_norm=False'),
-                                 ('cls_token', 'class_token=True', "class_token=False, global_pool='avg'")):
+def _hint(key: str) -> str:
+    """What to build the AFT model with for a source key it lacks."""
+    for part, arg in (('.ls1.', 'init_values=1e-5 (LayerScale)'), ('.ls2.', 'init_values=1e-5 (LayerScale)'),
+                      ('norm_pre.', 'pre_norm=True'), ('cls_token', 'class_token=True')):
         if part in key:
-            return f': build it with {given if in_source else lacking}'
+            return f': build it with {arg}'
     return ''
 
 

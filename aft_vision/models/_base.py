@@ -117,8 +117,6 @@ class AFTTransformerBase(nn.Module):
         super().__init__()
         if weight_init not in ('', 'skip'):
             raise ValueError(f"unknown weight_init {weight_init!r}: choose '' or 'skip'")
-        if num_classes < 0:
-            raise ValueError(f'Expected num_classes >= 0 (0: no classifier), got {num_classes}.')
         for name, size in dict(sizes, in_chans=in_chans, embed_dim=embed_dim).items():  # ``sizes``: None or positive
             if name == 'img_size' and size is not None:
                 _spatial_size(size)  # timm's check of an image size, in its words

@@ -54,7 +54,7 @@ class AFTConvTransformer(AFTTransformerBase):
         base_img_size: The size ``kernel_size`` and ``patch_size`` are given for (the training size; None:
             ``img_size``).
         dynamic_img_size: Each call's windows follow its input size as ``resize_mode='window'`` follows ``img_size``
-            at build (resampled from the built ones, differentiably; 'keep': the built ones, as without it). A
+            at build (resampled from the built ones, differentiably; 'keep', 'patch': the built ones). A
             traced or exported graph records the windows of its example input's size, a scripted model the built
             ones.
 
@@ -79,9 +79,6 @@ class AFTConvTransformer(AFTTransformerBase):
         super().__init__(num_classes, in_chans, embed_dim, weight_init, img_size=img_size,
                          base_img_size=base_img_size, patch_size=patch_size, depth=depth, mlp_ratio=mlp_ratio)
         dd = {'device': device, 'dtype': dtype}
-        if dynamic_img_size and resize_mode == 'patch':
-            raise ValueError("dynamic_img_size=True follows each input with the windows (resize_mode 'window' or "
-                             "'keep'); resize_mode='patch' resizes the patch at build only (set_input_size)")
         self.dynamic_img_size = dynamic_img_size
         self._set_global_pool(global_pool)
         self.resize_mode = resize_mode

@@ -113,13 +113,6 @@ def check_model_and_sizes(settings: ClassifySettings, model_kwargs: Dict) -> Tup
         raise ValueError('--train-img-sizes: give at least one size')
     if not settings.eval_img_sizes:
         raise ValueError('--eval-img-sizes: give at least one size')
-    for option, values in (('--img-size', [settings.img_size]), ('--base-img-size', [settings.base_img_size]),
-                           ('--train-img-sizes', train_sizes), ('--eval-img-sizes', settings.eval_img_sizes),
-                           ('--batch-size', [settings.batch_size]),
-                           ('--train-batch-sizes', settings.train_batch_sizes)):  # None: not given
-        bad = next((value for value in values or () if value is not None and value <= 0), None)
-        if bad is not None:
-            raise ValueError(f'{option}: expected a positive size, got {bad}')
     if settings.train_size_schedule not in SIZE_SCHEDULES:
         raise ValueError(f'--train-size-schedule: choose one of {", ".join(SIZE_SCHEDULES)}, got '
                          f'{settings.train_size_schedule!r}')
@@ -127,7 +120,8 @@ def check_model_and_sizes(settings: ClassifySettings, model_kwargs: Dict) -> Tup
         with torch.device('meta'):
             probe = create_aft_model(settings.model, **model_kwargs)
             if hasattr(probe, 'resize_mode'):  # AFT-conv: built for img_size, following other sizes as asked
-                base = settings.base_img_size or model_kwargs.get('img_size', settings.img_size)
+                base = settings.base_img_size if settings.base_img_size is not None else model_kwargs.get(
+                    'img_size', settings.img_size)
                 size_args = dict(img_size=settings.img_size, resize_mode=settings.resize_mode, base_img_size=base)
                 model_kwargs = dict({k: v for k, v in size_args.items() if v is not None}, **model_kwargs)
             elif settings.resize_mode is not None or settings.base_img_size is not None:
@@ -296,9 +290,9 @@ def report(settings: ClassifySettings, results: Dict, data_dir: Path, hub_dir: P
     at_others = f'{"/".join(f"{top1_at[size]:.2f}" for size in others)}% at {sizes_text(others)}px; ' * bool(others)
     print(f'\n{settings.model} on {data_dir}, trained at {sizes_text(results["train_img_sizes"])} px: top-1 '
           f'{top1:.2f}% at {img_size}px; {at_others}reloaded from {hub_dir}: {results["top1_reloaded"]:.2f}% '
-          f'(identical; at {largest}px: {at_largest:.2f}%), with timm\'s data config {results["top1_timm_data_config"]:.2f}% '
-          f'({client_config["input_size"][-1]}px, crop_pct {client_config["crop_pct"]}; test size: '
-          f'{results["top1_timm_test_data_config"]:.2f}%)')
+          f'(identical; at {largest}px: {at_largest:.2f}%), with timm\'s data config '
+          f'{results["top1_timm_data_config"]:.2f}% ({client_config["input_size"][-1]}px, crop_pct '
+          f'{client_config["crop_pct"]}; test size: {results["top1_timm_test_data_config"]:.2f}%)')
     if results['world_size'] > 1:
         agree = 'identical on every rank' if len(set(results['rank_state_sha256'])) == 1 else 'DIFFER between ranks'
         same = 'the same' if len(set(results['rank_size_schedule_sha256'])) == 1 else 'DIFFERENT'

@@ -163,6 +163,8 @@ def at_size(model: torch.nn.Module, img_size: int) -> torch.nn.Module:
 
 def check_input_size(model: torch.nn.Module, img_size: int) -> None:
     """Raise ValueError unless ``model`` takes ``img_size`` px images (for timm's ViTs: the patch divides it)."""
+    if img_size <= 0:
+        raise ValueError(f'expected a positive size, got {img_size}')
     if hasattr(model, '_check_input'):
         model._check_input(torch.empty(1, model.in_chans, img_size, img_size, device='meta'))
         return
@@ -255,12 +257,11 @@ def train(data_dir: Path, model_name: str, epochs: int, img_size: int, batch_siz
     batch_sizes = list(train_batch_sizes or size_scaled_batches(batch_size, img_size, sizes))
     loader = train_loader(data_dir / 'train', model, sizes, batch_sizes, size_schedule, epochs, seed,
                           distributed=world_size > 1)
-    drawn = set()  # the sizes timm's schedule draws in these epochs (sizes by index, with their batch sizes)
+    drawn = set()  # the sizes (by index) timm's schedule draws in these epochs
     for epoch in range(epochs):
         loader.batch_sampler.set_epoch(epoch)
         drawn.update(choice for choice, _ in loader.batch_sampler.schedule)
-    never = [f'{size} px (batches of {batch})' for i, (size, batch) in enumerate(zip(sizes, batch_sizes))
-             if i not in drawn]
+    never = [f'{size} px (batches of {batch_sizes[i]})' for i, size in enumerate(sizes) if i not in drawn]
     if never:
         raise ValueError(f'--train-img-sizes: {", ".join(never)} never drawn in {epochs} epochs of '
                          f'{len(loader.batch_sampler.sampler)} training images per process: a smaller batch size '
