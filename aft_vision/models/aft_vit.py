@@ -181,7 +181,7 @@ class AFTVisionTransformer(AFTTransformerBase):
             B, H, W, C = x.shape  # patch_embed returns NHWC when dynamic
             pos_embed = resample_abs_pos_embed(
                 self.pos_embed, [H, W], list(self.patch_embed.grid_size), num_prefix_tokens=self.num_prefix_tokens)
-            x = x.view(B, -1, C)  # (B, H * W, C)
+            x = x.flatten(1, 2)  # (B, H * W, C)
             feat_size = [H, W]
         else:
             pos_embed = self.pos_embed
