@@ -154,6 +154,8 @@ def check_model_and_sizes(settings: ClassifySettings, model_kwargs: Dict) -> Tup
     checks += [('--eval-img-sizes', size, None) for size in settings.eval_img_sizes]
     for option, size, model in checks:
         try:
+            if size <= 0:
+                raise ValueError(f'expected a positive size, got {size}')
             with torch.device('meta'):  # trained as built; evaluated at each size as rebuilt for it
                 check_input_size(model or at_size(probe, size), size)
         except ValueError as error:

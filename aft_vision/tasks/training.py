@@ -163,8 +163,6 @@ def at_size(model: torch.nn.Module, img_size: int) -> torch.nn.Module:
 
 def check_input_size(model: torch.nn.Module, img_size: int) -> None:
     """Raise ValueError unless ``model`` takes ``img_size`` px images (for timm's ViTs: the patch divides it)."""
-    if img_size <= 0:
-        raise ValueError(f'expected a positive size, got {img_size}')
     if hasattr(model, '_check_input'):
         model._check_input(torch.empty(1, model.in_chans, img_size, img_size, device='meta'))
         return
