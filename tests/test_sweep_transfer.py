@@ -108,7 +108,7 @@ def test_a_tensor_the_model_takes_and_the_source_lacks_is_refused_by_name(key, f
     assert key in text and ('refused rather than left random' in text or 'is missing' in text), text
 
 
-def test_the_report_lists_fresh_only_what_aft_adds(capsys):
+def test_the_report_lists_fresh_only_what_aft_adds():
     _, report = transfer_vit_weights(source(), model('conv'))
     assert {re.sub(r'^blocks\.\d+\.', '', key) for key in report.fresh} == {
         'attn.pos_weight', 'attn.pos_gamma', 'attn.pos_beta'}
