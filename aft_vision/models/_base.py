@@ -111,13 +111,14 @@ class AFTTransformerBase(nn.Module):
     Subclasses build ``patch_embed`` and their positions, call ``_build_trunk``, and provide ``pool``,
     ``_set_global_pool``, the features, intermediates and ``set_input_size`` (and ``_fixed_img_size``). ``forward``
     lives here so that fx, which wraps the notrace functions of the traced module, keeps ``check_image`` a leaf.
+    The size arguments a subclass passes on (``sizes``: None or positive) are checked here, ``img_size`` by timm.
     """
 
     def __init__(self, num_classes: int, in_chans: int, embed_dim: int, weight_init: str, **sizes: Any):
         super().__init__()
         if weight_init not in ('', 'skip'):
             raise ValueError(f"unknown weight_init {weight_init!r}: choose '' or 'skip'")
-        for name, size in dict(sizes, in_chans=in_chans, embed_dim=embed_dim).items():  # ``sizes``: None or positive
+        for name, size in dict(sizes, in_chans=in_chans, embed_dim=embed_dim).items():
             if name == 'img_size' and size is not None:
                 _spatial_size(size)  # timm's check of an image size, in its words
             elif size is not None and not all(n > 0 for n in to_2tuple(size)):
