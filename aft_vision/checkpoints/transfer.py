@@ -271,8 +271,7 @@ def _check_family(layout: SourceLayout, found: SourceLayout) -> SourceLayout:
                        ('LayerScale', 'layer_scale'), ('norm_pre', 'pre_norm'), ('MLP', 'mlp_layer')):
         if getattr(layout, attr) != getattr(found, attr):
             raise ValueError(f'family mismatch: the checkpoint is no {layout.name} ({what}: {getattr(found, attr)} in '
-                             f'the checkpoint, {getattr(layout, attr)} in {layout.name}; is it the architecture the '
-                             f'weights were saved from?)')
+                             f'the checkpoint, {getattr(layout, attr)} in {layout.name}; is it the weights\' source?)')
     return layout
 
 

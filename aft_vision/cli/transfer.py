@@ -20,8 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help='timm model name (downloads its weights), hf-hub:ORG/NAME, or a checkpoint file')
     parser.add_argument('--src-model', default=None, metavar='ARCH',
                         help='the timm architecture of a --src file, to read its layout (activation, position grid); '
-                             'without it the layout is inferred from the keys, activation and norm epsilon '
-                             'assumed (and printed)')
+                             'without it the layout is inferred from the keys, and what is assumed printed')
     parser.add_argument('--model', required=True, help='registered AFT model name, e.g. aft_conv_small')
     parser.add_argument('--model-kwargs', nargs='*', default={}, action=ModelKwargs, metavar='KEY=VALUE',
                         help='AFT model arguments over those read from the source (patch size, LayerScale, pre-norm, '

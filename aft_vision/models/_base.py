@@ -236,8 +236,7 @@ class AFTTransformerBase(nn.Module):
     @torch.jit.unused
     def _with_params(self, index: int, params: Dict[str, torch.Tensor]) -> Callable[..., torch.Tensor]:
         """Block ``index`` called with those of ``params`` that are its own."""
-        prefix = f'blocks.{index}.'
-        own = {key[len(prefix):]: value for key, value in params.items() if key.startswith(prefix)}
+        own = {key.split('.', 2)[2]: value for key, value in params.items() if key.startswith(f'blocks.{index}.')}
         return partial(torch.func.functional_call, self.blocks[index], own)
 
     def _check_input(self, x: torch.Tensor) -> None:

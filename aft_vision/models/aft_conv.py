@@ -54,9 +54,7 @@ class AFTConvTransformer(AFTTransformerBase):
         base_img_size: The size ``kernel_size`` and ``patch_size`` are given for (the training size; None:
             ``img_size``).
         dynamic_img_size: Each call's windows follow its input size as ``resize_mode='window'`` follows ``img_size``
-            at build (resampled from the built ones, differentiably; 'keep', 'patch': the built ones). A
-            traced or exported graph records the windows of its example input's size, a scripted model the built
-            ones.
+            (differentiably; other modes: the built ones). Exports record their example's windows, scripts the built.
 
     The other arguments are those of timm's ``VisionTransformer``.
     """

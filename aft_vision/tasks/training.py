@@ -259,11 +259,11 @@ def train(data_dir: Path, model_name: str, epochs: int, img_size: int, batch_siz
     for epoch in range(epochs):
         loader.batch_sampler.set_epoch(epoch)
         drawn.update(choice for choice, _ in loader.batch_sampler.schedule)
-    never = [f'{size} px (batches of {batch_sizes[i]})' for i, size in enumerate(sizes) if i not in drawn]
-    if never:
-        raise ValueError(f'--train-img-sizes: {", ".join(never)} never drawn in {epochs} epochs of '
-                         f'{len(loader.batch_sampler.sampler)} training images per process: a smaller batch size '
-                         f'or more epochs, or leave the size out')
+    if len(drawn) < len(sizes):
+        never = ', '.join(f'{size} px (batches of {batch_sizes[i]})' for i, size in enumerate(sizes) if i not in drawn)
+        raise ValueError(f'--train-img-sizes: {never} never drawn in {epochs} epochs of '
+                         f'{len(loader.batch_sampler.sampler)} training images per process: a smaller batch size or '
+                         f'more epochs, or leave the size out')
     net = model  # what the training step calls; DDP averages the gradients across ranks
     if world_size > 1:
         net = DistributedDataParallel(model, device_ids=[device] if device.type == 'cuda' else None)
