@@ -217,7 +217,7 @@ def test_transfer_resamples_pos_embed_for_aft_full_at_384():
 @pytest.mark.parametrize('source, match', [
     (lambda: timm.create_model('deit_small_patch16_224').state_dict(), 'width mismatch at patch_embed.proj.weight'),
     (lambda: timm.create_model('deit_tiny_patch16_224', depth=6).state_dict(), 'depth mismatch'),
-    (lambda: timm.create_model('resnet18').state_dict(), 'not a ViT / DeiT checkpoint'),
+    (lambda: timm.create_model('resnet18').state_dict(), 'not a ViT-family checkpoint'),
 ])
 def test_transfer_rejects_what_does_not_fit(source, match):
     with pytest.raises(ValueError, match=match):

@@ -125,7 +125,7 @@ def test_cli_reads_a_files_layout_from_src_model(tmp_path, capsys):
     model.load_state_dict(load_file(str(out)))  # the printed arguments rebuild the written model
     assert torch.equal(model.norm_pre.weight, source.norm_pre.weight)
     assert cli_main(args + ['--force']) == 0  # without --src-model: GELU assumed, and said
-    assert 'GELU assumed' in capsys.readouterr().out
+    assert 'assumed   MLP activation GELU' in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -39,7 +39,9 @@ def load_weights(path: PathLike) -> Dict[str, torch.Tensor]:
         raise FileNotFoundError(f'weight file not found: {path}')
     if path.stat().st_size == 0:
         raise ValueError(f'weight file is empty: {path}')
-    if path.suffix == '.safetensors':
+    with open(path, 'rb') as file:  # safetensors by content too (named .pth): an 8-byte header length, then JSON
+        head = file.read(9)
+    if path.suffix == '.safetensors' or head[8:] == b'{' and int.from_bytes(head[:8], 'little') < path.stat().st_size:
         try:
             return load_file(str(path), device='cpu')
         except (SafetensorError, OSError, ValueError) as error:

@@ -38,7 +38,8 @@ class SourceLayout:
         act_layer: The MLP's activation by timm name; None where the weights alone cannot say (GELU is assumed).
         mlp_layer: 'mlp' or 'swiglu_packed'; mlp_hidden: fc1's width.
         fc_norm: The final norm follows the pooling (EVA-02's); rotary: rotary positions (no tensors).
-        norm_eps: The LayerNorms' epsilon (CLIP's 1e-5, others' 1e-6; a state dict alone cannot say: 1e-6).
+        norm_eps: The LayerNorms' epsilon (CLIP's 1e-5, others' 1e-6).
+        assumed: What the weights alone do not say and the layout assumes (a state dict's: activation, epsilon).
     """
     name: str
     embed_dim: int
@@ -56,6 +57,7 @@ class SourceLayout:
     fc_norm: bool = False
     rotary: bool = False
     norm_eps: float = 1e-6
+    assumed: Tuple[str, ...] = ()
 
     def model_args(self, family: str) -> Dict[str, Any]:
         """The AFT model arguments for ``family`` 'conv' or 'vit': patch size and MLP ratio, and those of the rest
@@ -143,6 +145,7 @@ def infer_layout(state_dict: Mapping[str, torch.Tensor]) -> SourceLayout:
     fc1, fc2 = state_dict.get('blocks.0.mlp.fc1.weight'), state_dict.get('blocks.0.mlp.fc2.weight')
     packed = fc1 is not None and fc2 is not None and fc1.shape[0] == 2 * fc2.shape[1]
     reg = state_dict.get('reg_token')
+    eps = 1e-5 if 'norm_pre.weight' in state_dict else 1e-6  # CLIP's (timm's ViTs with norm_pre), else DeiT's
     return SourceLayout(
         name='a state dict', embed_dim=kernel.shape[0], depth=depth, patch_size=tuple(kernel.shape[2:]),
         grid_size=grid, pos_prefix=prefix, class_token='cls_token' in state_dict,
@@ -150,7 +153,9 @@ def infer_layout(state_dict: Mapping[str, torch.Tensor]) -> SourceLayout:
         layer_scale='blocks.0.ls1.gamma' in state_dict or 'blocks.0.gamma_1' in state_dict,
         pre_norm='norm_pre.weight' in state_dict, act_layer='silu' if packed else None,
         mlp_layer='swiglu_packed' if packed else 'mlp', mlp_hidden=fc1.shape[0] if fc1 is not None else 0,
-        fc_norm='fc_norm.weight' in state_dict and 'norm.weight' not in state_dict)
+        fc_norm='fc_norm.weight' in state_dict and 'norm.weight' not in state_dict, norm_eps=eps,
+        assumed=('MLP activation GELU',) * (not packed) + (f'LayerNorm epsilon {eps:g} (CLIP\'s with norm_pre, else '
+                                                             f'DeiT\'s)',))
 
 
 @functools.lru_cache(maxsize=None)

@@ -35,6 +35,7 @@ class TransferReport:
     renamed: Dict[str, str] = field(default_factory=dict)  # target key -> the source tensors it was taken from
     weights: str = ''  # which of the source checkpoint's weights were taken (``select_weights``)
     source: str = ''  # the source's architecture, or 'a state dict'
+    assumed: List[str] = field(default_factory=list)  # what the weights alone do not say (``SourceLayout.assumed``)
 
     def summary(self) -> str:
         """A short human-readable report, one section per outcome."""
@@ -49,6 +50,7 @@ class TransferReport:
             ('skipped', self.skipped))
             for key, why in _collapse(items).items()]
         lines += [f'  fresh     {key}' for key in _collapse(dict.fromkeys(self.fresh, ''))]
+        lines += [f'  assumed   {what}' for what in self.assumed]
         if self.weights:
             of = f' of {self.source}' if self.source and self.source != 'a state dict' else ''
             lines.append(f'  source    {self.weights}{of}')
@@ -73,6 +75,8 @@ def select_weights(checkpoint: Mapping, use_ema: bool = True) -> Tuple[Dict[str,
     for key, value in state_dict.items():
         if not isinstance(value, torch.Tensor):
             raise ValueError(f'checkpoint entry {key!r} is a {type(value).__name__}, not a tensor: not a state dict')
+        if value.is_floating_point() and not torch.isfinite(value).all():
+            raise ValueError(f'checkpoint tensor {key!r} holds NaN or infinite values: no weights are taken from it')
     if taken in EMA_KEYS:
         return state_dict, f"the EMA weights ('{taken}'; use_ema=False / --no-ema for the trained ones)"
     if not taken:
@@ -196,29 +200,30 @@ def transfer_vit_weights(state_dict: Mapping[str, torch.Tensor], model: torch.nn
                          layout: Optional[SourceLayout] = None) -> Tuple[Dict[str, torch.Tensor], TransferReport]:
     """A complete state dict for ``model`` from a ViT-family one (DeiT / DeiT III, DINOv2, CLIP, SigLIP, EVA-02), and
     the report; ValueError naming what misfits. ``layout``: the source's, read from its timm model
-    (``sources.read_layout``); None infers it from the keys, which cannot tell the activation (GELU assumed)."""
+    (``sources.read_layout``), checked against the keys; None infers it from them, the activation and norm epsilon
+    assumed (``report.assumed``). Refuses non-finite tensors and any tensor the model takes from a ViT that the source
+    lacks (only the classifier and what AFT adds start fresh)."""
     source, weights = select_weights(state_dict, use_ema)
-    for required in ('patch_embed.proj.weight', 'blocks.0.attn.qkv.weight'):
-        if required not in source:
-            raise ValueError(f'not a ViT / DeiT checkpoint: key {required!r} is missing '
-                             f'(found e.g. {sorted(source)[:5]})')
     stem = next((key for key in source if key.startswith('patch_embed.backbone.')), None)
     if stem:
         raise ValueError(f'a hybrid CNN stem (key {stem!r}), which no AFT patch embedding holds: only a '
                          f'single-convolution patch embedding maps')
-    layout = layout or infer_layout(source)
+    layout = _check_family(layout, infer_layout(source)) if layout else infer_layout(source)
     target = model.state_dict()
-    report = TransferReport(weights=weights, source=layout.name)
+    report = TransferReport(weights=weights, source=layout.name, assumed=[
+        f'{what}: the weights do not say (--src-model reads it)' for what in layout.assumed])
     _check_structure(layout, model)
     source = _canonical(source, layout, report)
     src_depth, dst_depth = _num_blocks(source), _num_blocks(target)
     if src_depth != dst_depth:
         raise ValueError(f'depth mismatch: the checkpoint has {src_depth} blocks (blocks.0-{src_depth - 1}), '
-                         f'the model {dst_depth}')
-    src_patch, dst_patch = source['patch_embed.proj.weight'], target['patch_embed.proj.weight']
-    if src_patch.shape[0] != dst_patch.shape[0] or src_patch.shape[2:] != dst_patch.shape[2:]:
-        raise ValueError(f'width mismatch at patch_embed.proj.weight: checkpoint {list(src_patch.shape)}, '
-                         f'model {list(dst_patch.shape)}')
+                         f'the model {dst_depth}: build it with depth={src_depth}')
+    src_kernel, dst_kernel = (sd['patch_embed.proj.weight'].shape for sd in (source, target))  # (C, in_chans, p, p)
+    for what, arg, src, dst in (('width', 'embed_dim', src_kernel[0], dst_kernel[0]),
+                                ('patch size', 'patch_size', tuple(src_kernel[2:]), tuple(dst_kernel[2:]))):
+        if src != dst:
+            raise ValueError(f'{what} mismatch at patch_embed.proj.weight: {src} in the checkpoint, {dst} in the '
+                             f'model: build it with {arg}={src}')
     mapped = dict(target)
     num_prefix = getattr(model, 'num_prefix_tokens', 1)
     values_only = any(key.endswith('.attn.pos_weight') for key in target)  # AFT-conv
@@ -248,9 +253,26 @@ def transfer_vit_weights(state_dict: Mapping[str, torch.Tensor], model: torch.nn
         report.skipped['rope'] = 'rotary positions (no tensors): the AFT position biases start fresh in their place'
     written = set(report.copied) | set(report.resampled) | set(report.partial)
     report.fresh = [key for key in target if key not in written]
+    missing = [key for key in report.fresh if not (key.startswith('head.') or '.attn.pos_' in key or (
+        key == 'pos_embed' and layout.rotary))]  # fresh by design: the classifier, AFT's biases; rotary positions
+    if missing:
+        more = f' and {len(missing) - 3} more' if len(missing) > 3 else ''
+        raise ValueError(f'the checkpoint lacks {", ".join(missing[:3])}{more}, which {type(model).__name__} takes '
+                         f'from a ViT: refused rather than left random')
     for key in written:
         mapped[key] = mapped[key].to(dtype=target[key].dtype)
     return mapped, report
+
+
+def _check_family(layout: SourceLayout, found: SourceLayout) -> SourceLayout:
+    """``layout`` (of a named architecture) if the checkpoint's keys (``found``) show its structure; else ValueError
+    naming what differs (width and depth may: a checkpoint of another size of the family)."""
+    for what, attr in (('patch size', 'patch_size'), ('class token', 'class_token'), ('register tokens', 'reg_tokens'),
+                       ('LayerScale', 'layer_scale'), ('norm_pre', 'pre_norm'), ('MLP', 'mlp_layer')):
+        if getattr(layout, attr) != getattr(found, attr):
+            raise ValueError(f'family mismatch: the checkpoint is no {layout.name} ({what}: {getattr(found, attr)} in '
+                             f'the checkpoint, {getattr(layout, attr)} in {layout.name}; is it the weights\' source?)')
+    return layout
 
 
 def _hint(key: str) -> str:

@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help='timm model name (downloads its weights), hf-hub:ORG/NAME, or a checkpoint file')
     parser.add_argument('--src-model', default=None, metavar='ARCH',
                         help='the timm architecture of a --src file, to read its layout (activation, position grid); '
-                             'without it the layout is inferred from the keys and GELU assumed')
+                             'without it the layout is inferred from the keys, and what is assumed printed')
     parser.add_argument('--model', required=True, help='registered AFT model name, e.g. aft_conv_small')
     parser.add_argument('--model-kwargs', nargs='*', default={}, action=ModelKwargs, metavar='KEY=VALUE',
                         help='AFT model arguments over those read from the source (patch size, LayerScale, pre-norm, '
@@ -52,8 +52,6 @@ def run(args: argparse.Namespace) -> int:
     digest = save_weights(state_dict, args.out, force=args.force,
                           metadata={'source': str(args.src), 'architecture': args.model, 'model_kwargs': built_with})
     print(report.summary())
-    if layout.act_layer is None:
-        print('  note      the weights alone do not say the MLP activation: GELU assumed (--src-model ARCH reads it)')
     print(f'model     {args.model} --model-kwargs {built_with}')
     print(f'wrote {args.out}  sha256 {digest}')
     return 0

@@ -11,11 +11,11 @@ from torch.jit import Final
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import DropPath, LayerNorm, LayerScale, LayerType, Mlp, SwiGLUPacked, calculate_drop_path_rates, \
-    get_act_layer, get_device_dtype, get_norm_layer
+    get_act_layer, get_device_dtype, get_norm_layer, to_2tuple
 from timm.models import build_model_with_cfg, checkpoint, generate_default_cfgs, get_pretrained_cfg, named_apply, \
     register_notrace_function
 from timm.models._features import feature_take_indices  # as timm's own models import it (not re-exported)
-from timm.models._input import update_model_args  # what timm's ViT records on a resize
+from timm.models._input import _spatial_size, update_model_args  # timm's size check; what its ViT records on a resize
 from timm.models.vision_transformer import init_weights_vit_timm
 
 from ..layers import layer_norm_nchw, linear_nchw
@@ -111,12 +111,18 @@ class AFTTransformerBase(nn.Module):
     Subclasses build ``patch_embed`` and their positions, call ``_build_trunk``, and provide ``pool``,
     ``_set_global_pool``, the features, intermediates and ``set_input_size`` (and ``_fixed_img_size``). ``forward``
     lives here so that fx, which wraps the notrace functions of the traced module, keeps ``check_image`` a leaf.
+    The size arguments a subclass passes on (``sizes``: None or positive) are checked here, ``img_size`` by timm.
     """
 
-    def __init__(self, num_classes: int, in_chans: int, embed_dim: int, weight_init: str):
+    def __init__(self, num_classes: int, in_chans: int, embed_dim: int, weight_init: str, **sizes: Any):
         super().__init__()
         if weight_init not in ('', 'skip'):
             raise ValueError(f"unknown weight_init {weight_init!r}: choose '' or 'skip'")
+        for name, size in dict(sizes, in_chans=in_chans, embed_dim=embed_dim).items():
+            if name == 'img_size' and size is not None:
+                _spatial_size(size)  # timm's check of an image size, in its words
+            elif size is not None and not all(n > 0 for n in to_2tuple(size)):
+                raise ValueError(f'Expected a positive {name}, got {size}.')
         self.num_classes, self.in_chans = num_classes, in_chans
         self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
         self.grad_checkpointing = False
@@ -205,10 +211,11 @@ class AFTTransformerBase(nn.Module):
         return None
 
     def _run_blocks(self, x: torch.Tensor, feat_size: Optional[List[int]] = None,
-                    take_indices: Optional[List[int]] = None, norm: bool = False,
-                    last: Optional[int] = None) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+                    take_indices: Optional[List[int]] = None, norm: bool = False, last: Optional[int] = None,
+                    params: Optional[Dict[str, torch.Tensor]] = None) -> Tuple[torch.Tensor, List[torch.Tensor]]:
         """``norm_pre`` and the blocks (through block ``last`` only, outside TorchScript, which cannot slice them) on x
-        of the grid ``feat_size``, and the outputs of the blocks in ``take_indices`` (through ``norm`` if asked)."""
+        of the grid ``feat_size``, and the outputs of the blocks in ``take_indices`` (through ``norm`` if asked).
+        ``params``: block parameters by name (``blocks.N.*``) for this call (``torch.func.functional_call``)."""
         intermediates: List[torch.Tensor] = []
         x = self.norm_pre(x)
         if torch.jit.is_scripting() or last is None:
@@ -216,6 +223,8 @@ class AFTTransformerBase(nn.Module):
         else:
             blocks = self.blocks[:last + 1]
         for i, blk in enumerate(blocks):
+            if params is not None and not torch.jit.is_scripting():
+                blk = self._with_params(i, params)
             if self.grad_checkpointing and not torch.jit.is_scripting():
                 x = checkpoint(blk, x, feat_size)
             else:
@@ -223,6 +232,12 @@ class AFTTransformerBase(nn.Module):
             if take_indices is not None and i in take_indices:
                 intermediates.append(self.norm(x) if norm else x)
         return x, intermediates
+
+    @torch.jit.unused
+    def _with_params(self, index: int, params: Dict[str, torch.Tensor]) -> Callable[..., torch.Tensor]:
+        """Block ``index`` called with those of ``params`` that are its own."""
+        own = {key.split('.', 2)[2]: value for key, value in params.items() if key.startswith(f'blocks.{index}.')}
+        return partial(torch.func.functional_call, self.blocks[index], own)
 
     def _check_input(self, x: torch.Tensor) -> None:
         check_image(x, self.in_chans, self.patch_embed.patch_size, self._fixed_img_size(),

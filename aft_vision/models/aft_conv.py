@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Type, U
 
 import torch
 from torch import nn
+from torch.jit import Final
 
 from timm.layers import LayerType, PatchEmbed, SelectAdaptivePool2d, resample_patch_embed, to_2tuple
 from timm.models import register_model
@@ -52,9 +53,12 @@ class AFTConvTransformer(AFTTransformerBase):
             docs/results.md), 'keep' keeps it ``kernel_size`` tokens wide, 'patch' resizes the patch (FlexiViT).
         base_img_size: The size ``kernel_size`` and ``patch_size`` are given for (the training size; None:
             ``img_size``).
+        dynamic_img_size: Each call's windows follow its input size as ``resize_mode='window'`` follows ``img_size``
+            (differentiably; other modes: the built ones). Exports record their example's windows, scripts the built.
 
     The other arguments are those of timm's ``VisionTransformer``.
     """
+    dynamic_img_size: Final[bool]
 
     def __init__(
             self, img_size: Union[int, Tuple[int, int]] = 224, patch_size: Union[int, Tuple[int, int]] = 16,
@@ -67,11 +71,13 @@ class AFTConvTransformer(AFTTransformerBase):
             norm_layer: Optional[LayerType] = None, act_layer: Optional[LayerType] = None,
             block_fn: Type[nn.Module] = Block, mlp_layer: Union[str, Type[nn.Module]] = 'mlp',
             norm_eps: Optional[float] = None,
-            resize_mode: str = 'window',
-            base_img_size: Optional[Union[int, Tuple[int, int]]] = None, device=None, dtype=None,
+            resize_mode: str = 'window', base_img_size: Optional[Union[int, Tuple[int, int]]] = None,
+            dynamic_img_size: bool = False, device=None, dtype=None,
     ):
-        super().__init__(num_classes, in_chans, embed_dim, weight_init)
+        super().__init__(num_classes, in_chans, embed_dim, weight_init, img_size=img_size,
+                         base_img_size=base_img_size, patch_size=patch_size, depth=depth, mlp_ratio=mlp_ratio)
         dd = {'device': device, 'dtype': dtype}
+        self.dynamic_img_size = dynamic_img_size
         self._set_global_pool(global_pool)
         self.resize_mode = resize_mode
         self.export_layout = 'NHWC'  # what a recorded graph takes (``export_layout``); eager always runs rows
@@ -157,7 +163,7 @@ class AFTConvTransformer(AFTTransformerBase):
         windows = {}
         for i, block in enumerate(self.blocks):
             attn = block.attn
-            if kernel != attn.kernel_size:
+            if kernel != attn.pos_weight.shape[-1]:  # (h, s, s); under forward_at_size already resampled
                 names = [f'blocks.{i}.attn.{name}' for name in ('pos_weight', 'pos_gamma', 'pos_beta')]
                 windows.update(zip(names, resize_window_bias(
                     attn.pos_weight, attn.pos_gamma, attn.pos_beta, kernel, attn.eps)))
@@ -181,7 +187,8 @@ class AFTConvTransformer(AFTTransformerBase):
         if self._records_nchw():
             num_blocks = max_index + 1 if stop_early else len(self.blocks)
             return self._intermediates_nchw(x, num_blocks, take_indices, norm, output_fmt, intermediates_only)
-        x, intermediates = self._run_blocks(self._embed(x), None, take_indices, norm, max_index if stop_early else None)
+        x, intermediates = self._run_blocks(self._embed(x), None, take_indices, norm, max_index if stop_early else None,
+                                            self._input_windows(x))
         if output_fmt == 'NCHW':  # (B, H, W, C) -> (B, C, H, W)
             intermediates = [y.permute(0, 3, 1, 2).contiguous() for y in intermediates]
         if intermediates_only:
@@ -220,7 +227,13 @@ class AFTConvTransformer(AFTTransformerBase):
         self._check_input(x)
         if self._records_nchw():
             return self._features_nchw(x)
-        return self.norm(self._run_blocks(self._embed(x))[0])  # (B, H, W, C)
+        return self.norm(self._run_blocks(self._embed(x), params=self._input_windows(x))[0])  # (B, H, W, C)
+
+    def _input_windows(self, x: torch.Tensor) -> Optional[Dict[str, torch.Tensor]]:
+        """With ``dynamic_img_size``, the windows for the size of images x (``window_parameters``); else None."""
+        if self.dynamic_img_size and not torch.jit.is_scripting():
+            return self.window_parameters(x.shape[-2:]) or None
+        return None
 
 
 @contextlib.contextmanager

@@ -112,7 +112,8 @@ class AFTVisionTransformer(AFTTransformerBase):
             norm_eps: Optional[float] = None, device=None,
             dtype=None,
     ):
-        super().__init__(num_classes, in_chans, embed_dim, weight_init)
+        super().__init__(num_classes, in_chans, embed_dim, weight_init, img_size=img_size, patch_size=patch_size,
+                         depth=depth, mlp_ratio=mlp_ratio)
         dd = {'device': device, 'dtype': dtype}
         if mixer not in MIXERS:
             raise ValueError(f'unknown mixer {mixer!r}: choose one of {MIXERS}')
@@ -180,7 +181,7 @@ class AFTVisionTransformer(AFTTransformerBase):
             B, H, W, C = x.shape  # patch_embed returns NHWC when dynamic
             pos_embed = resample_abs_pos_embed(
                 self.pos_embed, [H, W], list(self.patch_embed.grid_size), num_prefix_tokens=self.num_prefix_tokens)
-            x = x.view(B, -1, C)  # (B, H * W, C)
+            x = x.flatten(1, 2)  # (B, H * W, C)
             feat_size = [H, W]
         else:
             pos_embed = self.pos_embed

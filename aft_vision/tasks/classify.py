@@ -122,7 +122,8 @@ def check_model_and_sizes(settings: ClassifySettings, model_kwargs: Dict) -> Tup
         with torch.device('meta'):
             probe = create_aft_model(settings.model, **model_kwargs)
             if hasattr(probe, 'resize_mode'):  # AFT-conv: built for img_size, following other sizes as asked
-                base = settings.base_img_size or model_kwargs.get('img_size', settings.img_size)
+                base = settings.base_img_size if settings.base_img_size is not None else model_kwargs.get(
+                    'img_size', settings.img_size)
                 size_args = dict(img_size=settings.img_size, resize_mode=settings.resize_mode, base_img_size=base)
                 model_kwargs = dict({k: v for k, v in size_args.items() if v is not None}, **model_kwargs)
             elif settings.resize_mode is not None or settings.base_img_size is not None:
@@ -155,6 +156,8 @@ def check_model_and_sizes(settings: ClassifySettings, model_kwargs: Dict) -> Tup
     checks += [('--eval-img-sizes', size, None) for size in settings.eval_img_sizes]
     for option, size, model in checks:
         try:
+            if size <= 0:
+                raise ValueError(f'expected a positive size, got {size}')
             with torch.device('meta'):  # trained as built; evaluated at each size as rebuilt for it
                 check_input_size(model or at_size(probe, size), size)
         except ValueError as error:
@@ -285,12 +288,12 @@ def report(settings: ClassifySettings, results: Dict, data_dir: Path, hub_dir: P
         print(f'top-1 at {size:3d} px: {value:6.2f}%  ({value - top1:+.2f} against {img_size} px)')
     others = [size for size in top1_at if size != img_size]
     (largest, at_largest), = results['top1_reloaded_at'].items()
+    at_others = f'{"/".join(f"{top1_at[size]:.2f}" for size in others)}% at {sizes_text(others)}px; ' * bool(others)
     print(f'\n{settings.model} on {data_dir}, trained at {sizes_text(results["train_img_sizes"])} px: top-1 '
-          f'{top1:.2f}% at {img_size}px; {"/".join(f"{top1_at[size]:.2f}" for size in others)}% at '
-          f'{sizes_text(others)}px; reloaded from {hub_dir}: {results["top1_reloaded"]:.2f}% (identical; at '
-          f'{largest}px: {at_largest:.2f}%), with timm\'s data config {results["top1_timm_data_config"]:.2f}% '
-          f'({client_config["input_size"][-1]}px, crop_pct {client_config["crop_pct"]}; test size: '
-          f'{results["top1_timm_test_data_config"]:.2f}%)')
+          f'{top1:.2f}% at {img_size}px; {at_others}reloaded from {hub_dir}: {results["top1_reloaded"]:.2f}% '
+          f'(identical; at {largest}px: {at_largest:.2f}%), with timm\'s data config '
+          f'{results["top1_timm_data_config"]:.2f}% ({client_config["input_size"][-1]}px, crop_pct '
+          f'{client_config["crop_pct"]}; test size: {results["top1_timm_test_data_config"]:.2f}%)')
     if results['world_size'] > 1:
         agree = 'identical on every rank' if len(set(results['rank_state_sha256'])) == 1 else 'DIFFER between ranks'
         same = 'the same' if len(set(results['rank_size_schedule_sha256'])) == 1 else 'DIFFERENT'

@@ -83,7 +83,7 @@ def test_aft_full_set_input_size_keeps_state():
     assert model.eval()(torch.randn(1, 3, 96, 80)).shape == (1, 1000)
 
 
-@pytest.mark.parametrize('name', ['aft_full_test', 'aft_simple_test'])
+@pytest.mark.parametrize('name', ['aft_conv_test', 'aft_full_test', 'aft_simple_test'])
 def test_dynamic_img_size(name):
     torch.manual_seed(0)
     model = _create(name, dynamic_img_size=True).eval()
