@@ -301,15 +301,11 @@ def train(data_dir: Path, model_name: str, epochs: int, img_size: int, batch_siz
     batch_sizes = list(train_batch_sizes or size_scaled_batches(batch_size, img_size, sizes))
     loader = train_loader(data_dir / 'train', model, sizes, batch_sizes, size_schedule, epochs, seed,
                           distributed=world_size > 1)
-    drawn = set()  # the sizes (by index) timm's schedule draws in these epochs
-    for epoch in range(epochs):
-        loader.batch_sampler.set_epoch(epoch)
-        drawn.update(choice for choice, _ in loader.batch_sampler.schedule)
-    if len(drawn) < len(sizes):
-        never = ', '.join(f'{size} px (batches of {batch_sizes[i]})' for i, size in enumerate(sizes) if i not in drawn)
-        raise ValueError(f'--train-img-sizes: {never} never drawn in {epochs} epochs of '
-                         f'{len(loader.batch_sampler.sampler)} training images per process: a smaller batch size or '
-                         f'more epochs, or leave the size out')
+    images = len(loader.batch_sampler.sampler)  # per process; a size whose batch exceeds them is never drawn
+    never = ', '.join(f'{size} px (batches of {batch})' for size, batch in zip(sizes, batch_sizes) if batch > images)
+    if never:
+        raise ValueError(f'--train-img-sizes: {never} can never be drawn from {images} training images per process: '
+                         f'a smaller batch size, or leave the size out')
     net = model  # what the training step calls; DDP averages the gradients across ranks
     if world_size > 1:
         net = DistributedDataParallel(model, device_ids=[device] if device.type == 'cuda' else None)
