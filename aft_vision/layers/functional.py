@@ -148,28 +148,33 @@ def aft_local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor
 
 @register_notrace_function
 def aft_simple(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> torch.Tensor:
-    """AFT-simple (Eq. 5): ``sigmoid(q_t) * sum_t' softmax(k)_t' v_t'`` for q, k, v (B, T, C), linear in T, in float32;
-    ``causal`` takes prefix sums (under 'cuda' exact while a prefix's largest key is within ~50 of the maximum)."""
+    """AFT-simple (Eq. 5): ``sigmoid(q_t) * sum_t' softmax(k)_t' v_t'`` for q, k, v (B, T, C), linear in T, in the
+    inputs' dtype (bfloat16 under autocast; sums in float32); ``causal`` takes prefix sums, in float32 (under 'cuda'
+    exact while a prefix's largest key is within ~50 of the maximum)."""
     check_qkv(q, k, v, 3, '(B, T, C)', '(B, T, C)')
-    if q.shape[0] == 0:
-        return (q * 0.0).to(output_dtype(q, k, v))
-    if torch.jit.is_scripting():
-        return _aft_simple(q, k, v, causal, 'cpu')
-    else:
-        with no_autocast():
-            return _aft_simple(q, k, v, causal, forced_policy() or ('cuda' if q.device.type == 'cuda' else 'cpu'))
-
-
-def _aft_simple(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, policy: str,
-                tiny: float = TINY) -> torch.Tensor:
     out_dtype = output_dtype(q, k, v)
     dtype = compute_dtype([q, k, v])
+    if q.shape[0] == 0:
+        return (q * 0.0).to(out_dtype)
+    if not torch.jit.is_scripting():
+        mm_dtype = product_dtype(q.device, out_dtype, dtype)
+        with no_autocast():
+            policy = forced_policy() or ('cuda' if q.device.type == 'cuda' else 'cpu')
+            return _aft_simple(q, k, v, causal, dtype, mm_dtype, policy).to(out_dtype)
+    else:
+        return _aft_simple(q, k, v, causal, dtype, dtype, 'cpu').to(out_dtype)
+
+
+def _aft_simple(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, dtype: torch.dtype,
+                mm_dtype: torch.dtype, policy: str, tiny: float = TINY) -> torch.Tensor:
+    if not causal:
+        q, k, v = _operands(q, k, v, dtype, mm_dtype)
     out, denominator = simple_mix(q, k, v, causal, dtype)
-    if causal:  # a prefix whose keys all lie far below the sequence's largest
+    if causal and denominator is not None:  # a prefix whose keys all lie far below the sequence's largest
         bad = flag_below(denominator, denominator.new_full((), tiny), policy)
         if bad is not None:
             out = recompute_flagged(out, bad, k.to(dtype), v.to(dtype), 'none', causal=True, gate=q.to(dtype))
-    return out.to(out_dtype)
+    return out
 
 
 @register_notrace_function

@@ -1,12 +1,14 @@
-"""AFT-simple's sums (Eq. 5), or their prefix sums; ``SimpleMix`` saves only q, k, v."""
-from typing import Tuple
+"""AFT-simple's sums (Eq. 5): ``SoftmaxPool`` for the whole sequence, ``sigmoid(q) * sum_T softmax_T(k) v`` (the
+denominator is 1: nothing divides, in the inputs' dtype); ``SimpleMix`` for prefix sums (causal). Both save only
+q, k, v (and the pooled values, (B, 1, C))."""
+from typing import Optional, Tuple
 
 import torch
 
 from ._gate import gate, gate_backward
 from .dispatch import capturing
 
-__all__ = ['SimpleMix', 'simple_mix']
+__all__ = ['SoftmaxPool', 'SimpleMix', 'simple_mix']
 
 
 def simple_sums(k: torch.Tensor, v: torch.Tensor, causal: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -22,6 +24,35 @@ def _sum_back(grad: torch.Tensor, causal: bool) -> torch.Tensor:
     if causal:
         return torch.flip(torch.cumsum(torch.flip(grad, [1]), dim=1), [1])
     return grad.sum(dim=1, keepdim=True)
+
+
+class SoftmaxPool(torch.autograd.Function):
+    """``sigmoid(q) * N`` with ``N = sum_T softmax_T(k) v`` (B, 1, C) for q, k, v (B, T, C): no denominator, so no
+    division and no floor; the backward recomputes the softmax and the gate."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        pooled = _pool(k, v)  # (B, 1, C)
+        ctx.save_for_backward(q, k, v, pooled)
+        return torch.sigmoid(q).mul_(pooled)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, pooled = ctx.saved_tensors
+        gate = torch.sigmoid(q)
+        gated = grad_out * gate  # g sigmoid(q)
+        grad_pooled = gated.sum(dim=1, keepdim=True)  # (B, 1, C)
+        grad_q = torch.addcmul(gated, gated, gate, value=-1.0).mul_(pooled)  # g sigmoid (1 - sigmoid) N
+        p = torch.softmax(k, dim=1)
+        grad_v = p * grad_pooled
+        grad_k = torch.addcmul(-pooled * grad_pooled, v, grad_pooled).mul_(p)  # p dN (v - N): softmax's Jacobian
+        return grad_q, grad_k, grad_v
+
+
+def _pool(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``sum_T softmax_T(k) v`` (B, 1, C), summed in float32 at least whatever the inputs' dtype."""
+    terms = torch.softmax(k, dim=1) * v  # (B, T, C)
+    return terms.sum(dim=1, keepdim=True, dtype=torch.promote_types(terms.dtype, torch.float32)).to(terms.dtype)
 
 
 class SimpleMix(torch.autograd.Function):
@@ -50,8 +81,14 @@ class SimpleMix(torch.autograd.Function):
 
 
 def simple_mix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-               dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``SimpleMix``, or its plain-autograd form inside TorchScript and while ``capturing()``."""
+               dtype: torch.dtype) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The output and, causal, D: ``SoftmaxPool`` (q, k, v in their own dtype) or ``SimpleMix`` (in ``dtype``), or
+    their plain-autograd forms inside TorchScript and while ``capturing()``."""
+    if not causal:
+        if torch.jit.is_scripting() or capturing():
+            return torch.sigmoid(q) * _pool(k, v), None
+        else:
+            return SoftmaxPool.apply(q, k, v), None
     if torch.jit.is_scripting() or capturing():
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         numerator, denominator, _ = simple_sums(k, v, causal)
