@@ -154,8 +154,8 @@ def infer_layout(state_dict: Mapping[str, torch.Tensor]) -> SourceLayout:
         pre_norm='norm_pre.weight' in state_dict, act_layer='silu' if packed else None,
         mlp_layer='swiglu_packed' if packed else 'mlp', mlp_hidden=fc1.shape[0] if fc1 is not None else 0,
         fc_norm='fc_norm.weight' in state_dict and 'norm.weight' not in state_dict, norm_eps=eps,
-        assumed=('MLP activation GELU',) * (not packed) + (f'LayerNorm epsilon {eps:g} (CLIP\'s with norm_pre, else '
-                                                             f'DeiT\'s)',))
+        assumed=('MLP activation GELU',) * (not packed)
+        + (f'LayerNorm epsilon {eps:g} (CLIP\'s with norm_pre, else DeiT\'s)',))
 
 
 @functools.lru_cache(maxsize=None)

@@ -2,8 +2,8 @@
 form: ``[N | D] = E_g @ X_g``, ``X = [p v | p]``, ``p = softmax_T(k)``, E a row-scaled ``exp`` of the bias (AFT-conv:
 a softmax over the zero-padded window, gathered per (query, key) by a cached index). Every row scale cancels in
 ``N / D``, so no maximum is subtracted and no argument is rounded before its ``exp``; E, X and the sums stay in the
-products' dtype (bfloat16 under autocast). ``DenseMix`` saves sigmoid(q), X and D (its output aside), writes each intermediate
-once in the layout its product reads, and takes the bias gradient as sums along E's diagonals: by a 0/1 selector
+products' dtype (bfloat16 under autocast). ``DenseMix`` saves sigmoid(q), X and D (its output aside), writes each
+intermediate once in the layout its product reads, and takes the bias gradient as sums along E's diagonals: by a 0/1 selector
 product under the 'cuda' policy (tensor cores), by ``index_add_`` under 'cpu'. ``dense_plain`` is the same form in
 plain autograd for TorchScript, exports and ``torch.compile``. docs/operators.md derives it."""
 from typing import Dict, Optional, Tuple
@@ -144,8 +144,8 @@ def _sum_last(x: torch.Tensor) -> torch.Tensor:
 
 def _bias_grad(grad_weights: torch.Tensor, table: torch.Tensor, cells: Optional[torch.Tensor],
                grid: Optional[Tuple[int, int, int]], policy: str) -> torch.Tensor:
-    """The bias gradient from dL/dE (G, T, T) (``grid``: H, W, s): ``E * dL/dE`` (the row scales are constants: the loss ignores them),
-    summed over the pairs that share a window cell for AFT-conv, then the pad cells dropped."""
+    """The bias gradient from dL/dE (G, T, T) (``grid``: H, W, s): ``E * dL/dE`` (the row scales are constants: the
+    loss ignores them), summed over the pairs that share a window cell for AFT-conv, then the pad cells dropped."""
     if grid is None:
         return (grad_weights * table)[0]  # (T, T)
     num_heads, side = table.shape[0], grid[2] + 1
