@@ -3,9 +3,9 @@ form: ``[N | D] = E_g @ X_g``, ``X = [p v | p]``, ``p = softmax_T(k)``, E a row-
 a softmax over the zero-padded window, gathered per (query, key) by a cached index). Every row scale cancels in
 ``N / D``, so no maximum is subtracted and no argument is rounded before its ``exp``; E, X and the sums stay in the
 products' dtype (bfloat16 under autocast). ``DenseMix`` saves sigmoid(q), X and D (its output aside), writes each
-intermediate once in the layout its product reads, and takes the bias gradient as sums along E's diagonals: by a 0/1 selector
-product under the 'cuda' policy (tensor cores), by ``index_add_`` under 'cpu'. ``dense_plain`` is the same form in
-plain autograd for TorchScript, exports and ``torch.compile``. docs/operators.md derives it."""
+intermediate once in the layout its product reads, and takes the bias gradient as sums along E's diagonals: by a 0/1
+selector product under the 'cuda' policy (tensor cores), by ``index_add_`` under 'cpu'. ``dense_plain`` is the same
+form in plain autograd for TorchScript, exports and ``torch.compile``. docs/operators.md derives it."""
 from typing import Dict, Optional, Tuple
 
 import torch
