@@ -13,7 +13,8 @@ from timm.models import clean_state_dict
 
 from .sources import SourceLayout, act_name, infer_layout
 
-__all__ = ['TransferReport', 'transfer_vit_weights', 'select_weights', 'unwrap_state_dict', 'is_vit_state_dict']
+__all__ = ['TransferReport', 'transfer_vit_weights', 'select_weights', 'unwrap_state_dict', 'is_vit_state_dict',
+           'check_finite']
 
 _QKV = re.compile(r'blocks\.(\d+)\.attn\.qkv\.(weight|bias)$')
 _DISTILLATION = ('dist_token', 'head_dist.weight', 'head_dist.bias')
@@ -66,17 +67,26 @@ def _collapse(items: Mapping[str, str]) -> Dict[str, str]:
     return folded
 
 
-def select_weights(checkpoint: Mapping, use_ema: bool = True) -> Tuple[Dict[str, torch.Tensor], str]:
+def check_finite(state_dict: Mapping[str, torch.Tensor], what: str) -> None:
+    """ValueError naming ``what`` and the first tensor of ``state_dict`` that holds NaN or infinity."""
+    bad = next((key for key, tensor in state_dict.items()
+                if tensor.is_floating_point() and not torch.isfinite(tensor).all()), None)
+    if bad is not None:
+        raise ValueError(f'{what}: weight {bad!r} holds NaN or infinite values: no weights are taken from it')
+
+
+def select_weights(checkpoint: Mapping, use_ema: bool = True,
+                   what: str = 'checkpoint') -> Tuple[Dict[str, torch.Tensor], str]:
     """A checkpoint's tensors as timm's ``load_state_dict`` takes them (EMA first unless ``use_ema`` is False;
-    ``clean_state_dict``), and which, in words: timm's reads the file itself (any pickle) and does not say."""
+    ``clean_state_dict``), and which, in words: timm's reads the file itself (any pickle) and does not say. Refuses
+    entries that are not tensors and non-finite tensors (``check_finite``, naming ``what``)."""
     keys = WEIGHT_KEYS if use_ema else WEIGHT_KEYS[len(EMA_KEYS):]
     taken = next((key for key in keys if isinstance(checkpoint.get(key), Mapping)), '')
     state_dict = clean_state_dict(checkpoint[taken] if taken else checkpoint)
     for key, value in state_dict.items():
         if not isinstance(value, torch.Tensor):
             raise ValueError(f'checkpoint entry {key!r} is a {type(value).__name__}, not a tensor: not a state dict')
-        if value.is_floating_point() and not torch.isfinite(value).all():
-            raise ValueError(f'checkpoint tensor {key!r} holds NaN or infinite values: no weights are taken from it')
+    check_finite(state_dict, what)
     if taken in EMA_KEYS:
         return state_dict, f"the EMA weights ('{taken}'; use_ema=False / --no-ema for the trained ones)"
     if not taken:
@@ -86,9 +96,9 @@ def select_weights(checkpoint: Mapping, use_ema: bool = True) -> Tuple[Dict[str,
     return state_dict, f"the '{taken}' weights{why}"
 
 
-def unwrap_state_dict(checkpoint: Mapping, use_ema: bool = True) -> Dict[str, torch.Tensor]:
+def unwrap_state_dict(checkpoint: Mapping, use_ema: bool = True, what: str = 'checkpoint') -> Dict[str, torch.Tensor]:
     """``select_weights``' tensors alone."""
-    return select_weights(checkpoint, use_ema)[0]
+    return select_weights(checkpoint, use_ema, what)[0]
 
 
 def is_vit_state_dict(state_dict: Mapping[str, torch.Tensor]) -> bool:

@@ -18,7 +18,7 @@ from safetensors import SafetensorError
 from timm.models import parse_model_name
 
 from ..checkpoints.files import load_weights
-from ..checkpoints.transfer import select_weights, unwrap_state_dict
+from ..checkpoints.transfer import check_finite, select_weights, unwrap_state_dict
 from ..models import fit_checkpoint
 from .records import (read_hub_config, read_training_record, resolve_publish_data_config, source_architecture,
                       source_file)
@@ -146,8 +146,7 @@ def _check_fits(state_dict: Dict[str, torch.Tensor], expected: Dict[str, torch.T
 
 def check_init_weights(path: str, name: str, model_kwargs: Dict[str, Any], num_classes: int) -> None:
     """ValueError unless ``--init-from`` weights fit the model after ``models.fit_checkpoint`` (every key and shape)."""
-    weights = unwrap_state_dict(load_weights(path))
-    check_finite(weights, path)
+    weights = unwrap_state_dict(load_weights(path), what=path)
     what = f'{path} does not fit {name} (with {num_classes} classes)'
     with torch.device('meta'):
         model = timm.create_model(name, num_classes=num_classes, **model_kwargs)
@@ -163,14 +162,6 @@ def warn_random_weights(name: str, weights: str) -> None:
     if weights == RANDOM_WEIGHTS:
         print(f'warning: {name} has random weights (no --checkpoint, --pretrained or local-dir: / hf-hub: source): '
               'its outputs mean nothing', file=sys.stderr)
-
-
-def check_finite(state_dict: Dict[str, torch.Tensor], what: str) -> None:
-    """ValueError naming the first tensor of ``state_dict`` that holds NaN or infinity."""
-    bad = next((key for key, tensor in state_dict.items()
-                if tensor.is_floating_point() and not torch.isfinite(tensor).all()), None)
-    if bad is not None:
-        raise ValueError(f'{what}: weight {bad!r} holds NaN or infinite values')
 
 
 def check_runs_at_data_config(model: torch.nn.Module, what: str) -> None:
@@ -191,7 +182,7 @@ def _from_checkpoint(name: str, checkpoint: str, use_ema: bool, model_kwargs: Di
     record = read_training_record(checkpoint)
     config = read_hub_config(name) if ':' in name else None  # a published folder or Hub repo: its config.json
     kwargs = {**(config['model_args'] if config else {}), **(record.model_kwargs if record else {}), **model_kwargs}
-    state_dict, weights = select_weights(load_weights(checkpoint), use_ema)
+    state_dict, weights = select_weights(load_weights(checkpoint), use_ema, str(checkpoint))
     if 'head.weight' in state_dict and 'num_classes' not in kwargs:
         kwargs['num_classes'] = state_dict['head.weight'].shape[0]
     where = f'{config["path"]}: model_args{"" if config["model_args"] else " (none: the defaults)"}' if config else ''
@@ -202,7 +193,6 @@ def _from_checkpoint(name: str, checkpoint: str, use_ema: bool, model_kwargs: Di
     _check_fits(state_dict, model.state_dict(), f'{where} do not rebuild the weights in {checkpoint}' if config else
                 f'{checkpoint} does not fit {name}')
     model.load_state_dict(state_dict)
-    check_finite(state_dict, checkpoint)
     data_config, source = resolve_publish_data_config(model, record)  # as ``publish`` would publish it
     if data_config:  # read from a file: one the model runs
         model.pretrained_cfg = {**model.pretrained_cfg, **data_config}

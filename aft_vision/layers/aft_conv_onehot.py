@@ -12,8 +12,8 @@ from torch import nn
 
 from ._stable import CANCEL_TOL, TINY, flag_below
 from .aft_conv import AFTConv2d
-from .dispatch import capturing, get_device_policy, no_autocast
-from .functional import aft_conv2d, check_conv_inputs, compute_dtype, output_dtype
+from .dispatch import capturing, no_autocast
+from .functional import aft_conv2d, check_conv_inputs, compute_dtype, get_device_policy, output_dtype
 
 __all__ = ['AFTConv2dOneHot', 'aft_conv2d_onehot', 'onehot_bias', 'convert_to_onehot']
 

@@ -45,19 +45,19 @@ def window_cells(height: int, width: int, kernel_size: int, like: torch.Tensor,
     return _CELLS[key]
 
 
-def _weights(w: torch.Tensor, grid: Optional[Tuple[int, int]], causal: bool, mm_dtype: torch.dtype,
-             cells: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The bias's row-scaled exp in w's dtype and E (G, T queries, T keys) in ``mm_dtype``: for ``grid`` None a
-    (T, T) bias ``w[query, key]`` (G = 1, keys after the query dropped if ``causal``), else an AFT-conv bias (h, s, s)
-    as (h, (s + 1)^2) table entries and E gathered from them by ``cells``."""
+def _table(w: torch.Tensor, grid: Optional[Tuple[int, int]], causal: bool) -> torch.Tensor:
+    """The bias's row-scaled exp in w's dtype: for ``grid`` None of a (T, T) bias ``w[query, key]`` (1, T, T), keys
+    after the query dropped if ``causal``; else of an AFT-conv bias (h, s, s) as (h, (s + 1)^2) window-table cells."""
     if grid is None:
         if causal:
             w = w.masked_fill(torch.ones_like(w, dtype=torch.bool).triu(1), float('-inf'))
-        table = torch.softmax(w, dim=-1).unsqueeze(0)  # (1, T, T)
-        return table, table.to(mm_dtype)
-    assert cells is not None
-    table = torch.softmax(F.pad(w, [0, 1, 0, 1]).flatten(1), dim=-1)  # (h, (s + 1)^2), 0 bias in the pad cells
-    return table, table.to(mm_dtype)[:, cells]  # (h, T, T)
+        return torch.softmax(w, dim=-1).unsqueeze(0)  # (1, T, T)
+    return torch.softmax(F.pad(w, [0, 1, 0, 1]).flatten(1), dim=-1)  # (h, (s + 1)^2), 0 bias in the pad cells
+
+
+def _weights(table: torch.Tensor, cells: Optional[torch.Tensor], mm_dtype: torch.dtype) -> torch.Tensor:
+    """E (G, T queries, T keys) in ``mm_dtype``: ``_table``'s, gathered by ``cells`` for AFT-conv."""
+    return table.to(mm_dtype) if cells is None else table.to(mm_dtype)[:, cells]
 
 
 def _tokens(k: torch.Tensor, v: torch.Tensor, groups: int, mm_dtype: torch.dtype) -> torch.Tensor:
@@ -83,7 +83,8 @@ class DenseMix(torch.autograd.Function):
     def forward(ctx, q, k, v, w, grid, causal, mm_dtype, policy):
         batch, num_keys, channels = q.shape
         cells = None if grid is None else window_cells(grid[0], grid[1], w.shape[-1], q)
-        table, weights = _weights(w, grid, causal, mm_dtype, cells)
+        table = _table(w, grid, causal)
+        weights = _weights(table, cells, mm_dtype)
         tokens = _tokens(k, v, weights.shape[0], mm_dtype)  # (G, T, B, n)
         sums = torch.bmm(weights, tokens.flatten(2)).view(tokens.shape)  # (G, T queries, B, n)
         layout = sums.permute(2, 1, 0, 3)  # (B, T, G, n)
@@ -114,7 +115,7 @@ class DenseMix(torch.autograd.Function):
         numerator_shape = out.shape  # (B, T, G, Ck / G, C / Ck)
         per_group = gate.shape[-1] // groups
         cells = None if ctx.grid is None else window_cells(ctx.grid[0], ctx.grid[1], ctx.kernel_size, gate)
-        weights = table.to(ctx.mm_dtype) if cells is None else table.to(ctx.mm_dtype)[:, cells]  # E again
+        weights = _weights(table, cells, ctx.mm_dtype)  # E again
         grad_out = grad_out.reshape(numerator_shape)
         grad_gated = torch.mul(grad_out, out)  # g * out
         grad_q = torch.addcmul(grad_gated, grad_gated, gate.view(numerator_shape), value=-1.0)  # g out (1 - gate)
@@ -126,8 +127,7 @@ class DenseMix(torch.autograd.Function):
                       out=layout[..., per_group:])  # -sum(g out) / D per key channel
         grad_tokens = torch.bmm(weights.transpose(1, 2), grad_sums.flatten(2)).view(tokens.shape)  # (G, T keys, B, n)
         grad_weights = torch.bmm(grad_sums.flatten(2), tokens.flatten(2).transpose(1, 2))  # (G, T queries, T keys)
-        window = None if ctx.grid is None else (ctx.grid[0], ctx.grid[1], ctx.kernel_size)
-        grad_w = _bias_grad(grad_weights, table, cells, window, ctx.policy)  # (T, T) or (h, s, s)
+        grad_w = _bias_grad(grad_weights, table, cells, ctx.grid, ctx.kernel_size, ctx.policy)  # (T, T) / (h, s, s)
         x, grad_x = tokens.permute(2, 1, 0, 3), grad_tokens.permute(2, 1, 0, 3)  # (B, T, G, n)
         keys, grad_keys = x[..., per_group:], grad_x[..., per_group:]  # (B, T, G, Ck / G)
         values, grad_values = (t[..., :per_group].unflatten(-1, numerator_shape[-2:]) for t in (x, grad_x))
@@ -143,15 +143,15 @@ def _sum_last(x: torch.Tensor) -> torch.Tensor:
 
 
 def _bias_grad(grad_weights: torch.Tensor, table: torch.Tensor, cells: Optional[torch.Tensor],
-               grid: Optional[Tuple[int, int, int]], policy: str) -> torch.Tensor:
-    """The bias gradient from dL/dE (G, T, T) (``grid``: H, W, s): ``E * dL/dE`` (the row scales are constants: the
-    loss ignores them), summed over the pairs that share a window cell for AFT-conv, then the pad cells dropped."""
-    if grid is None:
+               grid: Optional[Tuple[int, int]], kernel_size: int, policy: str) -> torch.Tensor:
+    """The bias gradient from dL/dE (G, T, T): ``E * dL/dE`` (the row scales are constants: the loss ignores them),
+    summed over the pairs that share a window cell for AFT-conv, then the pad cells dropped."""
+    if grid is None or cells is None:
         return (grad_weights * table)[0]  # (T, T)
-    num_heads, side = table.shape[0], grid[2] + 1
+    num_heads, side = table.shape[0], kernel_size + 1
     flat = grad_weights.view(num_heads, -1)  # (h, T * T)
     if policy == 'cuda':  # one product with the cached 0/1 selector (T * T, (s + 1)^2)
-        by_cell = torch.mm(flat, window_cells(grid[0], grid[1], grid[2], flat, flat.dtype))
+        by_cell = torch.mm(flat, window_cells(grid[0], grid[1], kernel_size, flat, flat.dtype))
     else:
         by_cell = table.new_zeros(table.shape).index_add_(1, cells.flatten(), flat.to(table.dtype))
     return (by_cell * table).view(num_heads, side, side)[:, :-1, :-1]  # (h, s, s)
@@ -163,7 +163,7 @@ def dense_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tens
     batch, num_keys, channels = v.shape
     key_channels = k.shape[-1]
     cells = None if grid is None else _cells(grid[0], grid[1], w.shape[-1], q.device)
-    _, weights = _weights(w, grid, causal, mm_dtype, cells)
+    weights = _weights(_table(w, grid, causal), cells, mm_dtype)
     groups = weights.shape[0]
     p = torch.softmax(k, dim=1)  # (B, T, Ck)
     values = (v.view(batch, num_keys, key_channels, -1) * p.unsqueeze(-1)).view(batch, num_keys, groups, -1)

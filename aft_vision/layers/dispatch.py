@@ -17,7 +17,7 @@ from typing import Dict, Iterator, Optional, Tuple
 import torch
 
 __all__ = ['METHODS', 'DISPATCH_TABLES', 'POLICIES', 'set_conv_method', 'get_conv_method', 'device_policy',
-           'get_device_policy', 'forced_policy', 'exporting', 'capturing', 'no_autocast']
+           'forced_policy', 'exporting', 'capturing', 'no_autocast']
 
 # torch.compiler.is_exporting() tells torch.export from torch.compile from 2.14 on (2.7-2.13: True under both)
 _EXPORT_FLAG_TRUSTED = torch.__version__ >= (2, 14)
@@ -90,13 +90,9 @@ def device_policy(kind: Optional[str]) -> Iterator[None]:
 
 
 def forced_policy() -> Optional[str]:
-    """The ``device_policy`` in force, else ``AFT_DEVICE_POLICY``; None: each call takes its tensors' device's."""
+    """The ``device_policy`` in force, else ``AFT_DEVICE_POLICY``; None: each call takes its tensors' device's
+    (``functional.get_device_policy``)."""
     return _override or _from_env('AFT_DEVICE_POLICY', POLICIES)
-
-
-def get_device_policy(device: torch.device) -> str:
-    """``forced_policy()``, else 'cuda' on CUDA and 'cpu' elsewhere."""
-    return forced_policy() or ('cuda' if device.type == 'cuda' else 'cpu')
 
 
 def no_autocast():

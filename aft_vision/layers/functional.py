@@ -15,8 +15,8 @@ from .depthwise_mix import depthwise_mix
 from .dispatch import DISPATCH_TABLES, capturing, check_choice, exporting, forced_policy, get_conv_method, no_autocast
 from .simple_mix import simple_mix
 
-__all__ = ['aft_full', 'aft_local', 'aft_simple', 'aft_conv2d', 'choose_conv_method', 'product_dtype',
-           'compute_dtype', 'output_dtype', 'check_conv_inputs']
+__all__ = ['aft_full', 'aft_local', 'aft_simple', 'aft_conv2d', 'choose_conv_method', 'get_device_policy',
+           'product_dtype', 'compute_dtype', 'output_dtype', 'check_conv_inputs']
 
 
 def check_tensor(name: str, tensor: torch.Tensor, ndim: int, layout: str):
@@ -68,6 +68,11 @@ def output_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.dty
     return torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
 
 
+def get_device_policy(device: torch.device) -> str:
+    """The policy a call on ``device`` runs under: ``forced_policy()``, else 'cuda' on CUDA and 'cpu' elsewhere."""
+    return forced_policy() or ('cuda' if device.type == 'cuda' else 'cpu')
+
+
 def product_dtype(device: torch.device, input_dtype: torch.dtype, compute_dtype: torch.dtype) -> torch.dtype:
     """The dtype of the products form's operands (float32 accumulation): bfloat16 under bfloat16 autocast or for
     bfloat16 inputs, else ``compute_dtype`` (float16's range cannot hold the softmax-scaled sums). Call it before
@@ -114,7 +119,7 @@ def aft_full(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor,
         return _aft_full(q, k, v, w, causal, dtype, dtype, 'cpu', True).to(out_dtype)
     else:
         plain = capturing()
-        policy = 'cuda' if plain else forced_policy() or ('cuda' if q.device.type == 'cuda' else 'cpu')
+        policy = 'cuda' if plain else get_device_policy(q.device)
         mm_dtype = product_dtype(q.device, out_dtype, dtype)
         with no_autocast():
             return _aft_full(q, k, v, w, causal, dtype, mm_dtype, policy, plain).to(out_dtype)
@@ -159,7 +164,7 @@ def aft_simple(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool =
     if not torch.jit.is_scripting():
         mm_dtype = product_dtype(q.device, out_dtype, dtype)
         with no_autocast():
-            policy = forced_policy() or ('cuda' if q.device.type == 'cuda' else 'cpu')
+            policy = get_device_policy(q.device)
             return _aft_simple(q, k, v, causal, dtype, mm_dtype, policy).to(out_dtype)
     else:
         return _aft_simple(q, k, v, causal, dtype, dtype, 'cpu').to(out_dtype)
@@ -209,7 +214,7 @@ def aft_conv2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tenso
                 batch = _COMPILED_BATCH
             method = choose_conv_method(q.device.type, batch, height, width, channels, k.shape[-1], w.shape[-1])
         plain = capturing()
-        policy = 'cuda' if plain else forced_policy() or ('cuda' if q.device.type == 'cuda' else 'cpu')
+        policy = 'cuda' if plain else get_device_policy(q.device)
         mm_dtype = product_dtype(q.device, out_dtype, dtype)
         with no_autocast():
             return _aft_conv2d(q, k, v, w, method, dtype, mm_dtype, policy, plain).to(out_dtype)

@@ -70,8 +70,8 @@ def run(settings: ClassifySettings) -> Dict:
             return {}
         model, data_dir, out = trained['model'], trained['data_dir'], Path(settings.out_dir)
         drawn = {int(size) for record in trained['history'] for size in record['steps_per_size']}
-        plan = dict(plan, **dict(zip(('train_sizes', 'batch_sizes'), map(list, zip(*(  # what the steps drew
-            pair for pair in zip(plan['train_sizes'], plan['batch_sizes']) if pair[0] in drawn))))))
+        pairs = [pair for pair in zip(plan['train_sizes'], plan['batch_sizes']) if pair[0] in drawn]
+        plan = dict(plan, train_sizes=[size for size, _ in pairs], batch_sizes=[batch for _, batch in pairs])
         top1, top1_at = evaluate_sizes(model, data_dir / 'val', settings.img_size, settings.eval_img_sizes)
         results, sha256 = save(model, settings, plan, top1, top1_at)
         hub_dir = publish_run(settings, plan, trained['classes'], results)

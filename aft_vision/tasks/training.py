@@ -16,6 +16,7 @@ from timm.data import create_loader, create_transform, resolve_data_config
 from timm.loss import LabelSmoothingCrossEntropy
 from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
+from timm.utils.distributed import init_distributed_device_so
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 from torchvision.datasets import ImageFolder
@@ -57,25 +58,27 @@ def launched_world() -> Tuple[int, int, int]:
 
 
 def join_peers(device: str) -> Tuple[int, int, torch.device]:
-    """Join torchrun's process group (gloo on CPU, NCCL on CUDA with one GPU per local rank), saying whom it waits for;
-    RuntimeError in one line if they are not all there within ``PEER_TIMEOUT_S``. Returns (rank, world size, device):
-    (0, 1, ``device``) outside torchrun."""
-    rank, local_rank, world_size = launched_world()
-    device = torch.device(device)
+    """Join torchrun's process group, saying whom it waits for: gloo on the CPU, RuntimeError in one line if the
+    others are not all there within ``PEER_TIMEOUT_S``; on CUDA timm's ``init_distributed_device_so`` as before (NCCL,
+    one GPU per local rank, torch's timeout: no GPU has run a join of this package's own). Returns (rank, world size,
+    device): (0, 1, ``device``) outside torchrun."""
+    rank, _, world_size = launched_world()
     if world_size == 1:
-        return 0, 1, device
-    if device.type == 'cuda':
-        device = torch.device('cuda', local_rank)
-        torch.cuda.set_device(device)
+        return 0, 1, torch.device(device)
     where = f'{os.environ.get("MASTER_ADDR")}:{os.environ.get("MASTER_PORT")} (MASTER_ADDR:MASTER_PORT)'
-    print(f'rank {rank} of {world_size}: waiting up to {PEER_TIMEOUT_S} s for the other ranks at {where}', flush=True)
+    cuda = torch.device(device).type == 'cuda'
+    limit = "torch's timeout" if cuda else f'{PEER_TIMEOUT_S} s'
+    print(f'rank {rank} of {world_size}: waiting up to {limit} for the other ranks at {where}', flush=True)
     try:
-        dist.init_process_group('nccl' if device.type == 'cuda' else 'gloo', timeout=timedelta(seconds=PEER_TIMEOUT_S))
+        if cuda:
+            world = init_distributed_device_so(device)
+            return world['global_rank'], world['world_size'], torch.device(world['device'])
+        dist.init_process_group('gloo', timeout=timedelta(seconds=PEER_TIMEOUT_S))
     except (RuntimeError, ValueError) as error:  # torch's store and network errors are RuntimeErrors
         cause = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise RuntimeError(f'rank {rank} of {world_size}: the other ranks did not join at {where} within '
-                           f'{PEER_TIMEOUT_S} s ({cause})') from None
-    return rank, world_size, device
+        raise RuntimeError(f'rank {rank} of {world_size}: the other ranks did not join at {where} within {limit} '
+                           f'({cause})') from None
+    return rank, world_size, torch.device(device)
 
 
 def split_digits(targets: torch.Tensor, val_fraction: float = 0.2, seed: int = 0) -> Dict[str, torch.Tensor]:
