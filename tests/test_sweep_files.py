@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import timm
 import torch
-import yaml
+from huggingface_hub import metadata_load
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
@@ -270,7 +270,7 @@ def test_dataset_text_is_refused_or_goes_in_as_data(text, files, tmp_path_factor
         _refused(code, err, '--dataset')
         assert not out.exists()
         return
-    front = yaml.safe_load((out / 'README.md').read_text().split('---\n')[1])
+    front = metadata_load(out / 'README.md')  # as the Hub reads a card: '---' closes it only on a line of its own
     assert front['datasets'] == [text] and front['license'] == 'apache-2.0' and set(front) == CARD_KEYS
 
 
