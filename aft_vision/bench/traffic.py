@@ -244,7 +244,7 @@ def saved_on_cuda_path(name: str, img_size: int, batch_size: int, precision: str
     kwargs = {}
     if name.startswith('aft_') and layer_shape(name, img_size)['kind'] == 'conv':
         kwargs['mixer_kwargs'] = {'method': auto_method(layer_shape(name, img_size), batch_size)}
-    model = timm.create_model(name, img_size=img_size, **kwargs)
+    model = timm.create_model(name, img_size=img_size, device='meta', **kwargs).to_empty(device='cpu')  # no init
     with torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True), device_policy('cuda'):
         return saved_bytes(model, torch.randn(batch_size, 3, img_size, img_size), precision)
 

@@ -32,8 +32,8 @@ def _onehot(size: int, kernel_size: int, device: torch.device, dtype: torch.dtyp
     positions (offset + s // 2, or the zero-bias pad row s outside the window)."""
     pos = torch.arange(size, device=device)
     offset = pos.view(1, -1) - pos.view(-1, 1) + kernel_size // 2  # (query, key)
-    cell = torch.where((offset >= 0) & (offset < kernel_size), offset, kernel_size)
-    return F.one_hot(cell.flatten(), kernel_size + 1).to(dtype)
+    cell = torch.where((offset >= 0) & (offset < kernel_size), offset, kernel_size).view(-1, 1)
+    return (cell == torch.arange(kernel_size + 1, device=device)).to(dtype)  # no scatter: a plain graph's op
 
 
 def axis_onehot(size: int, kernel_size: int, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
