@@ -1,15 +1,10 @@
 """AFT's sums as one positive matrix per bias group times the keys' softmax (AFT-full, -local, -conv), the products
 form: ``[N | D] = E_g @ X_g``, ``X = [p v | p]``, ``p = softmax_T(k)``, E a row-scaled ``exp`` of the bias (AFT-conv:
-a softmax over the zero-padded window table). Every row scale cancels in ``N / D``, so no maximum is subtracted and no
-argument is rounded before its ``exp``; E, X and the sums stay in the products' dtype (bfloat16 under autocast).
-
-AFT-conv's E depends on a (query, key) pair only through its row and column offsets, so it is built by two products
-with per-axis 0/1 matrices (``axis_onehot``: (size^2, s + 1), cached, bounded in bytes), and the bias gradient is the
-same two products transposed: no (T, T) index, no scatter, tensor cores on a GPU. Keys are stored column-major
-(x outer) so that both products read plain strided matrices. ``DenseMix`` saves sigmoid(q), X and (AFT-conv) D,
-recomputes AFT-full's per-channel D, writes each intermediate once in the layout its product reads; ``dense_plain``
-is the same form in plain autograd for TorchScript, exports, ``torch.compile`` and higher derivatives.
-docs/operators.md derives it."""
+a softmax over the zero-padded window table, spread over (query, key) pairs by two products with per-axis 0/1
+matrices, whose transposes give the bias gradient: no (T, T) index, no scatter). Every row scale cancels in
+``N / D``; E, X and the sums stay in the products' dtype (bfloat16 under autocast). ``DenseMix`` writes each
+intermediate once in the layout its product reads; ``dense_plain`` is the same form in plain autograd, for
+TorchScript, exports, ``torch.compile`` and higher derivatives. docs/operators.md derives it."""
 import collections
 import threading
 from typing import Optional, Tuple
@@ -37,18 +32,12 @@ def _onehot(size: int, kernel_size: int, device: torch.device, dtype: torch.dtyp
 
 
 def axis_onehot(size: int, kernel_size: int, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``_onehot`` on ``like``'s device, cached (least recently used first out past ``CACHE_BYTES``; safe under
-    threads: a table is returned as built or found, never re-read after an eviction)."""
-    fake_mode = getattr(like, 'fake_mode', None)  # a fake tensor's table belongs to its mode
-    key = (size, kernel_size, like.device, dtype, id(fake_mode))
+    """``_onehot`` on ``like``'s device, cached as a kernel keeps its tables: least recently used out past
+    ``CACHE_BYTES``, one lock around every read and write (a table is returned as found or built)."""
+    key = (size, kernel_size, like.device, dtype, id(getattr(like, 'fake_mode', None)))  # a fake tensor's: its mode's
     with _CACHE_LOCK:
-        table = _CACHE.get(key)
-        if table is not None:
-            _CACHE.move_to_end(key)
-            return table
-    table = _onehot(size, kernel_size, like.device, dtype)
-    with _CACHE_LOCK:
-        _CACHE[key] = table
+        table = _CACHE.pop(key, None)
+        _CACHE[key] = table = _onehot(size, kernel_size, like.device, dtype) if table is None else table  # newest
         while sum(t.numel() * t.element_size() for t in _CACHE.values()) > CACHE_BYTES and len(_CACHE) > 1:
             _CACHE.popitem(last=False)
     return table
