@@ -20,6 +20,7 @@ import pytest
 import timm
 import torch
 from PIL import Image
+from safetensors.torch import save_file
 
 from aft_vision.hub import publish
 
@@ -28,8 +29,8 @@ GIB_KB = 2 ** 20  # ru_maxrss counts KiB
 CODES = {torch.float32: 'F32', torch.float16: 'F16', torch.int64: 'I64'}
 SIZES = {'F32': 4, 'F16': 2, 'I64': 8}
 HUGE = [2 ** 20, 2 ** 11]  # 8 GiB of float32
-# class: (config.json edits, model.safetensors entries declared instead of or besides the clean ones, what a refusal
-# names; None: the folder loads)
+# class: (config.json edits, model.safetensors entries declared instead of or besides the clean ones (or the dtype all
+# are stored in), what a refusal names; None: the folder loads)
 CASES = {
     'input_size_it_takes': ({('pretrained_cfg', 'input_size'): [3, 16384, 16384]}, {}, None),
     'test_input_size_it_takes': ({('pretrained_cfg', 'test_input_size'): [3, 16384, 16384]}, {}, None),
@@ -47,7 +48,7 @@ CASES = {
                               ('model.safetensors', "'blocks.0.mlp.fc1.weight' has shape [1048576, 2048]")),
     'integer_weight': ({}, {'blocks.0.mlp.fc1.weight': ('I64', [128, 64])},
                        ('model.safetensors', "'blocks.0.mlp.fc1.weight' is torch.int64")),
-    'float16_weights': ({}, {'float16': None}, None),  # another floating-point type: cast as timm casts it
+    'float16_weights': ({}, torch.float16, None),  # another floating-point type: cast as timm casts it
     # last (a peak only grows): stopped once it has registered twice the file's tensors, after timm's drop-path rates
     'deep_model_args': ({('model_args', 'depth'): 100000}, {}, ('config.json', 'depth=100000', 'model.safetensors')),
 }
@@ -70,10 +71,10 @@ def watch():
     print(json.dumps({'killed': current[0]}), file=sys.__stdout__, flush=True)
     os._exit(3)
 threading.Thread(target=watch, daemon=True).start()
-for case, name, refused in runs:
+for case, name, via_predict in runs:
     current[0], result = case, {'case': case, 'name': name}
     try:
-        if refused:
+        if via_predict:
             err = io.StringIO()
             with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
                 result['code'] = main(['predict', image, '--model', name])
@@ -113,11 +114,9 @@ def loads(tmp_path_factory):
     root = tmp_path_factory.mktemp('hostile')
     torch.manual_seed(0)
     model = timm.create_model('aft_conv_test', num_classes=3)
-    publish_from = root / 'w.safetensors'
-    from safetensors.torch import save_file
-    save_file(model.state_dict(), str(publish_from))
-    publish(str(publish_from), 'aft_conv_test', 'me/clean', out_dir=str(root / 'clean'), label_names=list('abc'),
-            data_config={'input_size': 64, 'crop_pct': 1.0})
+    save_file(model.state_dict(), str(root / 'w.safetensors'))
+    publish(str(root / 'w.safetensors'), 'aft_conv_test', 'me/clean', out_dir=str(root / 'clean'),
+            label_names=list('abc'), data_config={'input_size': 64, 'crop_pct': 1.0})
     Image.new('RGB', (64, 64)).save(root / 'img.png')
     config = json.loads((root / 'clean' / 'config.json').read_text())
     state_dict = model.state_dict()
@@ -131,8 +130,8 @@ def loads(tmp_path_factory):
         for (section, key), value in edits.items():
             edited[section][key] = value
         (folder / 'config.json').write_text(json.dumps(edited))
-        if 'float16' in declared:
-            tensors, declared = {key: t.half() for key, t in state_dict.items()}, {}
+        if isinstance(declared, torch.dtype):  # every tensor stored in that dtype
+            tensors, declared = {key: t.to(declared) for key, t in state_dict.items()}, {}
         else:
             tensors = {key: t for key, t in state_dict.items() if key not in declared}
         _write_safetensors(folder / 'model.safetensors', tensors, declared)
