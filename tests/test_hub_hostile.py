@@ -22,7 +22,7 @@ import torch
 from PIL import Image
 from safetensors.torch import save_file
 
-from aft_vision.hub import publish
+from aft_vision.hub import check_runs_at_data_config, publish
 
 COMMIT = 'a' * 40  # the offline cache's one revision
 GIB_KB = 2 ** 20  # ru_maxrss counts KiB
@@ -170,3 +170,21 @@ def test_a_hostile_folder_loads_or_is_refused_in_one_line_within_1_gib_of_a_clea
         for name in refusal:
             assert name in err, (name, err)
     assert result['peak_kb'] - clean_peak_kb <= GIB_KB, (result['peak_kb'] - clean_peak_kb) / GIB_KB
+
+
+@pytest.mark.parametrize('name', ['aft_conv_test', 'aft_full_test', 'aft_simple_test'])
+def test_the_data_config_check_on_the_meta_device_agrees_with_a_real_forward(name):
+    model = timm.create_model(name).eval()
+    for side in (32, 64, 68, 72):
+        model.pretrained_cfg = {**model.pretrained_cfg, 'input_size': (3, side, side)}
+        try:
+            with torch.no_grad():
+                model(torch.zeros(1, 3, side, side))
+            runs = True
+        except (ValueError, RuntimeError, AssertionError):
+            runs = False
+        try:
+            check_runs_at_data_config(model, name)
+            assert runs, (name, side)
+        except ValueError as error:
+            assert not runs and f'input_size (3, {side}, {side})' in str(error), (name, side, error)

@@ -194,8 +194,9 @@ def check_runs_at_data_config(model: torch.nn.Module, what: str) -> None:
 
 def _from_checkpoint(name: str, checkpoint: str, use_ema: bool, model_kwargs: Dict) -> Tuple[torch.nn.Module, str]:
     # name built (a source: as timm builds it, its config.json in pretrained_cfg) with the run record's arguments
-    # under model_kwargs, sized to the head: on the meta device first (stopped past twice the file's tensors), held to
-    # the keys, shapes and dtypes the file declares before it is read (once); loaded strictly (never resampled); finite
+    # under model_kwargs, sized to the head: on the meta device first (no number above the file's values; stopped past
+    # twice its tensors), held to the keys, shapes and dtypes the file declares, then the file read once; loaded
+    # strictly (never resampled); finite
     record = read_training_record(checkpoint)
     config = read_hub_config(name) if ':' in name else None  # a published folder or Hub repo: its config.json
     kwargs = {**(config['model_args'] if config else {}), **(record.model_kwargs if record else {}), **model_kwargs}
