@@ -133,8 +133,7 @@ def _check_hub(repo_id: str, filename: str = 'config.json') -> None:
 
 
 def check_source(name: str) -> None:
-    """ValueError unless a ``local-dir:`` folder's config.json and weights' header read, or an ``hf-hub:`` repository
-    is reachable or cached."""
+    """ValueError unless a ``local-dir:``'s config.json and weights' header read, or ``hf-hub:`` is up or cached."""
     source, model_id = parse_model_name(name)
     if source == 'hf-hub':
         _check_hub(model_id)
