@@ -6,7 +6,8 @@ that size; one it cannot: refused), config.json ``model_args`` of a huge model (
 declaring an unexpected 8 GiB entry, a mis-shaped 8 GiB expected tensor or an integer weight (sparse files: the header
 written, the file truncated to its declared size, no disk used). Each refusal is one line naming the file, key or
 argument (through ``aft-vision predict``, which loads the folder as every command does); every load's peak memory,
-measured in one subprocess (``ru_maxrss``), stays within 1 GiB of the clean folder's.
+measured in one subprocess (``ru_maxrss``, so marked ``slow``), stays within 1 GiB of the clean folder's. The data
+config check, a forward on the meta device, is held to a real forward.
 """
 import json
 import math
@@ -109,7 +110,7 @@ def _write_safetensors(path: Path, tensors, declared) -> None:
 
 
 @pytest.fixture(scope='module')
-def loads(tmp_path_factory):
+def hostile_loads(tmp_path_factory):
     """{(case, source): what the child process saw} for the clean folder ('clean') and every case."""
     root = tmp_path_factory.mktemp('hostile')
     torch.manual_seed(0)
@@ -151,10 +152,11 @@ def loads(tmp_path_factory):
     return results, max(line['peak_kb'] for line in clean), state_dict
 
 
+@pytest.mark.slow  # one process for all (its imports: 3 s), shared under xdist (conftest.SHARED_FIXTURES)
 @pytest.mark.parametrize('source', SOURCES)
 @pytest.mark.parametrize('case', list(CASES))
-def test_a_hostile_folder_loads_or_is_refused_in_one_line_within_1_gib_of_a_clean_one(case, source, loads):
-    results, clean_peak_kb, state_dict = loads
+def test_a_hostile_folder_loads_or_is_refused_in_one_line_within_1_gib_of_a_clean_one(case, source, hostile_loads):
+    results, clean_peak_kb, state_dict = hostile_loads
     result, (edits, _, refusal) = results[(case, source)], CASES[case]
     assert 'traceback' not in result, result['traceback']
     if refusal is None:  # loaded: with the data config the file declares, and its weights
