@@ -10,6 +10,7 @@ import itertools
 import os
 import socket
 import sys
+import threading
 from typing import Any, Dict, Optional, Tuple
 from urllib.parse import urlparse
 
@@ -96,10 +97,10 @@ def _build(name: str, kwargs: Dict[str, Any], given: Dict[str, Any], where: str 
            most: int = -1) -> torch.nn.Module:
     # timm.create_model, a failure in one line naming the arguments ``given`` (and ``where`` they came from); stopped
     # once it registers more than ``most`` parameters (``limit`` says why that many), if most >= 0
-    count = itertools.count(1)
+    count, owner = itertools.count(1), threading.get_ident()
 
-    def stop(*_):
-        if next(count) > most >= 0:
+    def stop(*_):  # the hook is global: only this thread's registrations count
+        if threading.get_ident() == owner and next(count) > most >= 0:
             raise ValueError(f'more than {most} parameters, {limit}')
     handle = torch.nn.modules.module.register_module_parameter_registration_hook(stop)
     try:
