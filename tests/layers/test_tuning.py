@@ -9,16 +9,15 @@ import pytest
 import torch
 
 from aft_reference import grid_inputs
-from aft_vision.layers import (AFTConv2d, aft_conv2d, choose_conv_method, clear_tuned_choices, set_conv_method,
-                               tuned_choices)
+from aft_vision.layers import AFTConv2d, aft_conv2d, choose_conv_method, set_conv_method, tuned_choices
 from aft_vision.layers import dispatch, tuning
 
 
 @pytest.fixture(autouse=True)
 def fresh_record():
-    clear_tuned_choices()
+    tuned_choices(clear=True)
     yield
-    clear_tuned_choices()
+    tuned_choices(clear=True)
 
 
 class Timer:
@@ -50,6 +49,7 @@ def tuned(q, k, v, w):
 def test_each_form_is_timed_once_per_key_and_the_faster_kept(monkeypatch):
     timer = Timer()
     monkeypatch.setattr(tuning, '_ms', timer)
+    monkeypatch.setattr(tuning, 'REPEATS', 1)
     q, k, v, w = grid_inputs(2, 4, 5, 8, 2, 3)
     rng = torch.get_rng_state()
     first = tuned(q, k, v, w)
@@ -81,6 +81,9 @@ def test_each_form_is_timed_once_per_key_and_the_faster_kept(monkeypatch):
     direct = aft_conv2d(q, k, v, w, method=method)
     grads = [torch.autograd.grad(y.sum(), w) for y in (out, direct)]
     assert torch.equal(out, direct) and torch.equal(*grads[0], *grads[1])
+    assert len(tuned_choices(clear=True)) == 5 and tuned_choices() == {}
+    tuned(q, k, v, w)  # timed again
+    assert len(timer.calls) == 12
 
 
 @pytest.mark.parametrize('faster', ['dense', 'conv'])
@@ -134,25 +137,25 @@ class Forms:
 
 
 def test_compiled_graphs_take_the_recorded_choice_else_the_table(monkeypatch):
-    """The table picks the dense form for this small map; a choice recorded before tracing (here 'conv', as if timed
-    faster) replaces it. One graph: ``fullgraph=True`` refuses a graph break."""
-    batch, side, channels, heads, s = 2, 4, 8, 2, 3
+    """The table picks the dense form for this small map; a choice recorded before tracing at any batch (here 'conv',
+    as if timed faster) replaces it, unless the map's size is symbolic. No timing while tracing, and one graph
+    (``fullgraph=True`` refuses a graph break)."""
+    side, channels, heads, s = 4, 8, 2, 3
     assert choose_conv_method('cpu', 64, side, side, channels, heads, s) == 'dense'
     torch.manual_seed(0)
     layer = AFTConv2d(channels, heads, s, method='tuned')
-    x = torch.randn(batch, side, side, channels)
-    torch._dynamo.mark_dynamic(x, 0)  # a symbolic batch: the recorded choice of any batch
-    for recorded in (None, 'conv'):
-        if recorded:
+    for recorded, dynamic, expected in ((False, (0,), 'dense'), (True, (0,), 'conv'), (True, (1, 2), 'dense')):
+        if recorded and not tuned_choices():
             monkeypatch.setattr(tuning, '_ms', Timer({'dense': 2.0, 'conv': 1.0}))
-            layer(x)  # eager, training (the parameters require grad): recorded for the compiled call's key
-            assert list(tuned_choices().values())[0][0] == recorded
+            layer(torch.randn(5, side, side, channels))  # eager, training (the parameters require grad), batch 4-7
+        x = torch.randn(2, side, side, channels)
+        for dim in dynamic:  # the batch: the choice of any batch; the map: the table's
+            torch._dynamo.mark_dynamic(x, dim)
         torch._dynamo.reset()
         forms = Forms()
-        out = torch.compile(layer, backend=forms, fullgraph=True)(x)
-        out.sum().backward()
-        assert forms.seen == {recorded or 'dense'}
-        assert len(tuned_choices()) == (1 if recorded else 0)  # nothing timed while tracing
+        torch.compile(layer, backend=forms, fullgraph=True)(x)
+        assert forms.seen == {expected}, (recorded, dynamic)
+        assert len(tuned_choices()) == recorded  # nothing timed while tracing
     torch._dynamo.reset()
 
 
