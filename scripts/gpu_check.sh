@@ -147,7 +147,8 @@ from aft_vision.layers import choose_conv_method, tuned_choices
 device, batch, models, sizes = torch.device(sys.argv[1]), int(sys.argv[2]), sys.argv[3].split(), sys.argv[4].split()
 print(f"method='tuned' on {device}, bfloat16 autocast, batch {batch}: an inference call and a training step (forward "
       "and backward) per model and size; per layer key the median ms of each form (forward, or forward and backward, "
-      "of one layer; '-': beyond the table's size limit) beside what the table picks at this batch")
+      "of one layer; '-': none timed, the dense form being beyond the table's size limit) beside what the table picks "
+      "at this batch")
 print('\n| model | res | key | tuned | dense ms | conv ms | table |\n|---|---|---|---|---|---|---|')
 for name in models:
     for size in map(int, sizes):
@@ -161,9 +162,9 @@ for name in models:
         out.float().sum().backward()
         for key, (method, ms) in tuned_choices(clear=True).items():
             shape = map(int, re.search(r' (\d+)x(\d+) C (\d+) h (\d+) s (\d+) ', key).groups())
-            dense = f"{ms['dense']:.2f}" if 'dense' in ms else '-'
+            dense, conv = (f'{ms[form]:.2f}' if form in ms else '-' for form in ('dense', 'conv'))
             table = choose_conv_method(device.type, batch, *shape)
-            print(f"| {name} | {size} | {key} | {method} | {dense} | {ms['conv']:.2f} | {table} |", flush=True)
+            print(f'| {name} | {size} | {key} | {method} | {dense} | {conv} | {table} |', flush=True)
         del model, images, out
 EOF
 }

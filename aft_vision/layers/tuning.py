@@ -47,8 +47,8 @@ def tuned_method(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Ten
             if (choice := _choices.get(key)) is None:  # not timed by another thread meanwhile
                 inputs = [x.detach().requires_grad_(training and x.requires_grad) for x in (q, k, v, w)]
                 fits = heads * (height * width) ** 2 <= DISPATCH_TABLES['cuda' if q.is_cuda else 'cpu'][3]
-                times = {m: _ms(run, inputs, m, training) for m in ('dense', 'conv') if fits or m == 'conv'}
-                choice = _choices[key] = (min(times, key=times.get), times)
+                times = {m: _ms(run, inputs, m, training) for m in ('dense', 'conv') if fits}  # else none to time
+                choice = _choices[key] = (min(times, key=times.get, default='conv'), times)
                 if len(_choices) > MAX_KEYS:
                     del _choices[next(iter(_choices))]
     return choice[0]
