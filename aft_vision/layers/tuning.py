@@ -32,7 +32,7 @@ def _ms(run: Callable, inputs: list, method: str, training: bool) -> float:
 def tuned_method(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, mm_dtype: torch.dtype,
                  run: Callable) -> str:
     """The form recorded for this call's key, else the faster of ``run(q, k, v, w, method='dense' / 'conv')`` timed
-    now on detached inputs (dense where the table's size limit allows). Key: B to a power of 2 (the dense form's
+    now on detached inputs ('conv' untimed beyond the table's size limit). Key: B to a power of 2 (the dense form's
     per-call work weighs like 1 / B), then ``rest``: the device, H, W, C, h, s, the products' dtype ``mm_dtype`` and
     whether training (grad enabled and an input requiring it: forward and backward timed, else the forward)."""
     (batch, height, width, channels), heads = q.shape, k.shape[-1]
