@@ -140,20 +140,18 @@ def test_compiled_graphs_take_the_recorded_choice_else_the_table(monkeypatch):
     """The table picks the dense form for this small map; a choice recorded before tracing at any batch (here 'conv',
     as if timed faster) replaces it, unless the map's size is symbolic. No timing while tracing, and one graph
     (``fullgraph=True`` refuses a graph break)."""
-    side, channels, heads, s = 4, 8, 2, 3
-    assert choose_conv_method('cpu', 64, side, side, channels, heads, s) == 'dense'
-    torch.manual_seed(0)
-    layer = AFTConv2d(channels, heads, s, method='tuned')
+    assert choose_conv_method('cpu', 64, 4, 4, 8, 2, 3) == 'dense'
+    w = grid_inputs(1, 4, 4, 8, 2, 3)[3].requires_grad_(True)  # a training call, as a layer's bias makes it
     for recorded, dynamic, expected in ((False, (0,), 'dense'), (True, (0,), 'conv'), (True, (1, 2), 'dense')):
         if recorded and not tuned_choices():
             monkeypatch.setattr(tuning, '_ms', Timer({'dense': 2.0, 'conv': 1.0}))
-            layer(torch.randn(5, side, side, channels))  # eager, training (the parameters require grad), batch 4-7
-        x = torch.randn(2, side, side, channels)
-        for dim in dynamic:  # the batch: the choice of any batch; the map: the table's
+            tuned(*grid_inputs(5, 4, 4, 8, 2, 3)[:3], w)  # eager, batch 4-7
+        q, k, v, _ = grid_inputs(2, 4, 4, 8, 2, 3)
+        for x, dim in ((x, dim) for x in (q, k, v) for dim in dynamic):  # the batch: any batch's; the map: the table's
             torch._dynamo.mark_dynamic(x, dim)
         torch._dynamo.reset()
         forms = Forms()
-        torch.compile(layer, backend=forms, fullgraph=True)(x)
+        torch.compile(tuned, backend=forms, fullgraph=True)(q, k, v, w)
         assert forms.seen == {expected}, (recorded, dynamic)
         assert len(tuned_choices()) == recorded  # nothing timed while tracing
     torch._dynamo.reset()
