@@ -103,7 +103,7 @@ def forced_policy() -> Optional[str]:
 
 @contextlib.contextmanager
 def plain_autograd(enabled: bool = True) -> Iterator[None]:
-    """Inside (per thread; also ``@plain_autograd()``) the AFT operators run plain autograd: derivatives of any order."""
+    """Inside (per thread; also ``@plain_autograd()``) the AFT operators run plain autograd: any order's derivatives."""
     previous, _plain.on = getattr(_plain, 'on', False), enabled
     try:
         yield
