@@ -1,7 +1,9 @@
-"""Second derivatives (``create_graph=True``) of every AFT operator form, in float64 on tiny shapes: held to finite
-differences (``gradgradcheck``) and to aft_reference.py's dense softmax (a gradient penalty's gradient), under
-``plain_autograd()`` and without it where the form has them; a form whose backward has none refuses in one line that
-names the switch. Then the R1 penalty (the squared input gradient) of the tiny models, against central differences."""
+"""Higher-order autograd and torch.func on every AFT operator form, in float64 on tiny shapes. Second derivatives
+(``create_graph=True``) held to finite differences (``gradgradcheck``) and to aft_reference.py's dense softmax (a
+gradient penalty's gradient), under ``plain_autograd()`` and without it where the form has them; a form whose backward
+has none refuses in one line that names the switch. ``torch.func.grad``, ``vmap`` (per-sample gradients), ``jacrev``
+and ``hessian`` against plain autograd under either policy. Then the R1 penalty (the squared input gradient) of the
+tiny models, against central differences (torch.func on the models: tests/models/test_func.py)."""
 from unittest import mock
 
 import pytest
@@ -32,13 +34,13 @@ FORMS = {
 DIFFERENTIABLE_TWICE = ('simple', 'simple_causal', 'onehot')
 
 
-def form_inputs(form, key_scale=1.0, bias_scale=1.0):
+def form_inputs(form, key_scale=1.0, bias_scale=1.0, batch=1):
     """Tiny float64 leaves q, k, v, w of ``form``: T = 5 tokens of C = 2, or a 3 x 3 map of C = 4 in h = 2 heads with
     a 3 x 3 window (AFT-simple has no w)."""
     if FORMS[form][1] in ('dense', 'conv'):
-        tensors = ref.grid_inputs(1, 3, 3, 4, 2, 3, key_scale, bias_scale, dtype=torch.float64)
+        tensors = ref.grid_inputs(batch, 3, 3, 4, 2, 3, key_scale, bias_scale, dtype=torch.float64)
     else:
-        tensors = ref.seq_inputs(1, 5, 2, key_scale, bias_scale, dtype=torch.float64)
+        tensors = ref.seq_inputs(batch, 5, 2, key_scale, bias_scale, dtype=torch.float64)
     tensors = tensors[:3] if form.startswith('simple') else tensors
     return [t.clone().requires_grad_(True) for t in tensors]
 
@@ -130,6 +132,49 @@ def test_plain_autograd_is_a_thread_local_switch_and_a_decorator():
         thread.join()
         assert seen == [False]
     assert not functional.plain_forms()
+
+
+def assert_close64(got, want, label):
+    """Two float64 evaluations of one derivative (the Functions' backward, the plain forms): rounding apart."""
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10 * want.abs().max().item(), msg=label)
+
+
+@pytest.mark.parametrize('policy', ['cpu', 'cuda'])
+@pytest.mark.parametrize('form', list(FORMS))
+def test_torch_func_transforms_match_autograd(form, policy, one_thread):
+    """``grad``, ``vmap(grad)`` per sample, ``jacrev`` and ``hessian`` equal plain autograd (the default forms' own
+    backward, one sample at a time; the hessian: the reference's). Under a transform every form takes its plain form
+    with the 'cuda' policy's behaviour whatever the policy in force: the 'cpu' policy's host check would fail on
+    batched tensors."""
+    q, k, v, *w = [x.detach() for x in form_inputs(form, batch=3)]  # w: [] or [w], shared by the samples
+    g = ref.upstream(q)
+    argnums = (0, 1, 2) + tuple(range(4, 4 + len(w)))  # q, k, v and w, not g
+
+    def loss(q, k, v, g, *w):  # <output, g>
+        return (call(form, [q, k, v, *w]) * g).sum()
+
+    def sample_loss(q, k, v, g, *w):  # one sample without its batch dim
+        return loss(q[None], k[None], v[None], g[None], *w)
+
+    with device_policy(policy):
+        batch = torch.func.grad(loss, argnums)(q, k, v, g, *w)
+        per_sample = torch.func.vmap(torch.func.grad(sample_loss, argnums),
+                                     in_dims=(0, 0, 0, 0) + (None,) * len(w))(q, k, v, g, *w)
+        jacobian = torch.func.jacrev(lambda k1: call(form, [q[:1], k1, v[:1], *w]))(k[:1])
+        hessian = torch.func.hessian(lambda k1: loss(q[:1], k1, v[:1], g[:1], *w))(k[:1])
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v, *w)]
+    for name, got, want in zip('qkvw', batch, torch.autograd.grad(loss(*leaves[:3], g, *leaves[3:]), leaves)):
+        assert_close64(got, want, f'{form} grad d{name}')
+    for b in range(3):
+        sample = [x[b:b + 1].clone().requires_grad_(True) for x in (q, k, v)] + leaves[3:]
+        wants = torch.autograd.grad(loss(*sample[:3], g[b:b + 1], *sample[3:]), sample)
+        for name, got, want in zip('qkvw', per_sample, wants):
+            assert_close64(got[b], want[0] if name != 'w' else want, f'{form} vmap d{name}[{b}]')
+    rows = torch.autograd.functional.jacobian(lambda k1: call(form, [q[:1], k1, v[:1], *w]), k[:1])
+    assert_close64(jacobian, rows, f'{form} jacrev')
+    exact = torch.autograd.functional.hessian(lambda k1: (reference(form, [q[:1], k1, v[:1], *w]) * g[:1]).sum(),
+                                              k[:1])
+    assert_close64(hessian, exact, f'{form} hessian')
 
 
 def tiny_model(name):
