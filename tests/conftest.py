@@ -9,10 +9,10 @@ The suite follows the package: a folder or files per part, one topic per file, p
 * aft_reference.py: not a test; the float64 reference, the rounding bound and the one input generator every operator,
   model and export test uses. floor_check.py: the script test_dependency_floors.py runs on the minimum dependencies.
 * layers/: the operators against the reference (exactness, properties, device policy, dispatch, the depthwise
-  backward, capture, the one-hot mixer, the modules; on CUDA, test_cuda.py).
+  backward, capture, the one-hot mixer, the modules, second derivatives and torch.func; on CUDA, test_cuda.py).
 * models/: the zoo against timm's contract and the paper's Tables 7 and 8 (models_common.PAPER_TABLES), resizing,
-  reliability, the pyramid and the dense clients on it, the recipes, ``torch.compile`` (test_compile.py), and
-  timm's own tests/test_models.py.
+  reliability, the pyramid and the dense clients on it, the recipes, ``torch.compile`` (test_compile.py), torch.func
+  and Opacus (test_func.py), and timm's own tests/test_models.py.
 * test_checkpoints.py: weight files, the DeiT -> AFT transfer, training checkpoints, bad files refused. test_files.py:
   the atomic writers. test_transfer_sources.py: the transfer from DeiT III, DINOv2, CLIP, SigLIP and EVA-02, the
   backbone tags.

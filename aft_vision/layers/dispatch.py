@@ -7,17 +7,19 @@ call by ``choose_conv_method``'s cost tables (``DISPATCH_TABLES``, docs/performa
 ``AFT_DEVICE_POLICY``): 'cpu' repairs underflowed or cancelled entries on the host, exact for any finite input;
 'cuda' never syncs and floors denominators, exact within stated bounds (docs/operators.md). Both variables are read
 when first needed, so a bad value is an error of the call that reads it, naming the variable, never of an import.
-``capturing()`` (export, jit tracing, compiling) is the one capture check: every mixer takes its plain-autograd form,
-nothing is repaired; ``exporting()`` also sends 'auto' and 'tuned' to 'conv', which runs at any size on any runtime.
+``capturing()`` (export, jit tracing, compiling, torch.func transforms) is the one capture check: every mixer takes its
+plain-autograd form, nothing is repaired; ``exporting()`` also sends 'auto' and 'tuned' to 'conv', which runs at any
+size on any runtime. ``plain_autograd()``: the plain forms (derivatives of any order), repaired as the policy says.
 """
 import contextlib
 import os
+import threading
 from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 
 __all__ = ['METHODS', 'DISPATCH_TABLES', 'POLICIES', 'set_conv_method', 'get_conv_method', 'device_policy',
-           'forced_policy', 'exporting', 'capturing', 'no_autocast']
+           'forced_policy', 'exporting', 'capturing', 'plain_autograd', 'plain_forms', 'no_autocast']
 
 # torch.compiler.is_exporting() tells torch.export from torch.compile from 2.14 on (2.7-2.13: True under both)
 _EXPORT_FLAG_TRUSTED = torch.__version__ >= (2, 14)
@@ -69,12 +71,16 @@ def exporting() -> bool:
 
 
 def capturing() -> bool:
-    """True while a graph is recorded (``exporting()``) or compiled: no host sync, no autograd Function (the jit
-    tracer records a Function's outputs out of order). False in TorchScript, as both calls answer there."""
-    return exporting() or torch.compiler.is_compiling()
+    """True while a graph is recorded (``exporting()``), compiled or transformed by torch.func: no host sync, no
+    autograd Function (the jit tracer records a Function's outputs out of order). False in TorchScript."""
+    if torch.jit.is_scripting():
+        return False
+    else:
+        return exporting() or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
 
 
 _override: Optional[str] = None
+_plain = threading.local()  # plain_autograd's switch, per thread
 
 
 @contextlib.contextmanager
@@ -93,6 +99,21 @@ def forced_policy() -> Optional[str]:
     """The ``device_policy`` in force, else ``AFT_DEVICE_POLICY``; None: each call takes its tensors' device's
     (``functional.get_device_policy``)."""
     return _override or _from_env('AFT_DEVICE_POLICY', POLICIES)
+
+
+@contextlib.contextmanager
+def plain_autograd(enabled: bool = True) -> Iterator[None]:
+    """Inside (per thread; also ``@plain_autograd()``) the AFT operators run plain autograd: any order's derivatives."""
+    previous, _plain.on = getattr(_plain, 'on', False), enabled
+    try:
+        yield
+    finally:
+        _plain.on = previous
+
+
+def plain_forms() -> bool:
+    """True where the operators take their plain-autograd forms: while ``capturing()`` or in ``plain_autograd()``."""
+    return capturing() or getattr(_plain, 'on', False)
 
 
 def no_autocast():

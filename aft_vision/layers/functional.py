@@ -12,7 +12,8 @@ from timm.layers import register_notrace_function
 from ._stable import CANCEL_TOL, TINY, flag_below, recompute_flagged
 from .dense_mix import dense_mix
 from .depthwise_mix import depthwise_mix
-from .dispatch import DISPATCH_TABLES, capturing, check_choice, exporting, forced_policy, get_conv_method, no_autocast
+from .dispatch import (DISPATCH_TABLES, capturing, check_choice, exporting, forced_policy, get_conv_method, no_autocast,
+                       plain_forms)
 from .simple_mix import simple_mix
 from .tuning import tuned_method
 
@@ -70,8 +71,8 @@ def output_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.dty
 
 
 def get_device_policy(device: torch.device) -> str:
-    """The policy a call on ``device`` runs under: ``forced_policy()``, else 'cuda' on CUDA and 'cpu' elsewhere."""
-    return forced_policy() or ('cuda' if device.type == 'cuda' else 'cpu')
+    """'cuda' while ``capturing()``, else ``forced_policy()``, else 'cuda' on CUDA and 'cpu' elsewhere."""
+    return 'cuda' if capturing() else forced_policy() or ('cuda' if device.type == 'cuda' else 'cpu')
 
 
 def product_dtype(device: torch.device, input_dtype: torch.dtype, compute_dtype: torch.dtype) -> torch.dtype:
@@ -119,8 +120,8 @@ def aft_full(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor,
     if torch.jit.is_scripting():
         return _aft_full(q, k, v, w, causal, dtype, dtype, 'cpu', True).to(out_dtype)
     else:
-        plain = capturing()
-        policy = 'cuda' if plain else get_device_policy(q.device)
+        plain = plain_forms()
+        policy = get_device_policy(q.device)
         mm_dtype = product_dtype(q.device, out_dtype, dtype)
         with no_autocast():
             return _aft_full(q, k, v, w, causal, dtype, mm_dtype, policy, plain).to(out_dtype)
@@ -166,16 +167,16 @@ def aft_simple(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool =
         mm_dtype = product_dtype(q.device, out_dtype, dtype)
         with no_autocast():
             policy = get_device_policy(q.device)
-            return _aft_simple(q, k, v, causal, dtype, mm_dtype, policy).to(out_dtype)
+            return _aft_simple(q, k, v, causal, dtype, mm_dtype, policy, plain_forms()).to(out_dtype)
     else:
-        return _aft_simple(q, k, v, causal, dtype, dtype, 'cpu').to(out_dtype)
+        return _aft_simple(q, k, v, causal, dtype, dtype, 'cpu', True).to(out_dtype)
 
 
 def _aft_simple(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, dtype: torch.dtype,
-                mm_dtype: torch.dtype, policy: str, tiny: float = TINY) -> torch.Tensor:
+                mm_dtype: torch.dtype, policy: str, plain: bool, tiny: float = TINY) -> torch.Tensor:
     if not causal:
         q, k, v = _operands(q, k, v, dtype, mm_dtype)
-    out, denominator = simple_mix(q, k, v, causal, dtype)
+    out, denominator = simple_mix(q, k, v, causal, dtype, plain)
     if causal and denominator is not None:  # a prefix whose keys all lie far below the sequence's largest
         bad = flag_below(denominator, denominator.new_full((), tiny), policy)
         if bad is not None:
@@ -216,8 +217,8 @@ def aft_conv2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tenso
             if torch.compiler.is_compiling():  # the batch may be symbolic: decide by the map alone, no guard on it
                 batch = _COMPILED_BATCH
             method = choose_conv_method(q.device.type, batch, height, width, channels, k.shape[-1], w.shape[-1])
-        plain = capturing()
-        policy = 'cuda' if plain else get_device_policy(q.device)
+        plain = plain_forms()
+        policy = get_device_policy(q.device)
         mm_dtype = product_dtype(q.device, out_dtype, dtype)
         with no_autocast():
             return _aft_conv2d(q, k, v, w, method, dtype, mm_dtype, policy, plain).to(out_dtype)

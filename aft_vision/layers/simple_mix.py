@@ -1,12 +1,11 @@
 """AFT-simple's sums (Eq. 5): ``SoftmaxPool`` for the whole sequence, ``sigmoid(q) * sum_T softmax_T(k) v`` (the
 denominator is 1: nothing divides, in the inputs' dtype); ``SimpleMix`` for prefix sums (causal). Both save only
-q, k, v (and the pooled values, (B, 1, C))."""
+q, k, v (and the pooled values, (B, 1, C)); for ``create_graph=True`` both backwards take the plain form's autograd."""
 from typing import Optional, Tuple
 
 import torch
 
 from ._gate import gate, gate_backward
-from .dispatch import capturing
 
 __all__ = ['SoftmaxPool', 'SimpleMix', 'simple_mix']
 
@@ -39,6 +38,8 @@ class SoftmaxPool(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, pooled = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: pooled was computed without a graph
+            return _plain_grads((q, k, v), grad_out, False, q.dtype)
         gate = torch.sigmoid(q)
         gated = grad_out * gate  # g sigmoid(q)
         grad_pooled = gated.sum(dim=1, keepdim=True)  # (B, 1, C)
@@ -70,6 +71,8 @@ class SimpleMix(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, _grad_denominator):
         inputs = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: the in-place work below has no second derivative
+            return _plain_grads(inputs, grad_out, ctx.causal, ctx.dtype) + (None, None)
         q, k, v = (x.to(ctx.dtype) for x in inputs)
         numerator, denominator, exp_k = simple_sums(k, v, ctx.causal)
         grad_q, grad_num, grad_den = gate_backward(grad_out.to(ctx.dtype), q, numerator, denominator)
@@ -80,16 +83,21 @@ class SimpleMix(torch.autograd.Function):
         return tuple(g.to(x.dtype) for g, x in zip(grads, inputs)) + (None, None)
 
 
-def simple_mix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-               dtype: torch.dtype) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+def _plain_grads(inputs: Tuple[torch.Tensor, ...], grad_out: torch.Tensor, causal: bool, dtype: torch.dtype):
+    """The plain form's gradients in q, k, v, themselves differentiable (``torch.func.vjp`` records for autograd)."""
+    return torch.func.vjp(lambda *qkv: simple_mix(*qkv, causal, dtype, True)[0], *inputs)[1](grad_out)
+
+
+def simple_mix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, dtype: torch.dtype,
+               plain: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The output and, causal, D: ``SoftmaxPool`` (q, k, v in their own dtype) or ``SimpleMix`` (in ``dtype``), or
-    their plain-autograd forms inside TorchScript and while ``capturing()``."""
+    their plain-autograd forms inside TorchScript and where ``plain``."""
     if not causal:
-        if torch.jit.is_scripting() or capturing():
+        if torch.jit.is_scripting() or plain:
             return torch.sigmoid(q) * _pool(k, v), None
         else:
             return SoftmaxPool.apply(q, k, v), None
-    if torch.jit.is_scripting() or capturing():
+    if torch.jit.is_scripting() or plain:
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         numerator, denominator, _ = simple_sums(k, v, causal)
         return gate(q, numerator, denominator), denominator
