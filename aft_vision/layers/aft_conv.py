@@ -83,7 +83,8 @@ class AFTConv2d(nn.Module):
 
     def _mix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              kernel_size: Optional[int] = None) -> torch.Tensor:
-        return aft_conv2d(q, k, v, self.effective_bias(kernel_size), method=self.method)  # (B, H, W, C)
+        bias = self.effective_bias() if kernel_size is None else self.effective_bias(kernel_size)  # (h, s, s)
+        return aft_conv2d(q, k, v, bias, method=self.method)  # (B, H, W, C)
 
     def forward(self, x: torch.Tensor, kernel_size: Optional[int] = None) -> torch.Tensor:
         """Mix tokens x (B, H, W, C); ``kernel_size``: this call's window (``dense_bias``), None the layer's own."""
