@@ -11,6 +11,10 @@
 #   b_models   ~70 s  whole models on 'auto' against DeiT (bench, bf16): inference, training step, training peak
 #                     memory; the three at 224 and 384 px, batch 64; b_models_big aft_conv_small at 768 px, batch 16
 #                                                                                                      caps 75, 40
+#   b_tuned    ~30 s  method='tuned' in whole models (bf16 autocast, batch 16): aft_conv_small, aft_conv_small_11_h16,
+#                     aft_conv_tiny at 224, 384, 768 and 1024 px, an inference call and a training step each; per layer
+#                     key the forms' times and the faster beside choose_conv_method's choice: the data to refit
+#                     DISPATCH_TABLES['cuda'] from (docs/performance.md)                                   cap 45
 #   c_compile  ~50 s  the same with --compile (torch.compile fullgraph): aft_conv_small at 224 px         cap 70
 #   d_train    ~50 s  timm's train.py --amp --amp-dtype bfloat16 --torchcompile through aft_vision.run, 4 steps on
 #                     generated images (needs AFT_TIMM_SCRIPTS: a folder holding timm's train.py)    cap 60
@@ -32,14 +36,16 @@ RESERVE_S=110  # kept for the tests while the figures run
 
 if [[ "$DRY" == 1 ]]; then  # the same commands at tiny sizes on the CPU
     DEVICE=cpu BATCH=2 BIG_BATCH=2 RES=(32 48) BIG_RES=64 TIMING=(--repeats 1 --warmup 1 --threads 1)
+    TUNED_MODELS='aft_conv_tiny' TUNED_RES='32 48' TUNED_BATCH=2
     CONV_MODELS=(aft_conv_tiny) FULL_MODELS=(aft_full_tiny) TRAIN_MODEL=aft_conv_test COMPILE_BACKEND=eager
     LIGHT=(--no-peak-memory)  # the CPU measures peak memory in a process per figure
 else
     DEVICE=cuda BATCH=64 BIG_BATCH=16 RES=(224 384) BIG_RES=768 TIMING=(--repeats 5 --warmup 2)
+    TUNED_MODELS='aft_conv_small aft_conv_small_11_h16 aft_conv_tiny' TUNED_RES='224 384 768 1024' TUNED_BATCH=16
     CONV_MODELS=(aft_conv_small aft_conv_tiny) FULL_MODELS=(aft_full_tiny) TRAIN_MODEL=aft_conv_small
     COMPILE_BACKEND=inductor LIGHT=()
 fi
-export PY OUT DRY BUDGET_S TRAIN_MODEL COMPILE_BACKEND
+export PY OUT DRY BUDGET_S TRAIN_MODEL COMPILE_BACKEND DEVICE TUNED_MODELS TUNED_RES TUNED_BATCH
 BENCH=("$PY" -m aft_vision.cli bench --device "$DEVICE" --precision bf16 "${TIMING[@]}")
 
 step() {  # step NAME CAP COMMAND...: COMMAND under `timeout` into OUT/NAME.log (the command first), timed
@@ -127,7 +133,43 @@ EOF
         --warmup-epochs 0 --workers 2 --log-interval 1 --output "$OUT/d_train/output" "${device[@]}"
 }
 
-export -f environment train
+tuned() {  # method='tuned' in whole models: what it chose per layer key, the forms' times, the table's choice
+    "$PY" - "$DEVICE" "$TUNED_BATCH" "$TUNED_MODELS" "$TUNED_RES" <<'EOF'
+import re
+import sys
+
+import timm
+import torch
+
+import aft_vision  # noqa: F401  registers the models
+from aft_vision.layers import choose_conv_method, tuned_choices
+
+device, batch, models, sizes = torch.device(sys.argv[1]), int(sys.argv[2]), sys.argv[3].split(), sys.argv[4].split()
+print(f"method='tuned' on {device}, bfloat16 autocast, batch {batch}: an inference call and a training step (forward "
+      "and backward) per model and size; per layer key the median ms of each form (forward, or forward and backward, "
+      "of one layer; '-': none timed, the dense form being beyond the table's size limit) beside what the table picks "
+      "at this batch")
+print('\n| model | res | key | tuned | dense ms | conv ms | table |\n|---|---|---|---|---|---|---|')
+for name in models:
+    for size in map(int, sizes):
+        torch.manual_seed(0)
+        model = timm.create_model(name, img_size=size, mixer_kwargs={'method': 'tuned'}).to(device)
+        images = torch.randn(batch, 3, size, size, device=device)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            with torch.no_grad():
+                model.eval()(images)
+            out = model.train()(images)
+        out.float().sum().backward()
+        for key, (method, ms) in tuned_choices(clear=True).items():
+            shape = map(int, re.search(r' (\d+)x(\d+) C (\d+) h (\d+) s (\d+) ', key).groups())
+            dense, conv = (f'{ms[form]:.2f}' if form in ms else '-' for form in ('dense', 'conv'))
+            table = choose_conv_method(device.type, batch, *shape)
+            print(f'| {name} | {size} | {key} | {method} | {dense} | {conv} | {table} |', flush=True)
+        del model, images, out
+EOF
+}
+
+export -f environment train tuned
 rm -f "$OUT/summary.steps"
 step env 30 bash -c environment
 cp "$OUT/env.log" "$OUT/env.txt"
@@ -138,6 +180,7 @@ bench b_models 75 "${LIGHT[@]}" --batch-size "$BATCH" --models "${CONV_MODELS[@]
     --resolutions "${RES[@]}"
 bench b_models_big 40 "${LIGHT[@]}" --batch-size "$BATCH" --batch-at "$BIG_RES=$BIG_BATCH" \
     --models "${CONV_MODELS[0]}" --resolutions "$BIG_RES"
+step b_tuned 45 bash -c tuned
 if [[ "$DRY" == 1 ]]; then  # tests/models/test_compile.py compiles on the CPU
     skip c_compile "dry run: Inductor takes minutes on a CPU"
 else
@@ -172,6 +215,10 @@ fi
             cat "$table"
         done
     done
+    if grep -q '^| model ' "$OUT/b_tuned.log" 2>/dev/null; then
+        printf '\n## b_tuned\n\n'
+        grep -E "^(method='tuned'|\|)" "$OUT/b_tuned.log"
+    fi
     echo
     grep -hE '^=+ .+ in [0-9.]+s( \([0-9:]+\))? =+$' "$OUT"/e_tests*.log 2>/dev/null
 } > "$OUT/summary.md"

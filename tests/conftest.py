@@ -49,7 +49,7 @@ import torch
 
 # Fixtures that take seconds to build and that several tests only read. Under pytest-xdist (scripts/test.sh runs two
 # processes) the tests that use one run in the same process (``--dist loadgroup``), so it is built once.
-SHARED_FIXTURES = ('digits_job', 'finished_study', 'interpreter_results', 'int8_export')
+SHARED_FIXTURES = ('digits_job', 'finished_study', 'interpreter_results', 'int8_export', 'hostile_loads')
 
 
 def pytest_configure(config):

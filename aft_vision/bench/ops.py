@@ -1,7 +1,6 @@
 """``aft-vision bench --ops``: every method on the mixer layer of each model, timed forward and backward apart, beside
 the one ``method='auto'`` picks and each method's traffic count on the CUDA path (``traffic.py``): the measurements
 behind the dispatch tables (``aft_vision/layers/dispatch.py``; docs/performance.md, "Choosing the AFT-conv method")."""
-import contextlib
 import statistics
 import time
 from typing import Dict, List
@@ -10,16 +9,10 @@ import torch
 from tqdm import tqdm
 
 from .report import write_report
-from .traffic import auto_method, count_layer, inductor_counts, layer_shape, mixer_call, mixer_inputs
+from .traffic import (auto_method, autocast, count_layer, inductor_counts, layer_shape, mixer_call, mixer_inputs,
+                      saved_on_cuda_path)
 
-__all__ = ['variants_for', 'time_methods', 'main', 'autocast', 'sync']
-
-
-def autocast(device: torch.device, precision: str):
-    """Autocast to ``precision`` ('bf16', 'fp16') on ``device``; nothing for 'fp32'."""
-    if precision == 'fp32':
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=torch.bfloat16 if precision == 'bf16' else torch.float16)
+__all__ = ['variants_for', 'time_methods', 'main', 'sync']
 
 
 def sync(device: torch.device):
@@ -89,10 +82,13 @@ def _table(rows: List[Dict], timed: bool, compiled: bool) -> str:
     head = ('| model | res | grid | C | h | s | ' + ''.join(f'{m} ms | ' for m in methods if timed)
             + ('fastest | ' if timed else '') + 'auto | CUDA auto | '
             + ' | '.join(f'{m} fwd ops / MB | {m} fwd+bwd ops / MB' for m in methods)
-            + ''.join(f' | {m} Inductor, CPU: fwd / fwd+bwd kernels, MB' for m in methods if compiled) + ' |')
+            + ''.join(f' | {m} Inductor, CPU: fwd / fwd+bwd kernels, MB' for m in methods if compiled)
+            + ' | saved MB: model / DeiT (ratio) |')
     lines = [f"Ops and MB (1e6 bytes): the aten ops one mixer call runs and what they read and write, counted on the "
              f"CUDA path (bench/traffic.py) whatever --device times; batch {first['batch_size']}, "
-             f"{first['precision']}.", '', head, '|' + '---|' * (head.count('|') - 1)]
+             f"{first['precision']}. Saved: what a training step of the whole model keeps for its backward "
+             f"(CUDA auto, 'cuda' policy; traffic.saved_on_cuda_path) against its DeiT's.", '', head,
+             '|' + '---|' * (head.count('|') - 1)]
     for row in rows:
         grid = f"{row['height']}x{row['width']}" + (f" ({row['tokens']} tokens)" if 'tokens' in row else '')
         cells = [row['model'], row['resolution'], grid, row['channels'], row.get('num_heads', '-'),
@@ -108,6 +104,8 @@ def _table(rows: List[Dict], timed: bool, compiled: bool) -> str:
             ind = counts[m]['inductor'] if m in counts else None
             cells.append(f"{ind['forward_kernels']} / {ind['kernels']}, {_mb(ind['forward_mb'])} / {_mb(ind['mb'])}"
                          if ind else '-')
+        model_mb, baseline_mb = row['saved']['model_mb'], row['saved']['baseline_mb']
+        cells.append(f'{_mb(model_mb)} / {_mb(baseline_mb)} ({model_mb / baseline_mb:.3f})')
         lines.append('| ' + ' | '.join(str(cell) for cell in cells) + ' |')
     if timed:
         lines += ['', '| model | res | ' + ' | '.join(f'{v} fwd / bwd ms' for v in variants) + ' |',
@@ -118,9 +116,10 @@ def _table(rows: List[Dict], timed: bool, compiled: bool) -> str:
     return '\n'.join(lines)
 
 
-def main(settings, models: List[str], resolutions: List[int]) -> int:
+def main(settings, models: List[str], resolutions: List[int], baselines: Dict[str, str]) -> int:
     """``aft-vision bench --ops``: ``settings`` is a ``BenchSettings``; writes ``ops.json`` and ``ops.md``: per layer
-    the methods' times (none under ``ops_count_only``) beside their traffic counts."""
+    the methods' times (none under ``ops_count_only``) beside their traffic counts, and per model the bytes a training
+    step saves beside those of its DeiT (``baselines``: model -> DeiT)."""
     device = torch.device(settings.device)
     timed = not settings.ops_count_only
     rows = []
@@ -140,6 +139,9 @@ def main(settings, models: List[str], resolutions: List[int]) -> int:
         row['auto'], row['cuda_auto'] = (auto_method(shape, settings.batch_size, kind)
                                          for kind in (device.type, 'cuda'))
         row['counts'] = _counts(shape, settings, variants)
+        row['saved'] = {'baseline': baselines[name]}
+        for key, model in (('model_mb', name), ('baseline_mb', baselines[name])):
+            row['saved'][key] = saved_on_cuda_path(model, res, settings.batch_size, settings.precision) / 1e6
         rows.append(row)
     write_report(settings, 'ops', rows, _table(rows, timed, settings.compile))
     return 0

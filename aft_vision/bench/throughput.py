@@ -18,7 +18,8 @@ from tqdm import tqdm
 from ..checkpoints.files import check_output_dir
 from ..models import count_macs
 from ..models.aft_conv import AFTConvTransformer
-from .ops import autocast, main as ops_main, sync
+from .ops import main as ops_main, sync
+from .traffic import autocast, saved_bytes
 from .report import markdown_table, summary_table, write_report
 
 __all__ = ['BenchSettings', 'main', 'RUNTIMES', 'DEPLOY_PRECISIONS']
@@ -29,6 +30,7 @@ DEPLOY_PRECISIONS = {'onnxruntime': ('fp32', 'int8'), 'openvino': ('fp32', 'bf16
 
 DEFAULT_MODELS = ['aft_conv_small', 'aft_conv_small_11_h16', 'aft_conv_tiny', 'aft_full_tiny']
 DEFAULT_RESOLUTIONS = [224, 384, 512, 768]
+OPS_RESOLUTIONS = [224, 384, 768, 1024]  # --ops: where the two AFT-conv forms cross over
 BASELINES = {192: 'deit_tiny_patch16_224', 384: 'deit_small_patch16_224', 768: 'deit_base_patch16_224'}
 # --readme: the figures of docs/performance.md (batch 8; 2 images for the training step from 768 px, all at 1024 px)
 README_RUN = dict(models=DEFAULT_MODELS, resolutions=[224, 384, 768],
@@ -71,23 +73,6 @@ class _Case:
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-
-    def saved_bytes(self) -> int:
-        """Bytes autograd saves for the backward of one training forward, each storage once, parameters left out."""
-        self.eager.train()
-        params = {p.untyped_storage().data_ptr() for p in self.eager.parameters()}
-        storages = {}
-
-        def pack(tensor):
-            storage = tensor.untyped_storage()
-            if storage.data_ptr() not in params:
-                storages[storage.data_ptr()] = storage.nbytes()
-            return tensor
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), \
-                autocast(self.device, self.precision):
-            self.eager(self.train_images)
-        return sum(storages.values())
 
     def seconds(self, fn: Callable[[], None]) -> float:
         sync(self.device)
@@ -260,7 +245,7 @@ def _record(case: _Case, times: Dict, train: bool, peak_memory: bool) -> Dict:
         record['train_img_s'] = train_batch / statistics.median(times[case.name, 'train_step'])
         if peak_memory:
             record['train_peak_mb'] = case.peak_memory('train_step') / 2 ** 20
-        record['train_saved_mb'] = case.saved_bytes() / 2 ** 20
+        record['train_saved_mb'] = saved_bytes(case.eager, case.train_images, case.precision) / 2 ** 20
     return record
 
 
@@ -340,7 +325,8 @@ def main(settings: BenchSettings) -> int:
     if settings.dense:
         return dense_main(settings, runtime, resolutions)
     if settings.ops or settings.ops_count_only:
-        return ops_main(settings, models, resolutions)
+        resolutions = OPS_RESOLUTIONS if resolutions == DEFAULT_RESOLUTIONS else resolutions
+        return ops_main(settings, models, resolutions, {name: _baseline_for(name) for name in models})
     rows = _benchmark(settings, models, resolutions, baselines, pairs, batch_at, runtime)
     table = markdown_table(rows) + '\n\nAFT against its baseline (the README table):\n\n' + summary_table(rows)
     write_report(settings, 'bench', rows, table, plot_rows=True)

@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_leaves
 from ..layers import AFTConv2d, AFTFull, AFTSimple, aft_conv2d, aft_full, aft_simple, choose_conv_method, device_policy
 
 __all__ = ['TrafficCounter', 'tensor_bytes', 'layer_shape', 'mixer_inputs', 'mixer_call', 'auto_method',
-           'count_layer', 'inductor_counts']
+           'count_layer', 'inductor_counts', 'autocast', 'saved_bytes', 'saved_on_cuda_path']
 
 _ALLOCATIONS = {'aten::empty', 'aten::empty_strided', 'aten::new_empty', 'aten::new_empty_strided',
                 'aten::empty_like'}
@@ -210,6 +210,43 @@ def count_layer(name_or_shape, img_size: int, batch_size: int, precision: str, m
     return {**shape, 'batch_size': batch_size, 'precision': precision, 'method': method,
             'forward_ops': forward.ops, 'forward_mb': forward.bytes / 1e6, 'ops': forward.ops + backward.ops,
             'mb': (forward.bytes + backward.bytes) / 1e6, 'largest': largest}
+
+
+def autocast(device: torch.device, precision: str):
+    """Autocast to ``precision`` ('bf16', 'fp16') on ``device``; nothing for 'fp32'."""
+    if precision == 'fp32':
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16 if precision == 'bf16' else torch.float16)
+
+
+def saved_bytes(model: torch.nn.Module, images: torch.Tensor, precision: str) -> int:
+    """Bytes autograd saves for the backward of one training forward of ``model`` on ``images`` under ``precision``'s
+    autocast: each storage once (``saved_tensors_hooks``), the parameters' own left out."""
+    model.train()
+    params = {StorageWeakRef(p.untyped_storage()).cdata for p in model.parameters()}
+    storages = {}
+
+    def pack(tensor):
+        key = StorageWeakRef(tensor.untyped_storage()).cdata
+        if key not in params:
+            storages[key] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), autocast(images.device, precision):
+        model(images)
+    return sum(storages.values())
+
+
+def saved_on_cuda_path(name: str, img_size: int, batch_size: int, precision: str) -> int:
+    """``saved_bytes`` of a training forward of the registered model ``name`` (AFT or not) at ``img_size`` as a GPU
+    would keep it, computed without one: fake CPU images under the 'cuda' policy, AFT-conv layers on the method CUDA's
+    'auto' picks (the CPU's branches on the device type aside, as ``count_layer``'s backward)."""
+    kwargs = {}
+    if name.startswith('aft_') and layer_shape(name, img_size)['kind'] == 'conv':
+        kwargs['mixer_kwargs'] = {'method': auto_method(layer_shape(name, img_size), batch_size)}
+    model = timm.create_model(name, img_size=img_size, device='meta', **kwargs).to_empty(device='cpu')  # no init
+    with torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True), device_policy('cuda'):
+        return saved_bytes(model, torch.randn(batch_size, 3, img_size, img_size), precision)
 
 
 def _no_compile_caches():

@@ -18,7 +18,7 @@ from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 import filelock
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 
@@ -31,9 +31,10 @@ _TENSOR_GLOBALS = ('torch.', 'collections.OrderedDict', 'argparse.Namespace', '_
 WRITTEN: List[Path] = []  # the outputs this process put in place whole (what a stopped command says is on disk)
 
 
-def load_weights(path: PathLike) -> Dict[str, torch.Tensor]:
+def load_weights(path: PathLike, device: str = 'cpu') -> Dict[str, torch.Tensor]:
     """Read safetensors or a weights-only PyTorch file (and timm ``train.py``'s ``args``); ValueError naming the file
-    and what is wrong: damaged, or pickled objects other than tensors (found without running them)."""
+    and what is wrong: damaged, or pickled objects other than tensors (found without running them). ``device='meta'``:
+    the tensors' keys, shapes and dtypes alone, no data read (a safetensors header; a PyTorch file's pickle)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f'weight file not found: {path}')
@@ -43,13 +44,18 @@ def load_weights(path: PathLike) -> Dict[str, torch.Tensor]:
         head = file.read(9)
     if path.suffix == '.safetensors' or head[8:] == b'{' and int.from_bytes(head[:8], 'little') < path.stat().st_size:
         try:
-            return load_file(str(path), device='cpu')
+            if device != 'meta':
+                return load_file(str(path), device=device)
+            with safe_open(str(path), 'pt') as file:  # a dtype from an empty slice (a scalar: its one value)
+                parts = {key: file.get_slice(key) for key in file.keys()}
+                return {key: torch.empty(part.get_shape(), device='meta', dtype=(
+                    part[:0] if part.get_shape() else file.get_tensor(key)).dtype) for key, part in parts.items()}
         except (SafetensorError, OSError, ValueError) as error:
             raise ValueError(f'{path} is not a readable safetensors file ({error})') from None
     try:
         with torch.serialization.safe_globals([argparse.Namespace]), warnings.catch_warnings():
             warnings.simplefilter('ignore')  # its note on pickle protocols: the refusal below says what matters
-            checkpoint = torch.load(path, map_location='cpu', weights_only=True)
+            checkpoint = torch.load(path, map_location=device, weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, OSError, UnicodeDecodeError) as error:
         raise ValueError(_refusal(path, error)) from None
     if not isinstance(checkpoint, Mapping):

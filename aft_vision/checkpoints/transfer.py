@@ -68,9 +68,9 @@ def _collapse(items: Mapping[str, str]) -> Dict[str, str]:
 
 
 def check_finite(state_dict: Mapping[str, torch.Tensor], what: str) -> None:
-    """ValueError naming ``what`` and the first tensor of ``state_dict`` that holds NaN or infinity."""
+    """ValueError naming ``what`` and the first tensor of ``state_dict`` that holds NaN or infinity (not meta ones)."""
     bad = next((key for key, tensor in state_dict.items()
-                if tensor.is_floating_point() and not torch.isfinite(tensor).all()), None)
+                if tensor.is_floating_point() and not tensor.is_meta and not torch.isfinite(tensor).all()), None)
     if bad is not None:
         raise ValueError(f'{what}: weight {bad!r} holds NaN or infinite values: no weights are taken from it')
 

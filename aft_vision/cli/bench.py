@@ -1,7 +1,7 @@
 """``aft-vision bench``: AFT against DeiT in every runtime, per operator, or in segmentation networks (``bench``)."""
 import argparse
 
-from ..bench import DENSE_PAIR, DENSE_RESOLUTIONS, README_RUN, RUNTIMES, BenchSettings, main
+from ..bench import DENSE_PAIR, DENSE_RESOLUTIONS, OPS_RESOLUTIONS, README_RUN, RUNTIMES, BenchSettings, main
 from .args import settings_from
 
 HELP = 'AFT vs DeiT throughput, memory and GMACs at several resolutions'
@@ -29,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              'openvino (inference on the CPU: implies --no-train --no-peak-memory)')
     parser.add_argument('--compile', action='store_true', help='the same as --runtime compile')
     parser.add_argument('--ops', action='store_true',
-                        help='time every method of --models\' first AFT layer and count its ops and MB (CUDA path)')
+                        help='time every method of --models\' first AFT layer and count its ops and MB (CUDA path), '
+                             f'with the saved activations against DeiT\'s (default --resolutions {OPS_RESOLUTIONS})')
     parser.add_argument('--ops-methods', nargs='+', default=None, metavar='VARIANT',
                         help='--ops: the variants to run (default: all: dense, conv:forward_conv; AFT-full: dense)')
     parser.add_argument('--ops-count-only', action='store_true', help='--ops without timing: the counts alone')

@@ -6,9 +6,11 @@ weights loaded strictly (never resampled to fit, as timm's source loading would)
 ValueError line naming the file, the field, the model or the key.
 """
 import difflib
+import itertools
 import os
 import socket
 import sys
+import threading
 from typing import Any, Dict, Optional, Tuple
 from urllib.parse import urlparse
 
@@ -91,14 +93,24 @@ def check_model_kwargs(name: str, model_kwargs: Dict[str, Any], defaults: Option
             _build(name.split('.')[0] if ':' not in name else name, {**(defaults or {}), **model_kwargs}, model_kwargs)
 
 
-def _build(name: str, kwargs: Dict[str, Any], given: Dict[str, Any], where: str = '') -> torch.nn.Module:
-    # timm.create_model, a failure in one line naming the arguments ``given`` (and ``where`` they came from)
+def _build(name: str, kwargs: Dict[str, Any], given: Dict[str, Any], where: str = '', limit: str = '',
+           most: int = -1) -> torch.nn.Module:
+    # timm.create_model, a failure in one line naming the arguments ``given`` (and ``where`` they came from); stopped
+    # once it registers more than ``most`` parameters (``limit`` says why that many), if most >= 0
+    count, owner = itertools.count(1), threading.get_ident()
+
+    def stop(*_):  # the hook is global: only this thread's registrations count
+        if threading.get_ident() == owner and next(count) > most >= 0:
+            raise ValueError(f'more than {most} parameters, {limit}')
+    handle = torch.nn.modules.module.register_module_parameter_registration_hook(stop)
     try:
         return timm.create_model(name, **kwargs)
     except _BUILD_ERRORS as error:
         given = ' '.join(f'{key}={value!r}' for key, value in given.items())
         raise ValueError(f'{where}{name} cannot be built with {given} ({type(error).__name__}: {_first_line(error)})'
                          ) from None
+    finally:
+        handle.remove()
 
 
 def _check_hub(repo_id: str, filename: str = 'config.json') -> None:
@@ -122,18 +134,19 @@ def _check_hub(repo_id: str, filename: str = 'config.json') -> None:
 
 
 def check_source(name: str) -> None:
-    """ValueError unless a ``local-dir:`` folder's files read, or an ``hf-hub:`` repository is reachable or cached."""
+    """ValueError unless a ``local-dir:``'s config.json and weights' header read, or ``hf-hub:`` is up or cached."""
     source, model_id = parse_model_name(name)
     if source == 'hf-hub':
         _check_hub(model_id)
     elif source == 'local-dir':
         source_architecture(name)  # config.json there and readable
         # there; damaged, empty or hostile: one line naming the file
-        load_weights(source_file(name, WEIGHT_FILES, 'weights'))
+        load_weights(source_file(name, WEIGHT_FILES, 'weights'), device='meta')
 
 
 def _check_fits(state_dict: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor], what: str) -> None:
-    """ValueError naming the first missing / unexpected keys, or the first tensor of another shape."""
+    """ValueError naming the first missing / unexpected keys, or the first tensor of another shape or of another dtype
+    (but another floating-point one: cast as timm casts it)."""
     missing, unexpected = sorted(set(expected) - set(state_dict)), sorted(set(state_dict) - set(expected))
     if missing or unexpected:
         raise ValueError(f'{what}: {len(missing)} keys missing {missing[:4]}, {len(unexpected)} unexpected '
@@ -142,6 +155,8 @@ def _check_fits(state_dict: Dict[str, torch.Tensor], expected: Dict[str, torch.T
         if tensor.shape != expected[key].shape:
             raise ValueError(f'{what}: {key!r} has shape {list(tensor.shape)}, the model expects '
                              f'{list(expected[key].shape)}')
+        if tensor.dtype != expected[key].dtype and not all(t.is_floating_point() for t in (tensor, expected[key])):
+            raise ValueError(f'{what}: {key!r} is {tensor.dtype}, the model expects {expected[key].dtype}')
 
 
 def check_init_weights(path: str, name: str, model_kwargs: Dict[str, Any], num_classes: int) -> None:
@@ -165,12 +180,13 @@ def warn_random_weights(name: str, weights: str) -> None:
 
 
 def check_runs_at_data_config(model: torch.nn.Module, what: str) -> None:
-    """ValueError unless ``model`` takes an image of its ``pretrained_cfg``'s ``input_size`` and ``test_input_size``."""
+    """ValueError unless ``model`` takes an image of its ``pretrained_cfg``'s ``input_size`` and ``test_input_size``:
+    its forward run on the meta device (shapes alone: nothing computed or held, whatever the size)."""
+    meta = {key: tensor.to('meta') for key, tensor in [*model.named_parameters(), *model.named_buffers()]}
     for key in ('input_size', 'test_input_size'):
         size = model.pretrained_cfg.get(key)
         try:
-            with torch.no_grad():
-                model.eval()(torch.zeros(1, *size)) if size else None
+            torch.func.functional_call(model.eval(), meta, torch.zeros(1, *size, device='meta')) if size else None
         except (ValueError, RuntimeError, AssertionError) as error:
             raise ValueError(f'{what}: {key} {tuple(size)} is a size the model cannot run ({_first_line(error)})'
                              ) from None
@@ -178,21 +194,30 @@ def check_runs_at_data_config(model: torch.nn.Module, what: str) -> None:
 
 def _from_checkpoint(name: str, checkpoint: str, use_ema: bool, model_kwargs: Dict) -> Tuple[torch.nn.Module, str]:
     # name built (a source: as timm builds it, its config.json in pretrained_cfg) with the run record's arguments
-    # under model_kwargs, sized to the head; loaded strictly (a source's weights are never resampled to fit); finite
+    # under model_kwargs, sized to the head: on the meta device first (no number above the file's values; stopped past
+    # twice its tensors), held to the keys, shapes and dtypes the file declares, then the file read once; loaded
+    # strictly (never resampled); finite
     record = read_training_record(checkpoint)
     config = read_hub_config(name) if ':' in name else None  # a published folder or Hub repo: its config.json
     kwargs = {**(config['model_args'] if config else {}), **(record.model_kwargs if record else {}), **model_kwargs}
-    state_dict, weights = select_weights(load_weights(checkpoint), use_ema, str(checkpoint))
-    if 'head.weight' in state_dict and 'num_classes' not in kwargs:
-        kwargs['num_classes'] = state_dict['head.weight'].shape[0]
-    where = f'{config["path"]}: model_args{"" if config["model_args"] else " (none: the defaults)"}' if config else ''
+    declared, weights = select_weights(load_weights(checkpoint, device='meta'), use_ema, str(checkpoint))
+    if 'head.weight' in declared and 'num_classes' not in kwargs:
+        kwargs['num_classes'] = declared['head.weight'].shape[0]
+    where = f'{config["path"]}: model_args{"" if config["model_args"] else " (none: the defaults)"}' if config else name
     if config and kwargs.get('num_classes', config['num_classes']) != config['num_classes']:
         raise ValueError(f'{config["path"]}: num_classes {config["num_classes"]} but the weights in {checkpoint} hold '
                          f'{kwargs["num_classes"]} classes')
-    model = _build(name, kwargs, kwargs, f'{where}: ' if config else '')
-    _check_fits(state_dict, model.state_dict(), f'{where} do not rebuild the weights in {checkpoint}' if config else
+    elements, prefix = sum(tensor.numel() for tensor in declared.values()), f'{where}: ' if config else ''
+    for key, value in kwargs.items():  # a number above it sizes more than the file holds: refused before any work
+        if any(isinstance(n, int) and n > elements for n in (value if isinstance(value, (list, tuple)) else [value])):
+            raise ValueError(f'{where}: {key}={value!r} is more than the {elements} values in {checkpoint}')
+    with torch.device('meta'):
+        expected = _build(name, kwargs, kwargs, prefix, f'twice the {len(declared)} tensors in {checkpoint}',
+                          2 * len(declared)).state_dict()
+    _check_fits(declared, expected, f'{where} do not rebuild the weights in {checkpoint}' if config else
                 f'{checkpoint} does not fit {name}')
-    model.load_state_dict(state_dict)
+    model = _build(name, kwargs, kwargs, prefix)
+    model.load_state_dict(select_weights(load_weights(checkpoint), use_ema, str(checkpoint))[0])
     data_config, source = resolve_publish_data_config(model, record)  # as ``publish`` would publish it
     if data_config:  # read from a file: one the model runs
         model.pretrained_cfg = {**model.pretrained_cfg, **data_config}

@@ -164,7 +164,7 @@ def read_training_record(checkpoint: str, results_file: Optional[str] = None) ->
             raise ValueError(f'{args_file} must hold train.py\'s arguments as a mapping, got {type(args).__name__}')
         source = 'args.yaml (timm train.py)'
     elif Path(checkpoint).suffix != '.safetensors' and Path(checkpoint).is_file():
-        embedded = load_weights(checkpoint).get('args')  # train.py stores an argparse.Namespace
+        embedded = load_weights(checkpoint, device='meta').get('args')  # train.py stores an argparse.Namespace
         args = vars(embedded) if hasattr(embedded, '__dict__') else None
         source = f'the train.py arguments inside {Path(checkpoint).name}'
     if args is None:

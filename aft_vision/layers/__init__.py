@@ -5,4 +5,5 @@ from .aft_full import AFTFull, AFTLocal, AFTSimple
 from .channels_first import layer_norm_nchw, linear_nchw
 from .dispatch import capturing, device_policy, exporting, get_conv_method, set_conv_method
 from .functional import aft_conv2d, aft_full, aft_local, aft_simple, choose_conv_method, get_device_policy
+from .tuning import tuned_choices
 from .aft_conv_onehot import AFTConv2dOneHot, aft_conv2d_onehot, convert_to_onehot

@@ -22,7 +22,7 @@ class AFTConv2d(nn.Module):
 
     Args:
         eps: Added to the variance in Eq. 8, so a constant raw bias stays well defined.
-        method: How ``aft_conv2d`` evaluates Eq. 6 ('auto', 'dense', 'conv'), fixed here; None takes
+        method: How ``aft_conv2d`` evaluates Eq. 6 ('auto', 'dense', 'conv', 'tuned'), fixed here; None takes
             ``get_conv_method()``. A model takes it as ``mixer_kwargs={'method': ...}``.
     """
 

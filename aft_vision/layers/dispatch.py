@@ -8,7 +8,7 @@ call by ``choose_conv_method``'s cost tables (``DISPATCH_TABLES``, docs/performa
 'cuda' never syncs and floors denominators, exact within stated bounds (docs/operators.md). Both variables are read
 when first needed, so a bad value is an error of the call that reads it, naming the variable, never of an import.
 ``capturing()`` (export, jit tracing, compiling) is the one capture check: every mixer takes its plain-autograd form,
-nothing is repaired; ``exporting()`` also sends 'auto' to 'conv', which runs at any size on any runtime.
+nothing is repaired; ``exporting()`` also sends 'auto' and 'tuned' to 'conv', which runs at any size on any runtime.
 """
 import contextlib
 import os
@@ -21,7 +21,7 @@ __all__ = ['METHODS', 'DISPATCH_TABLES', 'POLICIES', 'set_conv_method', 'get_con
 
 # torch.compiler.is_exporting() tells torch.export from torch.compile from 2.14 on (2.7-2.13: True under both)
 _EXPORT_FLAG_TRUSTED = torch.__version__ >= (2, 14)
-METHODS = ('auto', 'dense', 'conv')
+METHODS = ('auto', 'dense', 'conv', 'tuned')  # 'tuned': the faster form timed on the device, tuning.py
 POLICIES = ('cpu', 'cuda')
 
 # device type -> (ratio, kappa, beta, largest h * T * T for the dense form), fitted as docs/operators.md#dispatch says

@@ -14,6 +14,7 @@ from .dense_mix import dense_mix
 from .depthwise_mix import depthwise_mix
 from .dispatch import DISPATCH_TABLES, capturing, check_choice, exporting, forced_policy, get_conv_method, no_autocast
 from .simple_mix import simple_mix
+from .tuning import tuned_method
 
 __all__ = ['aft_full', 'aft_local', 'aft_simple', 'aft_conv2d', 'choose_conv_method', 'get_device_policy',
            'product_dtype', 'compute_dtype', 'output_dtype', 'check_conv_inputs']
@@ -189,9 +190,9 @@ def aft_conv2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tenso
     around the query with the extra bias ``w``.
 
     ``method`` (None: ``get_conv_method()``): 'dense' (the products, ``dense_mix.py``), 'conv' (the window,
-    ``depthwise_mix.py``) or 'auto' (``choose_conv_method``; 'conv' while exporting). Under 'cuda' the dense form is
-    exact to rounding while a head's bias and its keys each span less than ~40, the conv form to
-    ``6e-8 * exp(max(0, -min w))`` of its denominator.
+    ``depthwise_mix.py``), 'auto' (``choose_conv_method``) or 'tuned' (the faster on the first call of its key,
+    ``tuning.py``); 'conv' for both while exporting. Under 'cuda' the dense form is exact to rounding while a head's
+    bias and its keys each span less than ~40, the conv form to ``6e-8 * exp(max(0, -min w))`` of its denominator.
 
     Args:
         q: Queries (B, H, W, C), before the sigmoid. v: Values (B, H, W, C).
@@ -206,7 +207,9 @@ def aft_conv2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tenso
         return (q * 0.0).to(out_dtype)
     if not torch.jit.is_scripting():
         method = check_choice(get_conv_method() if method is None else method)
-        if exporting() and method == 'auto':  # the conv form runs at any size on any runtime
+        if method == 'tuned' and not exporting():  # the form timed fastest for such calls here (tuning.py), or 'auto'
+            method = tuned_method(q, k, v, w, product_dtype(q.device, out_dtype, dtype), aft_conv2d)
+        if exporting() and method in ('auto', 'tuned'):  # the conv form runs at any size on any runtime
             method = 'conv'
         elif method == 'auto':  # the cost model's choice on the tensors' device
             batch, height, width, channels = q.shape

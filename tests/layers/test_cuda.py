@@ -5,7 +5,8 @@ q / k / v / w gradients, against aft_reference.py's float64 reference as test_de
 float32, bfloat16 and float16 inputs and bfloat16 autocast, the caching allocator's free memory filled with NaN before
 each pass (a kernel that reads memory it never wrote shows). A layer's and a model's training step captured as CUDA
 graphs and replayed with host synchronisation an error; whole models on CUDA against the CPU; ``torch.compile``
-under bfloat16 autocast against eager. Whole models have no closed-form bound: ``assert_model_agrees`` measures it.
+under bfloat16 autocast against eager; 'tuned' timing on the device. Whole models have no closed-form bound:
+``assert_model_agrees`` measures it.
 """
 import copy
 
@@ -15,7 +16,7 @@ import torch
 
 import aft_reference as ref
 from aft_reference import CAUSAL, grid_inputs, inputs, upstream
-from aft_vision.layers import AFTConv2d, aft_conv2d, aft_full, aft_local, aft_simple
+from aft_vision.layers import AFTConv2d, aft_conv2d, aft_full, aft_local, aft_simple, tuned_choices
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA device (scripts/gpu_check.sh)')
 DEVICE = 'cuda'
@@ -164,3 +165,16 @@ def test_compiled_aft_conv_small_under_bf16_autocast(trained_like):
     torch._dynamo.reset()
     got = step(torch.compile(model, fullgraph=True), images, grad_out, autocast=True)
     assert_steps_agree(got, exact, eager, 'aft_conv_small compiled', torch.bfloat16)
+
+
+def test_tuned_times_on_the_device_and_runs_its_choice():
+    """'tuned' on CUDA (its clock stops at a value read back, which waits for the device) for a training call under
+    bfloat16 autocast: one key, on this device, both forms timed, and the output of the form it chose, bit for bit."""
+    q, k, v, w = (x.to(DEVICE).requires_grad_(True) for x in grid_inputs(*MAPS['14x14_s15'][:6], seed=3))
+    tuned_choices(clear=True)
+    with torch.autocast('cuda', dtype=torch.bfloat16):
+        out = aft_conv2d(q, k, v, w, method='tuned')
+        (key, (method, ms)), = tuned_choices(clear=True).items()
+        direct = aft_conv2d(q, k, v, w, method=method)
+    assert key == f'{q.device} B 4-7 14x14 C 32 h 8 s 15 bfloat16 training' and set(ms) == {'dense', 'conv'}, key
+    assert torch.equal(out, direct) and q.grad is None

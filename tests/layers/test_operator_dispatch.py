@@ -127,10 +127,10 @@ def test_a_layer_fixes_its_method_when_built():
 
 
 @pytest.mark.filterwarnings('ignore::torch.jit.TracerWarning')
-@pytest.mark.parametrize('method', ['auto'])
+@pytest.mark.parametrize('method', ['auto', 'tuned'])
 def test_exported_graphs_take_the_convolution(method):
-    """While exporting, 'auto' (the dense form in eager here) records the depthwise convolution, which runs at any
-    input size on any runtime."""
+    """While exporting, 'auto' (the dense form in eager here) and 'tuned' record the depthwise convolution, which runs
+    at any input size on any runtime."""
     q, k, v, w = grid_inputs(2, 4, 4, 8, 2, 3)
     traced = torch.jit.trace(lambda *t: aft_conv2d(*t, method=method), (q, k, v, w), check_trace=False)
     kinds = {node.kind() for node in traced.graph.nodes()}
