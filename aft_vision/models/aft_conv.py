@@ -164,7 +164,7 @@ class AFTConvTransformer(AFTTransformerBase):
         windows = {}
         for i, block in enumerate(self.blocks):
             attn = block.attn
-            if kernel != attn.pos_weight.shape[-1]:  # (h, s, s); under forward_at_size already resampled
+            if kernel != attn.pos_weight.shape[-1]:  # (h, s, s)
                 names = [f'blocks.{i}.attn.{name}' for name in ('pos_weight', 'pos_gamma', 'pos_beta')]
                 windows.update(zip(names, resize_window_bias(
                     attn.pos_weight, attn.pos_gamma, attn.pos_beta, kernel, attn.eps)))
