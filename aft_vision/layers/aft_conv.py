@@ -50,20 +50,24 @@ class AFTConv2d(nn.Module):
         nn.init.zeros_(self.pos_gamma)
         nn.init.zeros_(self.pos_beta)
 
-    def dense_bias(self) -> torch.Tensor:
-        """The learned bias ``w`` (h, s, s) after the reparameterisation of Eq. 8 (what Eq. 9 regularises)."""
-        raw = self.pos_weight
+    def dense_bias(self, kernel_size: Optional[int] = None) -> torch.Tensor:
+        """The learned bias ``w`` (h, s, s) after the reparameterisation of Eq. 8 (what Eq. 9 regularises); with
+        ``kernel_size``, of the window resampled to it for one call (``resize_window_bias``, differentiably; the layer
+        is left as it is)."""
+        raw, gamma, beta = self.pos_weight, self.pos_gamma, self.pos_beta
+        if kernel_size is not None and kernel_size != raw.shape[-1] and not torch.jit.is_scripting():
+            raw, gamma, beta = resize_window_bias(raw, gamma, beta, kernel_size, self.eps)
         mean = raw.mean(dim=(1, 2), keepdim=True)
         var = raw.var(dim=(1, 2), unbiased=False, keepdim=True)
         # gamma / std formed on (h,) vectors: gamma never meets rsqrt's ONNX form Div(1, sqrt) directly, which
         # onnxruntime's DivMulFusion mishandles where the exporter made gamma an Identity of an equal parameter
-        scale = (self.pos_gamma * torch.rsqrt(var + self.eps).view(-1)).view(-1, 1, 1)  # (h, 1, 1)
+        scale = (gamma * torch.rsqrt(var + self.eps).view(-1)).view(-1, 1, 1)  # (h, 1, 1)
         # gamma * (raw - mean) / std + beta as one scale and shift of the parameter: autograd keeps no (h, s, s) copy
-        return raw * scale + (self.pos_beta.view(-1, 1, 1) - mean * scale)
+        return raw * scale + (beta.view(-1, 1, 1) - mean * scale)
 
-    def effective_bias(self) -> torch.Tensor:
-        """The bias (h, s, s) that Eq. 6 uses: ``dense_bias()`` here; sparse subclasses select from it."""
-        return self.dense_bias()
+    def effective_bias(self, kernel_size: Optional[int] = None) -> torch.Tensor:
+        """The bias (h, s, s) that Eq. 6 uses: ``dense_bias(kernel_size)`` here; sparse subclasses select from it."""
+        return self.dense_bias(kernel_size)
 
     @torch.no_grad()
     def resize_window(self, kernel_size: int) -> None:
@@ -77,13 +81,18 @@ class AFTConv2d(nn.Module):
         self.pos_beta.copy_(beta)
         self.kernel_size = kernel_size
 
-    def _mix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return aft_conv2d(q, k, v, self.effective_bias(), method=self.method)  # (B, H, W, C)
+    def _mix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             kernel_size: Optional[int] = None) -> torch.Tensor:
+        bias = self.effective_bias() if kernel_size is None else self.effective_bias(kernel_size)  # (h, s, s)
+        return aft_conv2d(q, k, v, bias, method=self.method)  # (B, H, W, C)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kernel_size: Optional[int] = None) -> torch.Tensor:
+        """Mix tokens x (B, H, W, C); ``kernel_size``: this call's window (``dense_bias``), None the layer's own."""
         check_tokens(x, f'(B, H, W, {self.dim})', self.dim)
         q, k, v = self.qkv(x).split([self.dim, self.num_heads, self.dim], dim=-1)  # (B, H, W, C / h / C)
-        return self.proj_drop(self.proj(self._mix(q, k, v)))
+        if kernel_size is None or torch.jit.is_scripting():  # subclasses' ``_mix`` may take no window
+            return self.proj_drop(self.proj(self._mix(q, k, v)))
+        return self.proj_drop(self.proj(self._mix(q, k, v, kernel_size)))
 
     def _check_map(self, x: torch.Tensor) -> None:
         if x.dim() != 4 or x.shape[1] != self.dim:

@@ -5,6 +5,8 @@ becomes a global sum plus one shifted map per head,
 ``Y = sigmoid(Q) * (sum exp(K) V + c * shift(exp(K) V)) / (sum exp(K) + c * shift(exp(K)))``, ``c = exp(w_sel) - 1``,
 which ``aft_conv2d_onehot`` computes in O(T C): the paper's "convolution into indexing".
 """
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from timm.layers import register_notrace_function
@@ -118,18 +120,20 @@ class AFTConv2dOneHot(AFTConv2d):
         index = self.dense_bias().flatten(1).argmax(dim=1)  # (h,)
         return torch.stack([index // self.kernel_size, index % self.kernel_size], dim=1) - self.kernel_size // 2
 
-    def effective_bias(self) -> torch.Tensor:
-        """The bias Eq. 6 uses (h, s, s): ``w`` at one offset per head (sampled in training, argmax in eval), 0 else."""
-        w = self.dense_bias()
+    def effective_bias(self, kernel_size: Optional[int] = None) -> torch.Tensor:
+        """The bias Eq. 6 uses (h, s, s): ``w`` at one offset per head (sampled in training, argmax in eval), 0 else;
+        ``kernel_size``: of the window resampled for one call (``dense_bias``)."""
+        w = self.dense_bias(kernel_size)
         if self.training:
             sample = F.gumbel_softmax(w.flatten(1), tau=self.tau, hard=self.hard)  # (h, s*s), rows sum to 1
             return w * sample.view_as(w)
         return onehot_bias(w, w.flatten(1).argmax(dim=1))
 
-    def _mix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _mix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             kernel_size: Optional[int] = None) -> torch.Tensor:
         if self.training:  # Eq. 6 with the sampled bias: gradients reach every offset's logit
-            return aft_conv2d(q, k, v, self.effective_bias(), method=self.method)
-        w = self.dense_bias()  # else global pooling plus indexing
+            return aft_conv2d(q, k, v, self.effective_bias(kernel_size), method=self.method)
+        w = self.dense_bias(kernel_size)  # else global pooling plus indexing
         return aft_conv2d_onehot(q, k, v, w, w.detach().flatten(1).argmax(dim=1))  # (B, H, W, C)
 
     def forward_nchw(self, x: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,8 @@ class Block(nn.Module):
     """Pre-norm block with an AFT token mixer as ``attn``: ``x + attn(norm1(x))``, then ``x + mlp(norm2(x))``.
 
     Takes the mixer's layout, (B, T, C) or (B, H, W, C); norms, MLP and residual sums run on (B, T, C) rows, a view
-    (exported graphs then hand CPU runtimes 3-D tensors). A ``grid_aware`` mixer also receives the grid ``feat_size``.
+    (exported graphs then hand CPU runtimes 3-D tensors). A ``grid_aware`` mixer also receives the grid ``feat_size``,
+    an AFT-conv mixer the call's window ``kernel_size`` where one is given (not in TorchScript).
     ``mixer_layer(dim, qkv_bias=..., proj_drop=..., device=..., dtype=...)`` builds the mixer; the other arguments are
     those of timm's ViT block.
     """
@@ -62,11 +63,14 @@ class Block(nn.Module):
         self.ls2 = LayerScale(dim, init_values=init_values, **dd) if init_values else nn.Identity()
         self.drop_path2 = DropPath(drop_path) if drop_path > 0. else nn.Identity()
 
-    def forward(self, x: torch.Tensor, feat_size: Optional[List[int]] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, feat_size: Optional[List[int]] = None,
+                kernel_size: Optional[int] = None) -> torch.Tensor:
         shape = x.shape
         tokens = x.flatten(1, -2)  # (B, T, C)
         if self.grid_aware:  # a TorchScript constant: the other branch is not compiled
             y = self.attn(self.norm1(tokens).view(shape), feat_size)
+        elif kernel_size is not None and not torch.jit.is_scripting():
+            y = self.attn(self.norm1(tokens).view(shape), kernel_size)
         else:
             y = self.attn(self.norm1(tokens).view(shape))
         tokens = tokens + self.drop_path1(self.ls1(y.flatten(1, -2)))
@@ -212,10 +216,10 @@ class AFTTransformerBase(nn.Module):
 
     def _run_blocks(self, x: torch.Tensor, feat_size: Optional[List[int]] = None,
                     take_indices: Optional[List[int]] = None, norm: bool = False, last: Optional[int] = None,
-                    params: Optional[Dict[str, torch.Tensor]] = None) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+                    kernel_size: Optional[int] = None) -> Tuple[torch.Tensor, List[torch.Tensor]]:
         """``norm_pre`` and the blocks (through block ``last`` only, outside TorchScript, which cannot slice them) on x
         of the grid ``feat_size``, and the outputs of the blocks in ``take_indices`` (through ``norm`` if asked).
-        ``params``: block parameters by name (``blocks.N.*``) for this call (``torch.func.functional_call``)."""
+        ``kernel_size``: AFT-conv's window for this call, passed down (the modules are left as they are)."""
         intermediates: List[torch.Tensor] = []
         x = self.norm_pre(x)
         if torch.jit.is_scripting() or last is None:
@@ -223,21 +227,13 @@ class AFTTransformerBase(nn.Module):
         else:
             blocks = self.blocks[:last + 1]
         for i, blk in enumerate(blocks):
-            if params is not None and not torch.jit.is_scripting():
-                blk = self._with_params(i, params)
             if self.grad_checkpointing and not torch.jit.is_scripting():
-                x = checkpoint(blk, x, feat_size)
+                x = checkpoint(blk, x, feat_size, kernel_size)
             else:
-                x = blk(x, feat_size)
+                x = blk(x, feat_size, kernel_size)
             if take_indices is not None and i in take_indices:
                 intermediates.append(self.norm(x) if norm else x)
         return x, intermediates
-
-    @torch.jit.unused
-    def _with_params(self, index: int, params: Dict[str, torch.Tensor]) -> Callable[..., torch.Tensor]:
-        """Block ``index`` called with those of ``params`` that are its own."""
-        own = {key.split('.', 2)[2]: value for key, value in params.items() if key.startswith(f'blocks.{index}.')}
-        return partial(torch.func.functional_call, self.blocks[index], own)
 
     def _check_input(self, x: torch.Tensor) -> None:
         check_image(x, self.in_chans, self.patch_embed.patch_size, self._fixed_img_size(),

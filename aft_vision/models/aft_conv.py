@@ -5,6 +5,7 @@ embedding. Blocks run on a (B, H, W, C) map of any size; ``forward_features`` re
 map by name. Model names and sizes: docs/models.md.
 """
 import contextlib
+import inspect
 import math
 from functools import partial
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Type, Union
@@ -163,7 +164,7 @@ class AFTConvTransformer(AFTTransformerBase):
         windows = {}
         for i, block in enumerate(self.blocks):
             attn = block.attn
-            if kernel != attn.pos_weight.shape[-1]:  # (h, s, s); under forward_at_size already resampled
+            if kernel != attn.pos_weight.shape[-1]:  # (h, s, s)
                 names = [f'blocks.{i}.attn.{name}' for name in ('pos_weight', 'pos_gamma', 'pos_beta')]
                 windows.update(zip(names, resize_window_bias(
                     attn.pos_weight, attn.pos_gamma, attn.pos_beta, kernel, attn.eps)))
@@ -188,7 +189,7 @@ class AFTConvTransformer(AFTTransformerBase):
             num_blocks = max_index + 1 if stop_early else len(self.blocks)
             return self._intermediates_nchw(x, num_blocks, take_indices, norm, output_fmt, intermediates_only)
         x, intermediates = self._run_blocks(self._embed(x), None, take_indices, norm, max_index if stop_early else None,
-                                            self._input_windows(x))
+                                            self._input_window(x))
         if output_fmt == 'NCHW':  # (B, H, W, C) -> (B, C, H, W)
             intermediates = [y.permute(0, 3, 1, 2).contiguous() for y in intermediates]
         if intermediates_only:
@@ -227,13 +228,20 @@ class AFTConvTransformer(AFTTransformerBase):
         self._check_input(x)
         if self._records_nchw():
             return self._features_nchw(x)
-        return self.norm(self._run_blocks(self._embed(x), params=self._input_windows(x))[0])  # (B, H, W, C)
+        return self.norm(self._run_blocks(self._embed(x), kernel_size=self._input_window(x))[0])  # (B, H, W, C)
 
-    def _input_windows(self, x: torch.Tensor) -> Optional[Dict[str, torch.Tensor]]:
-        """With ``dynamic_img_size``, the windows for the size of images x (``window_parameters``); else None."""
-        if self.dynamic_img_size and not torch.jit.is_scripting():
-            return self.window_parameters(x.shape[-2:]) or None
-        return None
+    def _input_window(self, x: torch.Tensor) -> Optional[int]:
+        """With ``dynamic_img_size`` and ``resize_mode='window'``, the window for the size of images x where it is not
+        the built one (each block resamples its own for the call); else None."""
+        if not self.dynamic_img_size or self.resize_mode != 'window' or torch.jit.is_scripting():
+            return None
+        size, attn = (x.shape[-2], x.shape[-1]), self.blocks[0].attn
+        kernel = self._size_plan(size)[1]
+        if kernel != attn.kernel_size and not all(
+                'kernel_size' in inspect.signature(f).parameters for f in (attn._mix, attn.effective_bias)):
+            raise ValueError(f"{type(attn).__name__} takes no per-call window ({kernel}x{kernel} at {size[0]}x{size[1]}"
+                             f" px): build the model with resize_mode='keep', or call set_input_size(img_size={size})")
+        return None if kernel == attn.kernel_size else kernel
 
 
 @contextlib.contextmanager
