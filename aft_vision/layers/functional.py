@@ -238,7 +238,7 @@ def _aft_conv2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tens
         out, denominator = out.view(q.shape), denominator.view(k.shape)
         threshold = denominator.new_full((), 2 * tiny)  # the largest joint term underflowed (D floored at tiny)
     else:
-        out, denominator, scale = depthwise_mix(q, k, v, w, q.device.type == 'cuda', dtype, plain)  # cuDNN: NCHW
+        out, denominator, scale = depthwise_mix(q, k, v, w, dtype, mm_dtype, policy, plain)
         threshold = (scale * cancel_tol).clamp_min(tiny)  # (B, 1, 1, h): mostly cancellation (or underflow)
     bad = flag_below(denominator, threshold, policy)  # (B, H, W, h)
     if bad is not None:
