@@ -104,8 +104,8 @@ def depthwise_mix_nchw(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: tor
 
 
 class DepthwiseMix(torch.autograd.Function):
-    """``sigmoid(q) * N / D``, D (B, H, W, h) and f (1, 1, 1, h) for q, v (B, H, W, C), k (B, H, W, h), w (h, s, s):
-    p v and N in ``dtype``, p and D in float32 (float64), as contiguous planes (``planes``) or channels-last."""
+    """``sigmoid(q) * N / D``, D (B, H, W, h) and its global term (h,) for q, v (B, H, W, C), k (B, H, W, h), w
+    (h, s, s): p v and N in ``dtype``, p and D in float32 (float64), as NCHW planes (``planes``) or channels-last."""
 
     @staticmethod
     def forward(ctx, q, k, v, w, planes, dtype):
@@ -125,16 +125,17 @@ class DepthwiseMix(torch.autograd.Function):
         out = gated.unflatten(-1, heads) * numerator.unflatten(-1, heads).div_(clamped.unsqueeze(-1))
         ctx.save_for_backward(gated, values, keys, clamped, out, kernel, kernel_keys, inside, floor)
         ctx.dtypes = (q.dtype, k.dtype, v.dtype, w.dtype)
-        scale = floor.view(1, 1, 1, -1)
-        ctx.mark_non_differentiable(denominator, scale)
+        ctx.mark_non_differentiable(denominator, floor)
         ctx.set_materialize_grads(False)  # no zeros made for D's gradient
-        return out.flatten(-2), denominator, scale
+        return out.flatten(-2), denominator, floor
 
     @staticmethod
     def backward(ctx, grad_out, _grad_denominator, _grad_scale):
         if torch.is_grad_enabled():
             raise RuntimeError("DepthwiseMix's backward has no second derivative: for create_graph=True run the "
                                "forward under aft_vision.layers.plain_autograd()")
+        if grad_out is None:  # the output was not used
+            return (None,) * 6
         gated, values, keys, denominator, out, kernel, kernel_keys, inside, floor = ctx.saved_tensors
         heads = out.shape[-2:]
         with no_autocast():

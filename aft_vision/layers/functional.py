@@ -190,8 +190,8 @@ def aft_conv2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tenso
 
     ``method`` (None: ``get_conv_method()``): 'dense' (the products, ``dense_mix.py``), 'conv' (the window,
     ``depthwise_mix.py``) or 'auto' (``choose_conv_method``; 'conv' while exporting). Under 'cuda' the dense form is
-    exact to rounding while a head's bias and its keys each span less than ~40, the conv form to
-    ``6e-8 * exp(max(0, -min w))`` of its denominator.
+    exact to rounding while a head's bias and its keys each span less than ~40, the conv form's D (float32) to
+    ``6e-8 * exp(max(0, -min w))`` of itself, its N to its operands' rounding (bfloat16 under bfloat16) times as much.
 
     Args:
         q: Queries (B, H, W, C), before the sigmoid. v: Values (B, H, W, C).
