@@ -114,7 +114,7 @@ class DepthwiseMix(torch.autograd.Function):
         keys = _maps(k, wide, planes)  # p (B, H, W, h)
         torch.softmax(k.flatten(1, 2), 1, dtype=wide, out=keys.flatten(1, 2))  # over the positions: sums to 1
         values = _maps(v, dtype, planes)  # p v (B, H, W, C)
-        torch.mul(v.unflatten(-1, heads), keys.unsqueeze(-1), out=values.unflatten(-1, heads))
+        torch.mul(v.to(dtype).unflatten(-1, heads), keys.unsqueeze(-1), out=values.unflatten(-1, heads))
         kernel, kernel_keys, inside, floor = _table(w.to(wide), heads[1], dtype)
         global_term = values.sum(dim=(1, 2)).mul_(per_channel(floor, heads[1]))  # (B, C): f sum p v
         numerator = _conv(values.permute(0, 3, 1, 2), kernel, global_term).permute(0, 2, 3, 1)  # (B, H, W, C)
