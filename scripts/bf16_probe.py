@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from aft_vision.layers._gate import gate_inplace
-from aft_vision.layers.depthwise_mix import DepthwiseMix, _kernel
+from aft_vision.layers.depthwise_mix import DepthwiseMix, _head_kernel
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -51,7 +51,8 @@ def positive_split(q, k, v, w):
     tokens[..., channels:].copy_(exp_k)
     exp_kv = v.float().view(batch, height, width, heads, -1) * exp_k.unsqueeze(-1)  # (B, H, W, h, d)
     tokens[..., :channels].copy_(exp_kv.flatten(3))
-    _, floor, inside = _kernel(w, channels // heads)  # exp(-m) per channel (C + h,), exp(w - m) (h, s, s) positive
+    _, floor, inside = _head_kernel(w)  # exp(-m) (h,), exp(w - m) (h, s, s) positive
+    floor = torch.cat([floor.repeat_interleave(channels // heads), floor])  # per channel (C + h,)
     kernel = torch.cat([inside.repeat_interleave(channels // heads, 0), inside]).unsqueeze(1).bfloat16()
     x = tokens.permute(0, 3, 1, 2)  # (B, C + h, H, W), a channels-last view
     window = F.conv2d(x, kernel, padding=s // 2, groups=channels + heads).permute(0, 2, 3, 1)  # bfloat16

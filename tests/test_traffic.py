@@ -52,20 +52,26 @@ def test_a_custom_operator_is_refused():
         twice(torch.ones(3))
 
 
-# model, img_size -> (forward + backward ops, MB), (forward ops, MB): issue 59 holds the products form at its count of
-# issue 55 (aft_conv_small opened at 90 ops / 4,177 MB at 224 px)
-BUDGETS = {('aft_conv_small', 224): ((29, 722), (15, 361)), ('aft_conv_small', 384): ((29, 3238), (15, 1619)),
-           ('aft_full_tiny', 224): ((40, 400), (20, 200))}
+# model, img_size, AFT-conv method (None: what CUDA's 'auto' picks) -> (forward + backward ops, MB), (forward ops, MB).
+# Issue 59 holds the products form ('auto' at 224 and 384 px) at its count of issue 55 (aft_conv_small opened at 90
+# ops / 4,177 MB at 224 px) and the window form ('conv') below 45 ops, which moved 213 ops / 30,430 MB at 768 px and
+# 213 / 53,948 at 1024 when it was opened (forward 31 / 9,066); its 1024 px forward budget is 768's per token.
+BUDGETS = {('aft_conv_small', 224, None): ((29, 722), (15, 361)),
+           ('aft_conv_small', 384, None): ((29, 3238), (15, 1619)),
+           ('aft_full_tiny', 224, None): ((40, 400), (20, 200)),
+           ('aft_conv_small', 768, 'conv'): ((45, 9000), (20, 3000)),
+           ('aft_conv_small', 1024, 'conv'): ((45, 16000), (20, 5333))}
 
 
-@pytest.mark.parametrize('name, img_size', list(BUDGETS))
-def test_the_mixer_stays_within_its_traffic_budget(name, img_size):
-    """The mixer call of the model's first AFT layer, batch 64, bf16 as autocast hands it over, the method CUDA's
-    'auto' picks, counted on the CUDA path by ``count_layer`` (aten ops that run a kernel, MB = 1e6 bytes of their
-    distinct inputs and outputs)."""
-    (ops, mb), (forward_ops, forward_mb) = BUDGETS[name, img_size]
-    count = count_layer(name, img_size, batch_size=64, precision='bf16')
+@pytest.mark.parametrize('name, img_size, method', list(BUDGETS))
+def test_the_mixer_stays_within_its_traffic_budget(name, img_size, method):
+    """The mixer call of the model's first AFT layer, batch 64, bf16 as autocast hands it over, the method given or
+    the one CUDA's 'auto' picks, counted on the CUDA path by ``count_layer`` (aten ops that run a kernel, MB = 1e6
+    bytes of their distinct inputs and outputs)."""
+    (ops, mb), (forward_ops, forward_mb) = BUDGETS[name, img_size, method]
+    count = count_layer(name, img_size, batch_size=64, precision='bf16', method=method)
     figures = {key: count[key] for key in ('method', 'forward_ops', 'forward_mb', 'ops', 'mb', 'largest')}
+    assert method is None or count['method'] == method
     assert count['forward_ops'] <= forward_ops and count['forward_mb'] <= forward_mb, figures
     assert count['ops'] <= ops and count['mb'] <= mb, figures
 

@@ -1,30 +1,17 @@
-"""AFT-conv's sums by one depthwise convolution plus a global sum, O(T s^2 C), in float32 (float64 for float64):
-``[N | D] = conv(X, exp(w - m) - exp(-m)) + exp(-m) sum X``, ``X = [exp(k - kmax) v | exp(k - kmax)]``, m = max w, 0.
-A negative kernel (w < 0) can cancel D, which the 'cpu' policy repairs. ``DepthwiseMix`` saves only q, k, v, w; its
-backward takes the convolution's gradients by forward convolutions, faster than the libraries' own on CPU and CUDA."""
+"""AFT-conv's sums by depthwise convolutions plus a global sum, O(T s^2 C): ``N = conv(p v, E - f) + f sum p v``,
+``D = conv(p, E - f) + f``, ``p = softmax_T(k)``, E and f the softmax of the zero-padded window table and its pad cell.
+A negative kernel (w < 0) can cancel D: it is summed in float32, and the 'cpu' policy repairs what cancelled.
+``DepthwiseMix``'s backward takes the convolutions' gradients by forward convolutions (docs/operators.md)."""
 from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from ._gate import gate, gate_backward, gate_inplace, per_channel
+from ._gate import gate, per_channel
 from ._stable import TINY
 from .dispatch import capturing, no_autocast
 
 __all__ = ['DepthwiseMix', 'depthwise_mix', 'depthwise_mix_nchw', 'depthwise_sums', 'depthwise_conv_backward']
-
-
-def _tokens_into(k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """X (B, H, W, C + h) written in one buffer (no autograd), exp(k - kmax) (B, H, W, h) and the view
-    exp(k - kmax) v (B, H, W, h, d) of X. exp runs contiguous (10x faster on CPU) and is copied in."""
-    batch, height, width, num_heads = k.shape
-    channels = v.shape[-1]
-    tokens = v.new_empty(batch, height, width, channels + num_heads)
-    exp_k = torch.sub(k, k.amax(dim=(1, 2), keepdim=True)).exp_()  # (B, H, W, h), max 1 per image and head
-    tokens[..., channels:].copy_(exp_k)
-    exp_kv = tokens[..., :channels].unflatten(-1, (num_heads, -1))  # (B, H, W, h, d), a view
-    torch.mul(v.view(batch, height, width, num_heads, -1), exp_k.unsqueeze(-1), out=exp_kv)
-    return tokens, exp_k, exp_kv
 
 
 def _head_kernel(w: torch.Tensor):
@@ -35,45 +22,60 @@ def _head_kernel(w: torch.Tensor):
     return inside - floor.view(-1, 1, 1), floor, inside
 
 
-def _kernel(w: torch.Tensor, head_dim: int):
-    """The depthwise kernel (C + h, 1, s, s), the floor exp(-m) per channel (C + h,) and exp(w - m) (h, s, s)."""
-    kernel, floor, inside = _head_kernel(w)
-    kernel = torch.cat([kernel.repeat_interleave(head_dim, dim=0), kernel]).unsqueeze(1)  # (C + h, 1, s, s)
-    return kernel, torch.cat([floor.repeat_interleave(head_dim), floor]), inside
+def _table(w: torch.Tensor, head_dim: int, dtype: torch.dtype):
+    """From the softmax of the zero-padded window table: the kernel E - f of N's channels (C, 1, s, s) in ``dtype``
+    and of D's (h, 1, s, s), E (h, s, s) and f (h,) in w's dtype."""
+    s = w.shape[-1]
+    table = torch.softmax(F.pad(w, [0, 1, 0, 1]).flatten(1), dim=-1).unflatten(1, (s + 1, s + 1))  # (h, s+1, s+1)
+    inside, floor = table[:, :s, :s], table[:, s, s]
+    kernel = torch.sub(inside, floor.view(-1, 1, 1)).unsqueeze(1)  # (h, 1, s, s)
+    return per_channel(kernel, head_dim, dim=0).to(dtype), kernel, inside, floor
 
 
-def _nchw(tokens: torch.Tensor, contiguous: bool) -> torch.Tensor:
-    """(B, H, W, n) -> (B, n, H, W): a channels-last view (fast on CPU) or a contiguous copy (fast in cuDNN)."""
-    x = tokens.permute(0, 3, 1, 2)
-    return x.contiguous() if contiguous else x
+def _maps(like: torch.Tensor, dtype: torch.dtype, planes: bool) -> torch.Tensor:
+    """An empty (B, H, W, n) map shaped as ``like``: a view of contiguous (B, n, H, W) planes, or channels-last."""
+    batch, height, width, channels = like.shape
+    return like.new_empty(batch, channels, height, width, dtype=dtype).permute(0, 2, 3, 1) if planes \
+        else torch.empty_like(like, dtype=dtype)
 
 
-def _local(x: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
-    """The windowed sums (B, H, W, n) of x (B, n, H, W) by the depthwise kernel (n, 1, s, s), zero padded."""
-    return F.conv2d(x, kernel, padding=kernel.shape[-1] // 2, groups=kernel.shape[0]).permute(0, 2, 3, 1)
+def _conv(x: torch.Tensor, kernel: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
+    """``conv(x, kernel) + extra`` (B, n, H, W) for x (B, n, H, W), the kernel (n, 1, s, s) zero padded, ``extra``
+    (B, n): on contiguous planes one convolution over the (1, B n) planes, ``extra`` its bias; else two steps."""
+    batch, channels, height, width = x.shape
+    if not x.is_contiguous():
+        sums = F.conv2d(x, kernel, padding=kernel.shape[-1] // 2, groups=channels)
+        return sums.add_(extra[:, :, None, None])
+    sums = F.conv2d(x.view(1, -1, height, width), kernel.repeat(batch, 1, 1, 1), extra.flatten().to(x.dtype),
+                    padding=kernel.shape[-1] // 2, groups=batch * channels)  # (1, B n, H, W)
+    return sums.view(x.shape)
 
 
-def depthwise_conv_backward(grad: torch.Tensor, x: torch.Tensor,
-                            kernel: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Gradients of ``F.conv2d(x, kernel, padding=s // 2, groups=n)`` (odd s) in x (B, n, H, W) and the kernel
-    (n, 1, s, s), by forward depthwise convolutions: the input's with the flipped kernel, the kernel's per image with
-    that image's ``grad`` (B, n, H, W) as the kernel, summed over images."""
-    groups, pad = kernel.shape[0], kernel.shape[-1] // 2
-    grad_x = F.conv2d(grad, kernel.flip(-2, -1), padding=pad, groups=groups)
+def depthwise_conv_backward(grad: torch.Tensor, x: torch.Tensor, kernel: torch.Tensor,
+                            floor: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of ``conv(x, kernel) + floor * sum x`` (odd s) in x (B, n, H, W) and the kernel (n, 1, s, s) by
+    forward convolutions: the input's with the flipped kernel; the kernel's with ``grad`` as the kernel, in one call
+    over the (1, B n) planes where both are contiguous, else per image (channels-last: oneDNN's fast path)."""
+    batch, channels, pad = x.shape[0], x.shape[1], kernel.shape[-1] // 2
+    grad_x = _conv(grad, kernel.flip(-2, -1), grad.sum(dim=(2, 3)).mul_(floor))
+    if x.is_contiguous() and grad.is_contiguous():
+        per_image = F.conv2d(x.view(1, -1, *x.shape[2:]), grad.view(-1, 1, *grad.shape[2:]), padding=pad,
+                             groups=batch * channels)  # (1, B n, s, s)
+        return grad_x, per_image.view(batch, *kernel.shape).sum(0)
     per_image = grad.contiguous()  # (B, n, H, W): image b is a contiguous (n, 1, H, W) kernel
-    grad_kernel = F.conv2d(x[:1], per_image[0].unsqueeze(1), padding=pad, groups=groups)  # (1, n, s, s)
-    for b in range(1, x.shape[0]):
-        grad_kernel += F.conv2d(x[b:b + 1], per_image[b].unsqueeze(1), padding=pad, groups=groups)
+    grad_kernel = F.conv2d(x[:1], per_image[0].unsqueeze(1), padding=pad, groups=channels)  # (1, n, s, s)
+    for b in range(1, batch):
+        grad_kernel += F.conv2d(x[b:b + 1], per_image[b].unsqueeze(1), padding=pad, groups=channels)
     return grad_x, grad_kernel.view(kernel.shape)
 
 
 def _window(x: torch.Tensor, kernel: torch.Tensor, height: Optional[int], width: Optional[int]) -> torch.Tensor:
     """The windowed sums of a map x (B, n, H, W) by the depthwise kernel (n, 1, s, s), zero padded; of token rows
     (B, T = H * W, n) given ``height`` and ``width``, as rows."""
-    if height is None or width is None:
-        return F.conv2d(x, kernel, padding=kernel.shape[-1] // 2, groups=kernel.shape[0])
-    x = x.reshape(x.shape[0], height, width, x.shape[-1]).permute(0, 3, 1, 2)  # (B, n, H, W), channels last
-    return _local(x, kernel).flatten(1, 2)
+    if height is not None and width is not None:
+        x = x.reshape(x.shape[0], height, width, x.shape[-1]).permute(0, 3, 1, 2)  # (B, n, H, W), channels last
+    sums = F.conv2d(x, kernel, padding=kernel.shape[-1] // 2, groups=kernel.shape[0])
+    return sums if height is None or width is None else sums.permute(0, 2, 3, 1).flatten(1, 2)
 
 
 def depthwise_sums(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, height: Optional[int] = None,
@@ -101,56 +103,73 @@ def depthwise_mix_nchw(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: tor
     return torch.sigmoid(q) * (numerator / per_channel(denominator.clamp_min(TINY), group, dim=1))
 
 
-def _sums_into(tokens: torch.Tensor, kernel: torch.Tensor, floor: torch.Tensor, contiguous: bool):
-    """[N | D] (B, H, W, C + h), the global term (B, 1, 1, C + h) and the convolution's input, no autograd."""
-    x = _nchw(tokens, contiguous)
-    global_term = tokens.sum(dim=(1, 2), keepdim=True).mul_(floor)  # (B, 1, 1, C + h)
-    return _local(x, kernel).add_(global_term), global_term, x
-
-
 class DepthwiseMix(torch.autograd.Function):
-    """``sigmoid(q) * N / D`` and (not differentiable) D (B, H, W, h) and its scale (B, 1, 1, h) for q, v
-    (B, H, W, C), k (B, H, W, h), w (h, s, s), computed in ``dtype``."""
+    """``sigmoid(q) * N / D``, D (B, H, W, h) and its global term (h,) for q, v (B, H, W, C), k (B, H, W, h), w
+    (h, s, s): p v and N in ``dtype``, p and D in float32 (float64), as NCHW planes (``planes``) or channels-last."""
 
     @staticmethod
-    def forward(ctx, q, k, v, w, contiguous, dtype):
-        ctx.save_for_backward(q, k, v, w)
-        ctx.contiguous, ctx.dtype = contiguous, dtype
-        q, k, v, w = (x.to(dtype) for x in (q, k, v, w))
-        channels = q.shape[-1]
-        tokens, _, _ = _tokens_into(k, v)
-        kernel, floor, _ = _kernel(w, channels // k.shape[-1])
-        sums, global_term, _ = _sums_into(tokens, kernel, floor, contiguous)
-        denominator, scale = sums[..., channels:], global_term[..., channels:]
-        ctx.mark_non_differentiable(denominator, scale)
-        return gate_inplace(q, sums[..., :channels], denominator), denominator, scale
+    def forward(ctx, q, k, v, w, planes, dtype):
+        heads = (k.shape[-1], q.shape[-1] // k.shape[-1])
+        wide = torch.promote_types(dtype, torch.float32)
+        keys = _maps(k, wide, planes)  # p (B, H, W, h)
+        torch.softmax(k.flatten(1, 2), 1, dtype=wide, out=keys.flatten(1, 2))  # over the positions: sums to 1
+        values = _maps(v, dtype, planes)  # p v (B, H, W, C)
+        torch.mul(v.to(dtype).unflatten(-1, heads), keys.unsqueeze(-1), out=values.unflatten(-1, heads))
+        kernel, kernel_keys, inside, floor = _table(w.to(wide), heads[1], dtype)
+        global_term = values.sum(dim=(1, 2)).mul_(per_channel(floor, heads[1]))  # (B, C): f sum p v
+        numerator = _conv(values.permute(0, 3, 1, 2), kernel, global_term).permute(0, 2, 3, 1)  # (B, H, W, C)
+        denominator = F.conv2d(keys.permute(0, 3, 1, 2), kernel_keys, floor, padding=kernel.shape[-1] // 2,
+                               groups=heads[0]).permute(0, 2, 3, 1)  # (B, H, W, h): f sum p = f, the bias
+        clamped = torch.clamp(denominator, min=floor.new_full((), TINY), out=torch.empty_like(keys, dtype=dtype))
+        gated = torch.sigmoid(q.to(dtype))  # (B, H, W, C)
+        out = gated.unflatten(-1, heads) * numerator.unflatten(-1, heads).div_(clamped.unsqueeze(-1))
+        ctx.save_for_backward(gated, values, keys, clamped, out, kernel, kernel_keys, inside, floor)
+        ctx.dtypes = (q.dtype, k.dtype, v.dtype, w.dtype)
+        ctx.mark_non_differentiable(denominator, floor)
+        ctx.set_materialize_grads(False)  # no zeros made for D's gradient
+        return out.flatten(-2), denominator, floor
 
     @staticmethod
     def backward(ctx, grad_out, _grad_denominator, _grad_scale):
-        inputs = ctx.saved_tensors
-        q, k, v, w = (x.to(ctx.dtype) for x in inputs)
-        channels, num_heads, s = q.shape[-1], k.shape[-1], w.shape[-1]
+        if torch.is_grad_enabled():
+            raise RuntimeError("DepthwiseMix's backward has no second derivative: for create_graph=True run the "
+                               "forward under aft_vision.layers.plain_autograd()")
+        if grad_out is None:  # the output was not used
+            return (None,) * 6
+        gated, values, keys, denominator, out, kernel, kernel_keys, inside, floor = ctx.saved_tensors
+        heads = out.shape[-2:]
         with no_autocast():
-            tokens, exp_k, exp_kv = _tokens_into(k, v)  # (B, H, W, C + h)
-            kernel, floor, inside = _kernel(w, channels // num_heads)
-            sums, _, x = _sums_into(tokens, kernel, floor, ctx.contiguous)
-            grad_sums = torch.empty_like(tokens)  # (B, H, W, C + h): [grad N | grad D]
-            grad_q, _, _ = gate_backward(
-                grad_out.to(ctx.dtype), q, sums[..., :channels], sums[..., channels:], out=grad_sums)
-            grad_x, grad_kernel = depthwise_conv_backward(_nchw(grad_sums, ctx.contiguous), x, kernel)
-        grad_tokens = grad_x.permute(0, 2, 3, 1).add_(grad_sums.sum(dim=(1, 2), keepdim=True).mul_(floor))
-        grad_kv = grad_tokens[..., :channels].unflatten(-1, (num_heads, -1))  # (B, H, W, h, d)
-        grad_v = grad_kv * exp_k.unsqueeze(-1)
-        grad_k = grad_kv.mul_(exp_kv).sum(-1).add_(grad_tokens[..., channels:].mul_(exp_k))
-        grad_kernel = grad_kernel.squeeze(1)  # (C + h, s, s): a head's value channels and its key channel
-        grad_w = (grad_kernel[:channels].view(num_heads, -1, s, s).sum(1) + grad_kernel[channels:]) * inside
-        grads = (grad_q, grad_k, grad_v.flatten(3), grad_w)
-        return tuple(g.reshape(x.shape).to(x.dtype) for g, x in zip(grads, inputs)) + (None, None)
+            grad_out = grad_out.to(values.dtype).unflatten(-1, heads)  # (B, H, W, h, d)
+            scaled = grad_out * out  # g out
+            grad_q = torch.addcmul(scaled, scaled, gated.unflatten(-1, heads), value=-1.0)  # g out (1 - sigmoid(q))
+            grad_num = torch.mul(grad_out, gated.unflatten(-1, heads), out=torch.empty_like(values).unflatten(
+                -1, heads)).div_(denominator.unsqueeze(-1)).flatten(-2)  # g sigmoid(q) / D, in the layout of p v
+            grad_den = torch.addcdiv(floor.new_zeros(()), _sum_last(scaled), denominator, value=-1.0,
+                                     out=torch.empty_like(keys))  # -sum(g out) / D per head
+            grad_values, grad_kernel = depthwise_conv_backward(
+                grad_num.permute(0, 3, 1, 2), values.permute(0, 3, 1, 2), kernel, per_channel(floor, heads[1]))
+            grad_keys, grad_kernel_keys = depthwise_conv_backward(
+                grad_den.permute(0, 3, 1, 2), keys.permute(0, 3, 1, 2), kernel_keys, floor)
+            grad_values = grad_values.permute(0, 2, 3, 1).unflatten(-1, heads)  # (B, H, W, h, d)
+            grad_v = torch.mul(grad_values, keys.unsqueeze(-1), out=torch.empty_like(out))
+            grad_k = _sum_last(torch.mul(grad_values, values.unflatten(-1, heads), out=torch.empty_like(out)))
+            grad_k = grad_k.addcmul_(grad_keys.permute(0, 2, 3, 1), keys)  # p (dL/dp): softmax's scale is free
+            grad_kernel = grad_kernel.view(*heads, *kernel.shape[-2:]).sum(1, dtype=inside.dtype)  # (h, s, s)
+            grad_w = grad_kernel.add_(grad_kernel_keys.squeeze(1)).mul_(inside)  # E dL/dE: Z and m are free
+        grads = (grad_q.flatten(-2), grad_k, grad_v.flatten(-2), grad_w)
+        return tuple(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)) + (None, None)
 
 
-def depthwise_mix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, contiguous: bool,
-                  dtype: torch.dtype, plain: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``DepthwiseMix``, or ``depthwise_sums`` inside TorchScript, while ``capturing()`` and where ``plain``."""
+def _sum_last(x: torch.Tensor) -> torch.Tensor:
+    """x summed over its last dim (a view where that dim has one entry: no pass over memory)."""
+    return x.squeeze(-1) if x.shape[-1] == 1 else x.sum(-1)
+
+
+def depthwise_mix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, dtype: torch.dtype,
+                  mm_dtype: torch.dtype, policy: str, plain: bool = False
+                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``DepthwiseMix`` (the 'cuda' policy: planes in ``mm_dtype``; 'cpu': channels-last in ``dtype``), or
+    ``depthwise_sums`` in ``dtype`` in TorchScript, while ``capturing()`` and where ``plain``."""
     if torch.jit.is_scripting() or capturing() or plain:
         height, width = q.shape[1], q.shape[2]
         numerator, denominator, scale = depthwise_sums(
@@ -158,4 +177,5 @@ def depthwise_mix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Te
         out = gate(q.to(dtype).flatten(1, 2), numerator, denominator)  # (B, T, C)
         return out.view(q.shape), denominator.view(k.shape), scale.unsqueeze(1)
     else:
-        return DepthwiseMix.apply(q, k, v, w, contiguous, dtype)
+        planes = policy == 'cuda'
+        return DepthwiseMix.apply(q, k, v, w, planes, mm_dtype if planes else dtype)

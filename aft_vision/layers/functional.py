@@ -193,7 +193,8 @@ def aft_conv2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tenso
     ``method`` (None: ``get_conv_method()``): 'dense' (the products, ``dense_mix.py``), 'conv' (the window,
     ``depthwise_mix.py``), 'auto' (``choose_conv_method``) or 'tuned' (the faster on the first call of its key,
     ``tuning.py``); 'conv' for both while exporting. Under 'cuda' the dense form is exact to rounding while a head's
-    bias and its keys each span less than ~40, the conv form to ``6e-8 * exp(max(0, -min w))`` of its denominator.
+    bias and its keys each span less than ~40, the conv form's D (float32) to ``6e-8 * exp(max(0, -min w))`` of
+    itself, its N to its operands' rounding (bfloat16 under bfloat16) times as much.
 
     Args:
         q: Queries (B, H, W, C), before the sigmoid. v: Values (B, H, W, C).
@@ -242,7 +243,7 @@ def _aft_conv2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tens
         out, denominator = out.view(q.shape), denominator.view(k.shape)
         threshold = denominator.new_full((), 2 * tiny)  # the largest joint term underflowed (D floored at tiny)
     else:
-        out, denominator, scale = depthwise_mix(q, k, v, w, q.device.type == 'cuda', dtype, plain)  # cuDNN: NCHW
+        out, denominator, scale = depthwise_mix(q, k, v, w, dtype, mm_dtype, policy, plain)
         threshold = (scale * cancel_tol).clamp_min(tiny)  # (B, 1, 1, h): mostly cancellation (or underflow)
     bad = flag_below(denominator, threshold, policy)  # (B, H, W, h)
     if bad is not None:

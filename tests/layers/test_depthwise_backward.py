@@ -1,7 +1,8 @@
 """AFT-conv's depthwise backward by forward convolutions (``depthwise_conv_backward``), on CPU and CUDA alike.
 
 Against float64 and ``aten.convolution_backward`` on every odd window from 1 to 31, maps smaller than the window,
-non-square maps and both convolution layouts; the whole operator by float64 gradcheck under both policies. Bounds
+non-square maps and both convolution layouts (the kernel's gradient in one call over contiguous planes, per image
+on channels-last maps); the whole operator by float64 gradcheck under both policies. Bounds
 follow from rounding: every gradient entry is a sum of n products of float32 numbers (n = s^2 for the input's, B H W
 for the kernel's), so in any summation order it lies within ``gamma_n * sum |terms|`` of the exact value,
 ``gamma_n = n u / (1 - n u)``, u = 2^-24, and ``sum |terms|`` is the same convolution of the absolute values.
@@ -49,7 +50,7 @@ def test_forward_conv_gradients_within_rounding_of_float64_and_native(s, grid, l
     exact = native(grad.double(), x.double(), kernel.double())
     magnitude = native(grad.double().abs(), x.double().abs(), kernel.double().abs())  # sum |terms| per entry
     bounds = (gamma(s * s) * magnitude[0], gamma(batch * grid[0] * grid[1]) * magnitude[1])
-    ours, theirs = depthwise_conv_backward(grad, x, kernel), native(grad, x, kernel)
+    ours, theirs = depthwise_conv_backward(grad, x, kernel, kernel.new_zeros(kernel.shape[0])), native(grad, x, kernel)
     for name, mine, lib, truth, bound in zip(('input', 'kernel'), ours, theirs, exact, bounds):
         assert mine.shape == truth.shape and mine.dtype == torch.float32
         assert ((mine.double() - truth).abs() <= bound).all(), f'{name} gradient off float64'
@@ -60,7 +61,8 @@ def test_forward_conv_gradients_in_float64_match_native():
     grad, x, kernel = (t.double() for t in conv_case(3, 4, 7, 5, 9, 'channels_last'))
     exact = native(grad, x, kernel)
     magnitude = native(grad.abs(), x.abs(), kernel.abs())
-    for mine, truth, mag, n in zip(depthwise_conv_backward(grad, x, kernel), exact, magnitude, (81, 3 * 4 * 7)):
+    ours = depthwise_conv_backward(grad, x, kernel, kernel.new_zeros(kernel.shape[0]))
+    for mine, truth, mag, n in zip(ours, exact, magnitude, (81, 3 * 4 * 7)):
         assert ((mine - truth).abs() <= 2 * gamma(n, 2.0 ** -53) * mag).all()
 
 
@@ -108,3 +110,14 @@ def test_onehot_bias_gradcheck_float64():
     index = torch.tensor([3, 17])
     assert torch.autograd.gradcheck(lambda *t: aft_conv2d(*t[:3], onehot_bias(t[3], index), method='conv'),
                                     (q, k, v, w))
+
+
+@pytest.mark.parametrize('policy', ['cpu', 'cuda'])
+def test_create_graph_is_refused_in_one_line(policy):
+    """``DepthwiseMix`` saves sigmoid(q), p v, p and D, not its inputs: its backward has no graph of its own, so a
+    second derivative is refused, naming the way to one."""
+    q, k, v, w = leaf_grid_inputs(1, 3, 3, 2, 1, 3, dtype=torch.float32)
+    with device_policy(policy):
+        out = aft_conv2d(q, k, v, w, method='conv')
+    with pytest.raises(RuntimeError, match="DepthwiseMix's backward has no second derivative: .*plain_autograd"):
+        torch.autograd.grad(out.sum(), (q, k, v, w), create_graph=True)

@@ -170,7 +170,8 @@ def test_device_policy_restores_and_rejects_unknown_names():
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Training memory: the operators save their inputs for the backward pass; the products form instead sigmoid(q), X
-# and D, the bytes of q, k, v and one more key-sized tensor (X holds k's and v's sizes).
+# and D, the bytes of q, k, v and one more key-sized tensor (X holds k's and v's sizes); the window form sigmoid(q),
+# p v, p and D the same way, and its kernels.
 
 @pytest.mark.parametrize('op', OPS)
 @pytest.mark.parametrize('policy', ['cpu', 'cuda'])
@@ -186,8 +187,10 @@ def test_operators_save_only_their_inputs(op, policy):
         out = call(op, q, k, v, w)
     storages.discard((out.untyped_storage().data_ptr(), out.untyped_storage().nbytes()))  # the next layer keeps it
     allowed = q[..., :1].numel() * 8  # at most a per-row statistic beside the inputs
-    if op in ('full', 'causal', 'local', 'dense'):  # the products form: D (one key-sized tensor) and the bias table
+    if op in ('full', 'causal', 'local', 'dense', 'conv'):  # the products form: D (key-sized) and the bias table
         allowed += k.numel() * k.element_size() + w.numel() * 8
+    if op == 'conv':  # the window form: its depthwise kernels, (C + h) s^2 floats
+        allowed += (q.shape[-1] + k.shape[-1]) * w[0].numel() * 4
     if op == 'local':  # aft_local zeroes the bias outside the window first: the windowed (T, T) bias and its mask
         allowed += w.numel() * (w.element_size() + 1)
     inputs_bytes = sum(x.untyped_storage().nbytes() for x in (q, k, v, w))
@@ -195,7 +198,7 @@ def test_operators_save_only_their_inputs(op, policy):
     own = {x.untyped_storage().data_ptr() for x in (q, k, v, w)}
     extra = sum(nbytes for ptr, nbytes in storages if ptr not in own)
     assert saved_bytes <= inputs_bytes + allowed
-    if op not in ('full', 'causal', 'local', 'dense'):  # the other forms keep the inputs themselves
+    if op not in ('full', 'causal', 'local', 'dense', 'conv'):  # the other forms keep the inputs themselves
         assert extra <= allowed
 
 
