@@ -31,7 +31,7 @@ DEPLOY_PRECISIONS = {'onnxruntime': ('fp32', 'int8'), 'openvino': ('fp32', 'bf16
 DEFAULT_MODELS = ['aft_conv_small', 'aft_conv_small_11_h16', 'aft_conv_tiny', 'aft_full_tiny']
 DEFAULT_RESOLUTIONS = [224, 384, 512, 768]
 OPS_RESOLUTIONS = [224, 384, 768, 1024]  # --ops: where the two AFT-conv forms cross over
-BASELINES = {192: 'deit_tiny_patch16_224', 384: 'deit_small_patch16_224', 768: 'deit_base_patch16_224'}
+BASELINES = {64: 'test_vit', 192: 'deit_tiny_patch16_224', 384: 'deit_small_patch16_224', 768: 'deit_base_patch16_224'}
 # --readme: the figures of docs/performance.md (batch 8; 2 images for the training step from 768 px, all at 1024 px)
 README_RUN = dict(models=DEFAULT_MODELS, resolutions=[224, 384, 768],
                   pairs=['aft_conv_small=deit_small_patch16_224@1024',
