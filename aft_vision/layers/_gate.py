@@ -5,7 +5,7 @@ import torch
 
 from ._stable import TINY
 
-__all__ = ['gate', 'gate_inplace', 'gate_backward', 'per_channel']
+__all__ = ['gate', 'gate_inplace', 'gate_backward', 'per_channel', 'sum_last']
 
 
 def per_channel(x: torch.Tensor, group: int, dim: int = -1) -> torch.Tensor:
@@ -17,6 +17,11 @@ def per_channel(x: torch.Tensor, group: int, dim: int = -1) -> torch.Tensor:
     dim = dim % x.dim()
     sizes = [-1] * (dim + 1) + [group] + [-1] * (x.dim() - dim - 1)
     return x.unsqueeze(dim + 1).expand(sizes).flatten(dim, dim + 1)
+
+
+def sum_last(x: torch.Tensor) -> torch.Tensor:
+    """x summed over its last dim (a view where that dim has one entry: no pass over memory)."""
+    return x.squeeze(-1) if x.shape[-1] == 1 else x.sum(-1)
 
 
 def gate(q: torch.Tensor, numerator: torch.Tensor, denominator: torch.Tensor, tiny: float = TINY) -> torch.Tensor:

@@ -12,6 +12,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from ._gate import sum_last
 from ._stable import TINY
 from .dispatch import no_autocast
 
@@ -168,12 +169,12 @@ class DenseMix(torch.autograd.Function):
         layout = grad_sums.permute(2, 1, 0, 3)  # (B, T, G, n)
         grad_num = layout[..., :per_group].unflatten(-1, numerator_shape[-2:])
         torch.mul(grad_out, gate.view(numerator_shape), out=grad_num).div_(denominator.unsqueeze(-1))  # g gate / D
-        torch.addcdiv(grad_gated.new_zeros(()), _sum_last(grad_gated), denominator, value=-1.0,
+        torch.addcdiv(grad_gated.new_zeros(()), sum_last(grad_gated), denominator, value=-1.0,
                       out=layout[..., per_group:])  # -sum(g out) / D per key channel
         grad_tokens = torch.bmm(weights.transpose(1, 2), grad_sums.flatten(2)).view(tokens.shape)  # (G, T keys, B, n)
         grad_weights = torch.bmm(grad_sums.flatten(2), tokens.flatten(2).transpose(1, 2))  # (G, T queries, T keys)
         if onehots is None:
-            by_cell, cells = grad_weights, table  # (1, T, T)
+            by_cell, cells = grad_weights[0], table[0]  # (T, T)
         else:  # the pad row and column dropped
             by_cell, cells = _window_grad(grad_weights, onehots[0], onehots[1], grid)[:, :-1, :-1], table[:, :-1, :-1]
         grad_w = torch.mul(by_cell, cells, out=table.new_empty(cells.shape))  # E * dL/dE
@@ -181,15 +182,9 @@ class DenseMix(torch.autograd.Function):
         keys, grad_keys = x[..., per_group:], grad_x[..., per_group:]  # (B, ..., G, Ck / G)
         values, grad_values = (t[..., :per_group].unflatten(-1, numerator_shape[-2:]) for t in (x, grad_x))
         grad_v = torch.mul(grad_values, keys.unsqueeze(-1), out=out.new_empty(values.shape))  # (B, ..., C / Ck)
-        grad_k = _sum_last(torch.mul(grad_values, values, out=out.new_empty(values.shape))).addcmul_(grad_keys, keys)
-        grads = (grad_q, grad_k, grad_v, grad_w.squeeze(0) if onehots is None else grad_w)
-        shapes = ((batch, num_keys, -1),) * 3 + (grad_w.shape[-2:] if onehots is None else grad_w.shape,)
-        return tuple(g.reshape(shape).to(dtype) for g, shape, dtype in zip(grads, shapes, ctx.dtypes)) + (None,) * 4
-
-
-def _sum_last(x: torch.Tensor) -> torch.Tensor:
-    """x summed over its last dim (a view where that dim has one entry: no pass over memory)."""
-    return x.squeeze(-1) if x.shape[-1] == 1 else x.sum(-1)
+        grad_k = sum_last(torch.mul(grad_values, values, out=out.new_empty(values.shape))).addcmul_(grad_keys, keys)
+        grads = [g.reshape(batch, num_keys, -1) for g in (grad_q, grad_k, grad_v)] + [grad_w]
+        return tuple(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)) + (None,) * 4
 
 
 def dense_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, grid: Optional[Tuple[int, int]],

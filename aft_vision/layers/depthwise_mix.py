@@ -7,7 +7,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from ._gate import gate, per_channel
+from ._gate import gate, per_channel, sum_last
 from ._stable import TINY
 from .dispatch import capturing, no_autocast
 
@@ -144,7 +144,7 @@ class DepthwiseMix(torch.autograd.Function):
             grad_q = torch.addcmul(scaled, scaled, gated.unflatten(-1, heads), value=-1.0)  # g out (1 - sigmoid(q))
             grad_num = torch.mul(grad_out, gated.unflatten(-1, heads), out=torch.empty_like(values).unflatten(
                 -1, heads)).div_(denominator.unsqueeze(-1)).flatten(-2)  # g sigmoid(q) / D, in the layout of p v
-            grad_den = torch.addcdiv(floor.new_zeros(()), _sum_last(scaled), denominator, value=-1.0,
+            grad_den = torch.addcdiv(floor.new_zeros(()), sum_last(scaled), denominator, value=-1.0,
                                      out=torch.empty_like(keys))  # -sum(g out) / D per head
             grad_values, grad_kernel = depthwise_conv_backward(
                 grad_num.permute(0, 3, 1, 2), values.permute(0, 3, 1, 2), kernel, per_channel(floor, heads[1]))
@@ -152,17 +152,12 @@ class DepthwiseMix(torch.autograd.Function):
                 grad_den.permute(0, 3, 1, 2), keys.permute(0, 3, 1, 2), kernel_keys, floor)
             grad_values = grad_values.permute(0, 2, 3, 1).unflatten(-1, heads)  # (B, H, W, h, d)
             grad_v = torch.mul(grad_values, keys.unsqueeze(-1), out=torch.empty_like(out))
-            grad_k = _sum_last(torch.mul(grad_values, values.unflatten(-1, heads), out=torch.empty_like(out)))
+            grad_k = sum_last(torch.mul(grad_values, values.unflatten(-1, heads), out=torch.empty_like(out)))
             grad_k = grad_k.addcmul_(grad_keys.permute(0, 2, 3, 1), keys)  # p (dL/dp): softmax's scale is free
             grad_kernel = grad_kernel.view(*heads, *kernel.shape[-2:]).sum(1, dtype=inside.dtype)  # (h, s, s)
             grad_w = grad_kernel.add_(grad_kernel_keys.squeeze(1)).mul_(inside)  # E dL/dE: Z and m are free
         grads = (grad_q.flatten(-2), grad_k, grad_v.flatten(-2), grad_w)
         return tuple(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)) + (None, None)
-
-
-def _sum_last(x: torch.Tensor) -> torch.Tensor:
-    """x summed over its last dim (a view where that dim has one entry: no pass over memory)."""
-    return x.squeeze(-1) if x.shape[-1] == 1 else x.sum(-1)
 
 
 def depthwise_mix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, dtype: torch.dtype,
