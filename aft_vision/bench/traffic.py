@@ -241,9 +241,9 @@ def saved_on_cuda_path(name: str, img_size: int, batch_size: int, precision: str
     """``saved_bytes`` of a training forward of the registered model ``name`` (AFT or not) at ``img_size`` as a GPU
     would keep it, computed without one: fake CPU images under the 'cuda' policy, AFT-conv layers on the method CUDA's
     'auto' picks (the CPU's branches on the device type aside, as ``count_layer``'s backward)."""
-    kwargs = {}
-    if name.startswith('aft_') and layer_shape(name, img_size)['kind'] == 'conv':
-        kwargs['mixer_kwargs'] = {'method': auto_method(layer_shape(name, img_size), batch_size)}
+    kwargs, shape = {}, layer_shape(name, img_size) if name.startswith('aft_') else None
+    if shape is not None and shape['kind'] == 'conv':
+        kwargs['mixer_kwargs'] = {'method': auto_method(shape, batch_size)}
     model = timm.create_model(name, img_size=img_size, device='meta', **kwargs).to_empty(device='cpu')  # no init
     with torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True), device_policy('cuda'):
         return saved_bytes(model, torch.randn(batch_size, 3, img_size, img_size), precision)

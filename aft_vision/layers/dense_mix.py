@@ -16,7 +16,7 @@ from ._gate import sum_last
 from ._stable import TINY
 from .dispatch import no_autocast
 
-__all__ = ['DenseMix', 'dense_mix', 'dense_plain', 'axis_onehot', 'CACHE_BYTES']
+__all__ = ['DenseMix', 'dense_mix', 'dense_plain', 'axis_onehot', 'window_table', 'CACHE_BYTES']
 
 CACHE_BYTES = 1 << 24  # what ``axis_onehot`` keeps over every map size, device and dtype
 _CACHE: 'collections.OrderedDict[tuple, torch.Tensor]' = collections.OrderedDict()
@@ -44,16 +44,21 @@ def axis_onehot(size: int, kernel_size: int, like: torch.Tensor, dtype: torch.dt
     return table
 
 
+def window_table(w: torch.Tensor) -> torch.Tensor:
+    """AFT-conv's bias (h, s, s) as its window table (h, s + 1, s + 1) in w's dtype: the softmax over the window
+    zero-padded by one row and column (the pad cell: a key outside the window, bias 0). Both forms build on it."""
+    side = w.shape[-1] + 1
+    return torch.softmax(F.pad(w, [0, 1, 0, 1]).flatten(1), dim=-1).view(-1, side, side)
+
+
 def _table(w: torch.Tensor, grid: Optional[Tuple[int, int]], causal: bool) -> torch.Tensor:
     """The bias's row-scaled exp in w's dtype: for ``grid`` None of a (T, T) bias ``w[query, key]`` (1, T, T), keys
-    after the query dropped if ``causal``; else of an AFT-conv bias (h, s, s) the window table (h, s + 1, s + 1), its
-    pad row and column at bias 0 (a key outside the window)."""
+    after the query dropped if ``causal``; else ``window_table`` of an AFT-conv bias (h, s, s)."""
     if grid is None:
         if causal:
             w = w.masked_fill(torch.ones_like(w, dtype=torch.bool).triu(1), float('-inf'))
         return torch.softmax(w, dim=-1).unsqueeze(0)  # (1, T, T)
-    side = w.shape[-1] + 1
-    return torch.softmax(F.pad(w, [0, 1, 0, 1]).flatten(1), dim=-1).view(-1, side, side)  # (h, s + 1, s + 1)
+    return window_table(w)  # (h, s + 1, s + 1)
 
 
 def _row_lines(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from ._gate import gate, per_channel, sum_last
 from ._stable import TINY
-from .dispatch import capturing, no_autocast
+from .dense_mix import window_table
+from .dispatch import no_autocast
 
 __all__ = ['DepthwiseMix', 'depthwise_mix', 'depthwise_mix_nchw', 'depthwise_sums', 'depthwise_conv_backward']
 
@@ -26,7 +27,7 @@ def _table(w: torch.Tensor, head_dim: int, dtype: torch.dtype):
     """From the softmax of the zero-padded window table: the kernel E - f of N's channels (C, 1, s, s) in ``dtype``
     and of D's (h, 1, s, s), E (h, s, s) and f (h,) in w's dtype."""
     s = w.shape[-1]
-    table = torch.softmax(F.pad(w, [0, 1, 0, 1]).flatten(1), dim=-1).unflatten(1, (s + 1, s + 1))  # (h, s+1, s+1)
+    table = window_table(w)  # (h, s + 1, s + 1)
     inside, floor = table[:, :s, :s], table[:, s, s]
     kernel = torch.sub(inside, floor.view(-1, 1, 1)).unsqueeze(1)  # (h, 1, s, s)
     return per_channel(kernel, head_dim, dim=0).to(dtype), kernel, inside, floor
@@ -164,8 +165,8 @@ def depthwise_mix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Te
                   mm_dtype: torch.dtype, policy: str, plain: bool = False
                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``DepthwiseMix`` (the 'cuda' policy: planes in ``mm_dtype``; 'cpu': channels-last in ``dtype``), or
-    ``depthwise_sums`` in ``dtype`` in TorchScript, while ``capturing()`` and where ``plain``."""
-    if torch.jit.is_scripting() or capturing() or plain:
+    ``depthwise_sums`` in ``dtype`` in TorchScript and where ``plain`` (``dispatch.plain_forms()``: capturing too)."""
+    if torch.jit.is_scripting() or plain:
         height, width = q.shape[1], q.shape[2]
         numerator, denominator, scale = depthwise_sums(
             k.to(dtype).flatten(1, 2), v.to(dtype).flatten(1, 2), w.to(dtype), height, width)
