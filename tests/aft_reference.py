@@ -29,7 +29,9 @@ reaches every term of the row through the division).
   ``lambda + 2 * (p-average of lambda)`` (its own weight and the denominator's), and the factor 4 for the forward pass
   recomputed in the backward one.
 * Operands stored in a narrower dtype (float16 / bfloat16 inputs, products and, in the products form, every
-  element-wise result: unit roundoff ``u_op``) pass through at most twelve roundings per term: in the forward E
+  element-wise result: unit roundoff ``u_op``; never the split form's sums, which are float32) pass through at most
+  twelve roundings per term, each counted at ``u`` on the terms as summed and at the extra ``u_op - u`` on the
+  positive terms ``p |v|`` (a split's cancellation would amplify a narrow rounding by its conditioning): in the forward E
   (1), ``p`` and ``p v`` (2), the sums (1), the gate and its product and quotient (3) and, through the division, the
   denominator's own three; the backward's gate terms and products add at most as many again on top of the part of the
   forward they reuse, so ``12 u_op M``; a result that is exactly 0 may round to the smallest subnormal of its dtype.
@@ -285,13 +287,17 @@ def bound(problem: Problem, grad_out: torch.Tensor, terms: str = 'positive', dty
     size = size + 2.0 * (p * size).sum(dim=-1, keepdim=True)  # its denominator's share
     plain, counts = _magnitudes(problem, grad_out, p, weights)
     scaled, _ = _magnitudes(problem, grad_out, p, weights * size)
+    positive = plain if terms == 'positive' else _magnitudes(problem, grad_out, p, 2.0 * p)[0]
     u, u_op = UNIT_ROUNDOFF[dtype], UNIT_ROUNDOFF[operand_dtype or dtype]
     tiny = torch.finfo(operand_dtype or dtype).tiny * u_op  # the spacing of subnormals: an exact zero may round to it
     result = {}
     for name, n in counts.items():
         n = n + 8
         magnitude = plain[name]
-        result[name] = n * u / (1 - n * u) * magnitude + 4 * u * scaled[name] + 12 * u_op * magnitude + tiny
+        # twelve roundings per term in ``dtype`` on the terms as summed; a narrower operand dtype's extra only on the
+        # positive terms (the split's sums never take it: their cancellation would amplify it)
+        operands = 12 * u * magnitude + 12 * (u_op - u) * positive[name]
+        result[name] = n * u / (1 - n * u) * magnitude + 4 * u * scaled[name] + operands + tiny
     result['dq'] = result['dq'] + 4 * max(u, u_op) * plain['dq_gate']
     return result
 

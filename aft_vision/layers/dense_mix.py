@@ -61,6 +61,18 @@ def _table(w: torch.Tensor, grid: Optional[Tuple[int, int]], causal: bool) -> to
     return window_table(w)  # (h, s + 1, s + 1)
 
 
+def _scaled_exp(w: torch.Tensor, grid: Optional[Tuple[int, int]], causal: bool) -> torch.Tensor:
+    """``_table`` up to a scale per row (per head for AFT-conv), which N / D cancels: ``exp(w - m)``, m the detached
+    maximum (AFT-conv: of the zero-padded window, so 0 at least). Its gradient is ``E dL/dE``, as ``DenseMix``'s: a
+    softmax's would subtract ``E sum(E dL/dE)``, a sum that is 0 but for rounding, from every entry."""
+    if grid is None:
+        if causal:
+            w = w.masked_fill(torch.ones_like(w, dtype=torch.bool).triu(1), float('-inf'))
+        return torch.exp(w - w.detach().amax(dim=-1, keepdim=True)).unsqueeze(0)  # (1, T, T)
+    padded = F.pad(w, [0, 1, 0, 1])  # (h, s + 1, s + 1)
+    return torch.exp(padded - padded.detach().amax(dim=(1, 2), keepdim=True))
+
+
 def _row_lines(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """U (h, H * H [query row, key row], s + 1): the window table's line for each pair of rows."""
     return torch.bmm(rows.expand(table.shape[0], -1, -1), table)
@@ -198,7 +210,7 @@ def dense_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tens
     one-hots built in the graph."""
     batch, num_keys, channels = v.shape
     key_channels = k.shape[-1]
-    table = _table(w, grid, causal).to(mm_dtype)
+    table = _scaled_exp(w, grid, causal).to(mm_dtype)
     if grid is None:
         weights = table
     else:
@@ -206,7 +218,8 @@ def dense_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tens
         cols = _onehot(grid[1], w.shape[-1], q.device, mm_dtype)
         weights = _window_weights(_row_lines(table, rows), cols, grid)
     groups = weights.shape[0]
-    p = torch.softmax(k, dim=1)  # (B, T, Ck)
+    keys = k.to(torch.promote_types(k.dtype, torch.float32))  # exp's argument unrounded, as softmax takes it
+    p = torch.exp(keys - keys.detach().amax(dim=1, keepdim=True))  # (B, T, Ck): softmax_T(k) up to its scale, as E
     values = (v.view(batch, num_keys, key_channels, -1) * p.unsqueeze(-1)).view(batch, num_keys, groups, -1)
     tokens = torch.cat([values, p.view(batch, num_keys, groups, -1)], dim=-1).to(mm_dtype).permute(2, 1, 0, 3)
     if grid is not None:  # (G, T, B, n) with keys column-major, as E's

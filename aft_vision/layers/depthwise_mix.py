@@ -106,24 +106,26 @@ def depthwise_mix_nchw(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: tor
 
 class DepthwiseMix(torch.autograd.Function):
     """``sigmoid(q) * N / D``, D (B, H, W, h) and its global term (h,) for q, v (B, H, W, C), k (B, H, W, h), w
-    (h, s, s): p v and N in ``dtype``, p and D in float32 (float64), as NCHW planes (``planes``) or channels-last."""
+    (h, s, s): p, p v, N and D in float32 (float64 for float64 ``dtype``), the gate and the output in ``dtype``, as NCHW
+    planes (``planes``) or channels-last."""
 
     @staticmethod
     def forward(ctx, q, k, v, w, planes, dtype):
         heads = (k.shape[-1], q.shape[-1] // k.shape[-1])
-        wide = torch.promote_types(dtype, torch.float32)
+        wide = torch.promote_types(dtype, torch.float32)  # p, p v, N and D: the split's sums cancel where w < 0
         keys = _maps(k, wide, planes)  # p (B, H, W, h)
         torch.softmax(k.flatten(1, 2), 1, dtype=wide, out=keys.flatten(1, 2))  # over the positions: sums to 1
-        values = _maps(v, dtype, planes)  # p v (B, H, W, C)
-        torch.mul(v.to(dtype).unflatten(-1, heads), keys.unsqueeze(-1), out=values.unflatten(-1, heads))
-        kernel, kernel_keys, inside, floor = _table(w.to(wide), heads[1], dtype)
+        values = _maps(v, wide, planes)  # p v (B, H, W, C)
+        torch.mul(v.to(wide).unflatten(-1, heads), keys.unsqueeze(-1), out=values.unflatten(-1, heads))
+        kernel, kernel_keys, inside, floor = _table(w.to(wide), heads[1], wide)
         global_term = values.sum(dim=(1, 2)).mul_(per_channel(floor, heads[1]))  # (B, C): f sum p v
         numerator = _conv(values.permute(0, 3, 1, 2), kernel, global_term).permute(0, 2, 3, 1)  # (B, H, W, C)
         denominator = F.conv2d(keys.permute(0, 3, 1, 2), kernel_keys, floor, padding=kernel.shape[-1] // 2,
                                groups=heads[0]).permute(0, 2, 3, 1)  # (B, H, W, h): f sum p = f, the bias
         clamped = torch.clamp(denominator, min=floor.new_full((), TINY), out=torch.empty_like(keys, dtype=dtype))
         gated = torch.sigmoid(q.to(dtype))  # (B, H, W, C)
-        out = gated.unflatten(-1, heads) * numerator.unflatten(-1, heads).div_(clamped.unsqueeze(-1))
+        out = torch.mul(gated.unflatten(-1, heads), numerator.unflatten(-1, heads),
+                        out=torch.empty_like(gated).unflatten(-1, heads)).div_(clamped.unsqueeze(-1))  # N cancelled
         ctx.save_for_backward(gated, values, keys, clamped, out, kernel, kernel_keys, inside, floor)
         ctx.dtypes = (q.dtype, k.dtype, v.dtype, w.dtype)
         ctx.mark_non_differentiable(denominator, floor)
@@ -140,7 +142,7 @@ class DepthwiseMix(torch.autograd.Function):
         gated, values, keys, denominator, out, kernel, kernel_keys, inside, floor = ctx.saved_tensors
         heads = out.shape[-2:]
         with no_autocast():
-            grad_out = grad_out.to(values.dtype).unflatten(-1, heads)  # (B, H, W, h, d)
+            grad_out = grad_out.to(out.dtype).unflatten(-1, heads)  # (B, H, W, h, d)
             scaled = grad_out * out  # g out
             grad_q = torch.addcmul(scaled, scaled, gated.unflatten(-1, heads), value=-1.0)  # g out (1 - sigmoid(q))
             grad_num = torch.mul(grad_out, gated.unflatten(-1, heads), out=torch.empty_like(values).unflatten(
@@ -153,7 +155,7 @@ class DepthwiseMix(torch.autograd.Function):
                 grad_den.permute(0, 3, 1, 2), keys.permute(0, 3, 1, 2), kernel_keys, floor)
             grad_values = grad_values.permute(0, 2, 3, 1).unflatten(-1, heads)  # (B, H, W, h, d)
             grad_v = torch.mul(grad_values, keys.unsqueeze(-1), out=torch.empty_like(out))
-            grad_k = sum_last(torch.mul(grad_values, values.unflatten(-1, heads), out=torch.empty_like(out)))
+            grad_k = sum_last(grad_values * values.unflatten(-1, heads))  # (B, H, W, h) in float32
             grad_k = grad_k.addcmul_(grad_keys.permute(0, 2, 3, 1), keys)  # p (dL/dp): softmax's scale is free
             grad_kernel = grad_kernel.view(*heads, *kernel.shape[-2:]).sum(1, dtype=inside.dtype)  # (h, s, s)
             grad_w = grad_kernel.add_(grad_kernel_keys.squeeze(1)).mul_(inside)  # E dL/dE: Z and m are free
@@ -164,7 +166,7 @@ class DepthwiseMix(torch.autograd.Function):
 def depthwise_mix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, dtype: torch.dtype,
                   mm_dtype: torch.dtype, policy: str, plain: bool = False
                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``DepthwiseMix`` (the 'cuda' policy: planes in ``mm_dtype``; 'cpu': channels-last in ``dtype``), or
+    """``DepthwiseMix`` (the 'cuda' policy: planes, the gate in ``mm_dtype``; 'cpu': channels-last, in ``dtype``), or
     ``depthwise_sums`` in ``dtype`` in TorchScript and where ``plain`` (``dispatch.plain_forms()``: capturing too)."""
     if torch.jit.is_scripting() or plain:
         height, width = q.shape[1], q.shape[2]

@@ -6,6 +6,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import timm
 import torch
 
 from aft_reference import grid_inputs
@@ -186,3 +187,56 @@ def test_tuned_is_a_method_everywhere(monkeypatch):
         aft_conv2d(q, k, v, w, method='fast')
     with pytest.raises(ValueError, match='tuned'):
         AFTConv2d(8, 2, 3, method='Tuned')
+
+
+# 'tuned' wherever a model trains or is transformed: under timm's gradient checkpointing (the timing's own backward once
+# unpacked the checkpoint's saved tensors, which re-ran the block into the lock the timing held) and inside torch.func
+# transforms (whose inputs are wrappers: the record answers, else the table, as under torch.compile).
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize('reentrant', [False, True])
+def test_tuned_trains_under_gradient_checkpointing(reentrant, monkeypatch):
+    from timm.models import checkpoint as timm_checkpoint
+
+    import aft_vision.models._base as base
+    monkeypatch.setattr(tuning, 'REPEATS', 1)
+    monkeypatch.setattr(base, 'checkpoint', lambda *args: timm_checkpoint(*args, use_reentrant=reentrant))
+    torch.manual_seed(0)
+    model = timm.create_model('aft_conv_test', num_classes=3, mixer_kwargs={'method': 'tuned'})
+    model.set_grad_checkpointing(True)
+    images = torch.randn(2, 3, 64, 64)
+    model(images).logsumexp(-1).sum().backward()  # timm train.py --grad-checkpointing: one step
+    (key, (method, _)), = [(k, c) for k, c in tuned_choices().items() if 'training' in k]
+    twin = timm.create_model('aft_conv_test', num_classes=3, mixer_kwargs={'method': method})
+    twin.load_state_dict(model.state_dict())
+    twin.set_grad_checkpointing(True)
+    twin(images).logsumexp(-1).sum().backward()
+    for (name, p), twin_p in zip(model.named_parameters(), twin.parameters()):
+        if reentrant:  # the forward ran without grad (the inference key's form), the recomputation its training form
+            torch.testing.assert_close(p.grad, twin_p.grad, rtol=1e-4, atol=1e-6 * twin_p.grad.abs().max().item())
+        else:
+            assert torch.equal(p.grad, twin_p.grad), f'{name}: the step differs from the {method!r} form it chose'
+
+
+@pytest.mark.parametrize('recorded', [None, 'dense', 'conv'])
+def test_tuned_under_torch_func_takes_the_record_or_the_table(recorded):
+    q, k, v, w = grid_inputs(2, 4, 5, 8, 2, 3)
+    if recorded is not None:  # a key recorded by an eager call, as a model's first step records it
+        rest = (q.device, 4, 5, 8, 2, 3, torch.float32, True)
+        tuning._choices[(2, rest)] = (recorded, {})
+    expected = recorded or 'auto'
+
+    def loss(method):
+        return lambda q, k, v, w: aft_conv2d(q, k, v, w, method=method).square().sum()
+
+    per_image = [x.unsqueeze(1) for x in (q, k, v)]  # (B, 1, H, W, .): vmap hands each call one image
+    for transform, args in ((lambda f: torch.func.grad(f, argnums=(0, 1, 2, 3)), (q, k, v, w)),
+                            (lambda f: torch.func.vmap(torch.func.grad(f, argnums=(0, 1, 2, 3)),
+                                                       in_dims=(0, 0, 0, None)), (*per_image, w))):
+        got, want = transform(loss('tuned'))(*args), transform(loss(expected))(*args)
+        for g, e in zip(got, want):
+            assert torch.equal(g, e)
+    q, k, v = q[:1], k[:1], v[:1]
+    jacobian = torch.func.jacrev(lambda q: aft_conv2d(q, k, v, w, method='tuned'))(q)
+    assert torch.equal(jacobian, torch.func.jacrev(lambda q: aft_conv2d(q, k, v, w, method=expected))(q))
+    assert len(tuned_choices()) == (0 if recorded is None else 1)  # nothing was timed inside a transform

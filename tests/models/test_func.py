@@ -15,6 +15,7 @@ MODELS = {
     'aft_conv_test[dense]': ('aft_conv_test', {'mixer_kwargs': {'method': 'dense'}}),
     'aft_conv_test[conv]': ('aft_conv_test', {'mixer_kwargs': {'method': 'conv'}}),
     'aft_conv_test[auto]': ('aft_conv_test', {'mixer_kwargs': {'method': 'auto'}}),
+    'aft_conv_test[tuned]': ('aft_conv_test', {'mixer_kwargs': {'method': 'tuned'}}),  # recorded choice, else table
     'aft_conv_test[onehot]': ('aft_conv_test', {}),  # converted to the one-hot mixer, in eval: the indexing form
     'aft_full_test': ('aft_full_test', {}),
     'aft_simple_test': ('aft_simple_test', {}),
@@ -72,7 +73,7 @@ def test_torch_func_transforms_match_autograd(key, one_thread, trained_like):
     assert_close64(jacobian, rows, largest([rows]), f'{key} jacrev')
 
 
-@pytest.mark.parametrize('name', ['aft_conv_test', 'aft_full_test'])
+@pytest.mark.parametrize('name', ['aft_conv_test', 'aft_conv_test[tuned]', 'aft_full_test'])
 def test_opacus_per_sample_gradients_equal_one_image_batches(name, one_thread, trained_like):
     """Two SGD steps under ``GradSampleModule``: each step's ``grad_sample`` equals the gradients of one-image
     batches of the same weights (a copy updated alike), and the summed loss's gradient is their sum."""
