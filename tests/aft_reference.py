@@ -31,8 +31,8 @@ reaches every term of the row through the division).
 * Operands stored in a narrower dtype (float16 / bfloat16 inputs, products and, in the products form, every
   element-wise result: unit roundoff ``u_op``; never the split form's sums, which are float32) pass through at most
   twelve roundings per term, each counted at ``u`` on the terms as summed and at the extra ``u_op - u`` on the
-  positive terms ``p |v|`` (a split's cancellation would amplify a narrow rounding by its conditioning): in the forward E
-  (1), ``p`` and ``p v`` (2), the sums (1), the gate and its product and quotient (3) and, through the division, the
+  positive terms ``p |v|`` (a split's cancellation would amplify a narrow rounding by its conditioning): in the
+  forward E (1), ``p`` and ``p v`` (2), the sums (1), the gate and its product and quotient (3) and, through the division, the
   denominator's own three; the backward's gate terms and products add at most as many again on top of the part of the
   forward they reuse, so ``12 u_op M``; a result that is exactly 0 may round to the smallest subnormal of its dtype.
 * The query gradient multiplies by the gate's derivative ``g (1 - g)``, formed from the gate g rounded to ``u_op``:
