@@ -32,9 +32,10 @@ reaches every term of the row through the division).
   element-wise result: unit roundoff ``u_op``; never the split form's sums, which are float32) pass through at most
   twelve roundings per term, each counted at ``u`` on the terms as summed and at the extra ``u_op - u`` on the
   positive terms ``p |v|`` (a split's cancellation would amplify a narrow rounding by its conditioning): in the
-  forward E (1), ``p`` and ``p v`` (2), the sums (1), the gate and its product and quotient (3) and, through the division, the
-  denominator's own three; the backward's gate terms and products add at most as many again on top of the part of the
-  forward they reuse, so ``12 u_op M``; a result that is exactly 0 may round to the smallest subnormal of its dtype.
+  forward E (1), ``p`` and ``p v`` (2), the sums (1), the gate and its product and quotient (3) and, through the
+  division, the denominator's own three; the backward's gate terms and products add at most as many again on top of
+  the part of the forward they reuse, so ``12 u_op M``; a result that is exactly 0 may round to the smallest
+  subnormal of its dtype.
 * The query gradient multiplies by the gate's derivative ``g (1 - g)``, formed from the gate g rounded to ``u_op``:
   ``1 - g`` carries an absolute error of about ``2 u_op g``, i.e. ``4 u_op |G| g^2 sum_j p_j |v_j|`` more (large
   where g is near 1).
