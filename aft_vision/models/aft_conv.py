@@ -7,6 +7,7 @@ map by name. Model names and sizes: docs/models.md.
 import contextlib
 import inspect
 import math
+import warnings
 from functools import partial
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Type, Union
 
@@ -177,24 +178,40 @@ class AFTConvTransformer(AFTTransformerBase):
 
     def forward_intermediates(self, x: torch.Tensor, indices: Optional[Union[int, List[int]]] = None,
                               norm: bool = False, stop_early: bool = False, output_fmt: str = 'NCHW',
-                              intermediates_only: bool = False
+                              intermediates_only: bool = False, return_prefix_tokens: bool = False,
+                              output_dict: bool = False, attn_mask: Optional[torch.Tensor] = None,
+                              is_causal: bool = False
                               ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
         """timm's ``forward_intermediates``: ``indices`` (None: all blocks, n: the last n, a list), ``norm`` each,
-        ``output_fmt`` 'NCHW' or 'NHWC'. Returns the intermediates, or (features (B, H, W, C), intermediates)."""
+        ``output_fmt`` 'NCHW' or 'NHWC'. Returns the intermediates, or (features (B, H, W, C), intermediates), or with
+        ``output_dict`` (not in TorchScript) timm's dict {'image_intermediates', 'image_features'}. As timm's ViT
+        without prefix tokens, ``return_prefix_tokens`` changes nothing; AFT-conv has no attention to mask:
+        ``attn_mask`` and ``is_causal=True`` are refused."""
         if output_fmt not in ('NCHW', 'NHWC'):
             raise ValueError(f"output_fmt must be 'NCHW' or 'NHWC', got '{output_fmt}'")
+        if attn_mask is not None or is_causal:
+            raise ValueError('AFTConvTransformer mixes every position of the map by its window bias, with no attention '
+                             'matrix: it takes no attn_mask and no is_causal')
         take_indices, max_index = feature_take_indices(len(self.blocks), indices)
         self._check_input(x)
-        if self._records_nchw():
+        x = self._guard_recorded_size(x)
+        channels_first = self._records_nchw()
+        if channels_first:
             num_blocks = max_index + 1 if stop_early else len(self.blocks)
-            return self._intermediates_nchw(x, num_blocks, take_indices, norm, output_fmt, intermediates_only)
-        x, intermediates = self._run_blocks(self._embed(x), None, take_indices, norm, max_index if stop_early else None,
-                                            self._input_window(x))
-        if output_fmt == 'NCHW':  # (B, H, W, C) -> (B, C, H, W)
-            intermediates = [y.permute(0, 3, 1, 2).contiguous() for y in intermediates]
+            x, intermediates = self._intermediates_nchw(x, num_blocks, take_indices, norm, output_fmt)
+        else:
+            x, intermediates = self._run_blocks(self._embed(x), None, take_indices, norm,
+                                                max_index if stop_early else None, self._input_window(x))
+            if output_fmt == 'NCHW':  # (B, H, W, C) -> (B, C, H, W)
+                intermediates = [y.permute(0, 3, 1, 2).contiguous() for y in intermediates]
         if intermediates_only:
+            if not torch.jit.is_scripting() and output_dict:
+                return {'image_intermediates': intermediates}
             return intermediates
-        return self.norm(x), intermediates
+        x = self._norm_nchw(x) if channels_first else self.norm(x)  # (B, H, W, C)
+        if not torch.jit.is_scripting() and output_dict:
+            return {'image_intermediates': intermediates, 'image_features': x}
+        return x, intermediates
 
     def _records_nchw(self) -> bool:
         """A tracer or exporter records this model with ``export_layout == 'NCHW'`` (``exporting``: never scripted)."""
@@ -203,13 +220,18 @@ class AFTConvTransformer(AFTTransformerBase):
     @torch.jit.unused
     def _features_nchw(self, x: torch.Tensor) -> torch.Tensor:
         """``forward_features`` in the channel-first layout (``export_layout``)."""
-        return self._intermediates_nchw(x, len(self.blocks), [], False, 'NHWC', False)[0]
+        return self._norm_nchw(self._intermediates_nchw(x, len(self.blocks), [], False, 'NHWC')[0])
+
+    @torch.jit.unused
+    def _norm_nchw(self, x: torch.Tensor) -> torch.Tensor:
+        """The final norm of a channel-first map (B, C, H, W), as the features (B, H, W, C)."""
+        return norm_nchw(self.norm, x).permute(0, 2, 3, 1)
 
     @torch.jit.unused
     def _intermediates_nchw(self, x: torch.Tensor, num_blocks: int, take_indices: List[int], norm: bool,
-                            output_fmt: str, intermediates_only: bool
-                            ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
-        """``forward_intermediates`` through ``num_blocks`` blocks in the channel-first layout: the same values."""
+                            output_fmt: str) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+        """The last block's map (B, C, H, W), unnormalised, and the intermediates through ``num_blocks`` blocks in the
+        channel-first layout: ``forward_intermediates``' values."""
         x = self.patch_embed(x).permute(0, 3, 1, 2)  # (B, C, H, W): this permute cancels PatchEmbed's own
         if not isinstance(self.norm_pre, nn.Identity):
             x = norm_nchw(self.norm_pre, x)
@@ -219,16 +241,30 @@ class AFTConvTransformer(AFTTransformerBase):
             if i in take_indices:
                 y = norm_nchw(self.norm, x) if norm else x
                 intermediates.append(y if output_fmt == 'NCHW' else y.permute(0, 2, 3, 1))
-        if intermediates_only:
-            return intermediates
-        return norm_nchw(self.norm, x).permute(0, 2, 3, 1), intermediates
+        return x, intermediates
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, C, H, W) -> normalised token map (B, H/p, W/p, C)."""
         self._check_input(x)
+        x = self._guard_recorded_size(x)
         if self._records_nchw():
             return self._features_nchw(x)
         return self.norm(self._run_blocks(self._embed(x), kernel_size=self._input_window(x))[0])  # (B, H, W, C)
+
+    def _guard_recorded_size(self, x: torch.Tensor) -> torch.Tensor:
+        """Images x (B, C, H, W), unchanged; while a tracer or exporter records a model whose windows follow the input
+        size (``dynamic_img_size``, ``resize_mode='window'``), plus a zero the graph computes by reshaping x to
+        (B, C, H * W) of this size, so that the recorded graph, whose windows are this size's, refuses an image of
+        another area ("shape [B, C, H * W] is invalid") instead of answering with the wrong windows. An image of the
+        same area (a transposed one) takes the same windows and runs."""
+        if not self.dynamic_img_size or self.resize_mode != 'window' or torch.jit.is_scripting() or not exporting():
+            return x
+        height, width = int(x.shape[-2]), int(x.shape[-1])  # constants of the recorded graph
+        warnings.warn(f'{type(self).__name__} with dynamic_img_size=True and resize_mode=\'window\' is recorded with '
+                      f'the windows of {height}x{width} px: the graph refuses images of another area; build the model '
+                      f'with resize_mode=\'keep\' for one graph at every size, or record one graph per size')
+        zero = x.reshape(x.shape[0], x.shape[1], height * width)[:, :1, :1] * 0  # (B, 1, 1)
+        return x + zero.unsqueeze(-1)
 
     def _input_window(self, x: torch.Tensor) -> Optional[int]:
         """With ``dynamic_img_size`` and ``resize_mode='window'``, the window for the size of images x where it is not

@@ -189,3 +189,26 @@ def test_an_empty_batch_gives_an_empty_result_as_vits_does(name, dynamic_img_siz
     with torch.no_grad():
         assert build('test_vit', dynamic_img_size=False)(images).shape == (0, 1000)  # dynamic, timm's view fails
         assert build(name, dynamic_img_size=dynamic_img_size)(images).shape == (0, 1000)
+
+
+def test_aft_conv_intermediates_take_the_arguments_of_timms_vit():
+    """``output_dict``, ``return_prefix_tokens``, ``attn_mask`` and ``is_causal`` as timm's ViT takes them: the same
+    dict keys as a ViT without prefix tokens, the same values as the tuple; AFT-conv has no attention to mask, so a
+    mask and causal masking are refused in one line naming them."""
+    model, vit = build('aft_conv_test'), build('test_vit', class_token=False, global_pool='avg')
+    images = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        final, maps = model.forward_intermediates(images, indices=[0, 2])
+        got = model.forward_intermediates(images, indices=[0, 2], output_dict=True, return_prefix_tokens=True)
+        want = vit.forward_intermediates(images, indices=[0, 2], output_dict=True, return_prefix_tokens=True)
+        only = model.forward_intermediates(images, indices=[0, 2], output_dict=True, intermediates_only=True)
+        plain = model.forward_intermediates(images, indices=[0, 2], return_prefix_tokens=True)
+    assert set(got) == set(want) == {'image_intermediates', 'image_features'} and set(only) == {'image_intermediates'}
+    assert torch.equal(got['image_features'], final) and torch.equal(plain[0], final)
+    for tap, expected, other, untouched in zip(got['image_intermediates'], maps, want['image_intermediates'], plain[1]):
+        assert torch.equal(tap, expected) and torch.equal(untouched, expected) and tap.shape == other.shape
+    mask = torch.ones(64, 64, dtype=torch.bool)
+    for kwargs in (dict(attn_mask=mask), dict(is_causal=True)):
+        with pytest.raises(ValueError, match=r'no attn_mask and no is_causal') as refused:
+            model.forward_intermediates(images, **kwargs)
+        assert '\n' not in str(refused.value)

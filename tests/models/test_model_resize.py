@@ -249,3 +249,43 @@ def test_bad_resizes_are_one_line_and_change_nothing():
         _create_meta('aft_conv_test', resize_mode='stretch')
     with pytest.raises(ValueError, match='kernel_size must be a positive odd number, got 6'):
         model.blocks[0].attn.resize_window(6)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A recorded graph of a model whose windows follow the input size holds the windows of the size it was recorded at:
+# it must refuse an image of another area (one of the same area takes the same windows), never answer with them.
+
+def _recorders():
+    onnxruntime = pytest.importorskip('onnxruntime')
+
+    def traced(model, example):
+        return torch.jit.trace(model, example, check_trace=False)
+
+    def onnx_torchscript(model, example):
+        import io
+        buffer = io.BytesIO()
+        torch.onnx.export(model, example, buffer, dynamo=False, input_names=['x'], opset_version=17,
+                          dynamic_axes={'x': {0: 'batch', 2: 'height', 3: 'width'}})
+        session = onnxruntime.InferenceSession(buffer.getvalue())
+        return lambda images: torch.from_numpy(session.run(None, {'x': images.numpy()})[0])
+
+    return {'jit.trace': traced, 'onnx (TorchScript exporter)': onnx_torchscript}
+
+
+@pytest.mark.parametrize('recorder', ['jit.trace', 'onnx (TorchScript exporter)'])
+def test_a_recorded_dynamic_size_model_refuses_images_its_windows_do_not_fit(recorder):
+    torch.manual_seed(0)
+    model = _create('aft_conv_test', dynamic_img_size=True).eval()
+    for block in model.blocks:  # a bias that differs per window offset, as after training
+        torch.nn.init.normal_(block.attn.pos_gamma)
+    example = torch.randn(2, 3, 64, 64)
+    with pytest.warns(UserWarning, match='refuses images of another area'), torch.no_grad():
+        graph = _recorders()[recorder](model, example)
+    for shape in [(1, 3, 64, 64), (1, 3, 32, 128)]:  # the recorded area: the same windows as eager takes
+        images = torch.randn(shape)
+        with torch.no_grad():
+            want = model(images)
+        torch.testing.assert_close(graph(images), want, rtol=0, atol=1e-5 * want.abs().max().item())
+    for shape in [(1, 3, 96, 96), (1, 3, 128, 64)]:  # other windows in eager: the graph refuses
+        with pytest.raises(Exception, match=r'4096'):
+            graph(torch.randn(shape))
