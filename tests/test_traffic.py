@@ -53,9 +53,9 @@ def test_a_custom_operator_is_refused():
 
 
 # model, img_size, AFT-conv method (None: what CUDA's 'auto' picks) -> (forward + backward ops, MB), (forward ops, MB).
-# Issue 59 holds the products form ('auto' at 224 and 384 px) at its count of issue 55 (aft_conv_small opened at 90
-# ops / 4,177 MB at 224 px) and the window form ('conv') below 45 ops, which moved 213 ops / 30,430 MB at 768 px and
-# 213 / 53,948 at 1024 when it was opened (forward 31 / 9,066); its 1024 px forward budget is 768's per token.
+# The products form ('auto' at 224 and 384 px) and the window form ('conv', below 45 ops at 768 and 1024 px; its
+# 1024 px forward budget is 768's per token). For scale: the mixer before either form moved 90 ops / 4,177 MB at
+# 224 px (products) and 213 ops / 30,430 MB at 768 px (window).
 BUDGETS = {('aft_conv_small', 224, None): ((29, 722), (15, 361)),
            ('aft_conv_small', 384, None): ((29, 3238), (15, 1619)),
            ('aft_full_tiny', 224, None): ((40, 400), (20, 200)),
@@ -87,6 +87,6 @@ def _saved(name: str, img_size: int) -> int:
     ('aft_simple_tiny', 'deit_tiny_patch16_224', 1.05)])
 def test_a_training_step_saves_no_more_than_deit(name, baseline, ratio, img_size):
     """What a bf16 training step keeps for its backward on the CUDA path (every storage once, parameters aside), each
-    family against the DeiT of its width (issue 59: at most 1.05x; AFT-conv at most DeiT's own)."""
+    family against the DeiT of its width (at most 1.05x; AFT-conv at most DeiT's own)."""
     assert _saved(name, img_size) <= ratio * _saved(baseline, img_size), (_saved(name, img_size) / 1e6,
                                                                           _saved(baseline, img_size) / 1e6)
