@@ -22,10 +22,12 @@ The suite follows the package: a folder or files per part, one topic per file, p
 * test_bench.py: ``aft-vision bench`` end to end on tiny models.
 * test_tasks_classify.py, _segment, _study, _visualize: the main job, DDP, the transfer; the segment job; the study;
   position-bias and key maps.
-* test_cli.py, test_cli_sweep.py: every option of every subcommand checked before it starts; ``predict``; the
-  entry points. test_cli_sweep_inputs.py, test_sweep_files.py: generated inputs (image modes and EXIF tags, hostile
+* test_cli.py, test_cli_bad_input.py: every option of every subcommand checked before it starts; ``predict``; the
+  entry points. test_cli_inputs.py, test_cli_model_files.py: generated inputs (image modes and EXIF tags, hostile
   names, odd data folders; edited config.json fields, non-finite weights, pickles with code, card text), each held
-  to its class's rule.
+  to its class's rule. test_cli_outputs_and_launchers.py: one writer per output, launch variables, every error in one
+  line. test_tasks_classify_sizes.py: training sizes refused or reported as drawn. test_transfer_refusals.py: hostile
+  transfer sources refused by name.
 * test_imports.py (the import floors), test_docs.py (README.md and docs/ against the code), test_dependency_floors.py
   (the package on the minimum timm, huggingface_hub and safetensors).
 

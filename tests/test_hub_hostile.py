@@ -1,4 +1,4 @@
-"""Hostile Hub folders (issue 60, part 5): loads bounded by what they check.
+"""Hostile Hub folders: loads bounded by what they check.
 
 One published ``aft_conv_test`` folder, then one copy per hostile class, each in an offline Hub cache and loaded both
 as ``local-dir:`` and as ``hf-hub:``: a data config at a huge size (one the model takes: it loads, with no forward at

@@ -53,10 +53,10 @@ def test_a_custom_operator_is_refused():
 
 
 # model, img_size, AFT-conv method (None: what CUDA's 'auto' picks) -> (forward + backward ops, MB), (forward ops, MB).
-# The products form ('auto' at 224 and 384 px) at 29 ops (it was 90 ops / 4,177 MB at 224 px before its rewrite); the
-# window form ('conv') with its split sums in float32 (p, p v, N, D and their gradients: bfloat16 ones would cancel)
-# at 46 ops / 11,216 MB at 768 px, forward 18 / 3,898 (213 / 30,430 and 31 / 9,066 before its rewrite); its 1024 px
-# budgets are 768's per token.
+# The products form ('auto' at 224 and 384 px) and the window form ('conv' at 768 and 1024 px, its split sums in
+# float32: p, p v, N, D and their gradients, as bfloat16 ones would cancel; the 1024 px budgets are 768's per token).
+# For scale: the mixer before either form moved 90 ops / 4,177 MB at 224 px (products) and 213 ops / 30,430 MB at
+# 768 px (window).
 BUDGETS = {('aft_conv_small', 224, None): ((29, 722), (15, 361)),
            ('aft_conv_small', 384, None): ((29, 3238), (15, 1619)),
            ('aft_full_tiny', 224, None): ((40, 400), (20, 200)),

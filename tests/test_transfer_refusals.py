@@ -1,9 +1,9 @@
-"""Generated hostile transfer sources (issue 56, class 4), each held to the transfer's rule: as strict as timm's
-loading. A non-finite tensor of any kind is refused naming it; a tensor the model takes from a ViT that the source
-lacks is refused by name (only the classifier and what AFT adds start fresh); a patch size, width, depth or family
-mismatch is named as such; what the weights alone do not say (activation, norm epsilon) is printed as assumed; a file
-is read by what it holds, not by its suffix. From the command line: one line on stderr, no traceback, nothing written.
-Sources are tiny timm ViTs with random weights (64 wide, 2 blocks, 16-px patches, 64 px)."""
+"""Generated hostile transfer sources, each held to the transfer's rule: as strict as timm's loading. A non-finite
+tensor of any kind is refused naming it; a tensor the model takes from a ViT that the source lacks is refused by name
+(only the classifier and what AFT adds start fresh); a patch size, width, depth or family mismatch is named as such;
+what the weights alone do not say (activation, norm epsilon) is printed as assumed; a file is read by what it holds, not
+by its suffix. From the command line: one line on stderr, no traceback, nothing written. Sources are tiny timm ViTs with
+random weights (64 wide, 2 blocks, 16-px patches, 64 px)."""
 import functools
 import re
 

@@ -1,7 +1,7 @@
-"""Generated training-report cases (issue 56, class 5), each held to the rule that the job reports what ran: a training
-size whose batch no epoch can fill is refused before the first step (one line naming it, nothing written); every size
-option out of range is refused before anything is written, in every family; the result line has no empty field,
-whatever the evaluation sizes; what results.json, the card and the line say is what the steps drew."""
+"""Generated training-size cases, each held to the rule that the job reports what ran: a training size whose batch no
+epoch can fill is refused before the first step (one line naming it, nothing written); every size option out of range is
+refused before anything is written, in every family; the result line has no empty field, whatever the evaluation sizes;
+what results.json, the card and the line say is what the steps drew."""
 import json
 import re
 from pathlib import Path
@@ -55,7 +55,7 @@ UNDRAWABLE = [  # training sizes, their batch sizes, the sizes never drawn
     ([16, 24], [50, 4], [16]),
     ([16, 24, 32], [4, 19, 100], [24, 32]),
     ([16, 24], [18, 19], [24]),
-    ([24, 32], [4, 5000], [32]),  # the sweep's case: a batch of 5000 never fits
+    ([24, 32], [4, 5000], [32]),  # a batch of 5000 never fits
 ]
 
 
