@@ -3,11 +3,10 @@
 * Every option of every subcommand is checked before the subcommand starts (one line, exit 2).
 * ``aft-vision predict`` on real image files, a broken one among them.
 * ``python -m aft_vision.run SCRIPT ARGS`` runs the script with the AFT models registered.
-* timm ``train.py``'s ``--device-modules aft_vision`` registers the models; ``python -m aft_vision.run --aft-sparsity W``
-  adds the regulariser to timm's task while the script runs.
+* timm ``train.py``'s ``--device-modules aft_vision`` registers the models; ``python -m aft_vision.run --aft-sparsity
+  W`` adds the regulariser to timm's task while the script runs.
 """
 import argparse
-import os
 import subprocess
 import sys
 

@@ -235,7 +235,8 @@ def prepare_distributed(self, device_ids=None, **kwargs):
 ClassificationTask.prepare_distributed = prepare_distributed
 """)
     recipe = REPO / 'models' / 'aft_conv_tiny_11.yaml'  # DeiT's recipe: EMA, mixup / cutmix, erasing, repeated aug
-    common = ['-c', str(recipe), '--data-dir', str(data), '--val-split', 'val', '--device-modules', 'rank_dump', '--model', 'aft_conv_test', '--model-kwargs', *TINY_MODEL,
+    common = ['-c', str(recipe), '--data-dir', str(data), '--val-split', 'val', '--device-modules', 'rank_dump',
+              '--model', 'aft_conv_test', '--model-kwargs', *TINY_MODEL,
               '--num-classes', '3', '--img-size', '32', '-b', '6', '--epochs', '2', '--warmup-epochs', '1',
               '--aa', '', '--device', 'cpu', '--no-prefetcher', '--workers', '0', '--layer-decay', '0.75',
               '--grad-checkpointing', '--amp', '--amp-dtype', 'bfloat16', '--output', str(tmp_path / 'runs')]
@@ -280,7 +281,8 @@ def test_timm_train_py_draws_several_sizes_with_the_windows_following(tmp_path):
     done = subprocess.run(
         [sys.executable, str(tmp_path / 'train.py'), '--data-dir', str(data), '--val-split', 'val',
          '--device-modules', 'aft_vision', '--model', 'aft_conv_test', '--model-kwargs', *TINY_MODEL,
-         'img_size=32', 'dynamic_img_size=True', '--num-classes', '3', '--img-size', '32', '--train-img-sizes', '24', '32', '40', '-b', '4',
+         'img_size=32', 'dynamic_img_size=True',
+         '--num-classes', '3', '--img-size', '32', '--train-img-sizes', '24', '32', '40', '-b', '4',
          '--epochs', '1', '--device', 'cpu', '--no-prefetcher', '--workers', '0', '--hflip', '0',
          '--output', str(tmp_path / 'runs'), '--experiment', 'sizes'],
         capture_output=True, text=True, timeout=300, env={**os.environ, 'OMP_NUM_THREADS': '1'})
