@@ -4,9 +4,8 @@
 it (``tests/test_imports.py``): ``version``, ``images`` (the one image reader) and ``plots``; ``layers`` (the
 operators) and ``checkpoints`` (weight files, the DeiT transfer); ``models``; ``hub`` (publishing, the one model
 loader) and ``deploy`` (ONNX, OpenVINO, INT8); ``bench`` and ``tasks`` (the jobs, plain Python settings); ``cli``
-(``aft-vision``); the entry points ``python -m aft_vision.run`` (timm's scripts), ``python -m aft_vision.train`` and
-``aft_vision.timm_train`` (timm ``train.py``'s ``--device-modules`` hooks; ``aft_vision.timm_sparsity`` its alias
-with Eq. 9's weight 0.001).
+(``aft-vision``); the entry points ``python -m aft_vision.run`` (timm's scripts; ``--aft-sparsity`` adds Eq. 9 to
+``train.py``'s loss) and ``python -m aft_vision.train``.
 """
 import os as _os
 import sys as _sys

@@ -3,10 +3,10 @@
 * Every option of every subcommand is checked before the subcommand starts (one line, exit 2).
 * ``aft-vision predict`` on real image files, a broken one among them.
 * ``python -m aft_vision.run SCRIPT ARGS`` runs the script with the AFT models registered.
-* timm ``train.py``'s ``--device-modules aft_vision.timm_sparsity`` registers the models and the regulariser.
+* timm ``train.py``'s ``--device-modules aft_vision`` registers the models; ``python -m aft_vision.run --aft-sparsity
+  W`` adds the regulariser to timm's task while the script runs.
 """
 import argparse
-import os
 import subprocess
 import sys
 
@@ -324,22 +324,41 @@ def test_missing_script_is_a_one_line_error(tmp_path, capsys):
     assert captured.err == f'aft_vision.run: error: script not found: {tmp_path / "nope.py"}\n' and not captured.out
 
 
-@pytest.mark.parametrize('env, weights', [(None, ('0.0', '0.001')), ('0.25', ('0.25', '0.25'))])
-def test_timm_device_modules_hook_registers_the_models_the_windows_and_the_regulariser(env, weights):
-    """timm ``train.py --device-modules aft_vision.timm_train`` (or ``timm_sparsity``) imports the module by name: in
-    a fresh process, where timm alone knows no AFT model, that registers the AFT models and makes timm's
-    classification task run AFT-conv's windows at each step's size, and add ``AFT_SPARSITY_WEIGHT`` (default 0;
-    ``timm_sparsity``: 0.001) x the Eq. 9 entropy. ``timm_sparsity``, imported after ``timm_train``, replaces its
-    hook."""
-    code = ("import importlib, timm; from timm.task import ClassificationTask; print(timm.is_model('aft_conv_test'))\n"
-            "for module in ('timm_train', 'timm_sparsity'):\n"
-            "    importlib.import_module(f'aft_vision.{module}')\n"
-            "    print(timm.is_model('aft_conv_test'), ClassificationTask.forward.__doc__.splitlines()[-1])")
-    environ = {k: v for k, v in os.environ.items() if k != 'AFT_SPARSITY_WEIGHT'}
-    environ.update({'AFT_SPARSITY_WEIGHT': env} if env else {})
-    done = subprocess.run([sys.executable, '-c', code], env=environ,
-                          capture_output=True, text=True, timeout=300)
+SPARSITY_SCRIPT = """
+import torch, timm
+from timm.task import ClassificationTask
+from aft_vision.tasks.regularizers import position_bias_entropy
+model = timm.create_model('aft_conv_test', num_classes=3)
+task = ClassificationTask(model, criterion=torch.nn.CrossEntropyLoss())
+images, target = torch.randn(2, 3, 32, 32), torch.tensor([0, 2])
+extra = task(images, target)['loss'] - torch.nn.functional.cross_entropy(model(images), target)
+print(round(float(extra / position_bias_entropy(model)), 6))
+"""
+
+
+def test_device_modules_aft_vision_registers_the_models_and_the_launcher_adds_the_sparsity_term(tmp_path):
+    """timm ``train.py --device-modules aft_vision`` imports the package by name: in a fresh process, where timm alone
+    knows no AFT model, that registers them and leaves timm's task as it is. ``python -m aft_vision.run --aft-sparsity
+    0.25 SCRIPT`` makes timm's task add 0.25 x the Eq. 9 entropy while SCRIPT runs."""
+    code = ("import importlib, timm; from timm.task import ClassificationTask; forward = ClassificationTask.forward\n"
+            "print(timm.is_model('aft_conv_test')); importlib.import_module('aft_vision')\n"
+            "print(timm.is_model('aft_conv_test'), ClassificationTask.forward is forward)")
+    done = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.splitlines() == ['False'] + [
-        f'True (aft_vision: AFT-conv windows follow the size: True; the loss includes {weight} x the Eq. 9 entropy.)'
-        for weight in weights]
+    assert done.stdout.splitlines() == ['False', 'True True']
+    script = tmp_path / 'sparse.py'
+    script.write_text(SPARSITY_SCRIPT)
+    for launcher, weight in ((['-m', 'aft_vision.run', '--aft-sparsity', '0.25'], '0.25'),
+                             (['-m', 'aft_vision.run'], '0.0')):
+        done = subprocess.run([sys.executable, *launcher, str(script)], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout.split() == [weight]
+
+
+@pytest.mark.parametrize('value', [[], ['x'], ['-1'], ['nan']])
+def test_a_bad_sparsity_weight_is_a_one_line_error(value, tmp_path, capsys):
+    from aft_vision.run import main as run_main
+
+    assert run_main(['--aft-sparsity', *value, str(tmp_path / 'nope.py')]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith('aft_vision.run: error: --aft-sparsity takes a weight >= 0') and err.count('\n') == 1

@@ -17,16 +17,16 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / 'aft_vision'
 # The floors, lowest first: a part may import the parts of the floors below its own. The entry points at the top are
-# what users name: ``import aft_vision``, ``python -m aft_vision.run`` / ``aft_vision.train``, timm's
-# ``--device-modules aft_vision.timm_sparsity`` (and ``aft_vision.timm_train``, the hooks it adds to).
+# what users name: ``import aft_vision`` (timm's ``--device-modules aft_vision``), ``python -m aft_vision.run`` /
+# ``aft_vision.train``.
 FLOORS = (
     ('version', 'images'),  # the version; the one image reader
     ('layers', 'checkpoints'),  # operators; weight files and the DeiT transfer
     ('models', 'plots'),  # timm-registered families and the feature pyramid; figures, through checkpoints.files
     ('hub', 'deploy'),  # publishing and loading back; ONNX / OpenVINO and INT8
     ('bench', 'tasks'),  # benchmarks; the jobs (classify, segment, study, visualize)
-    ('cli', 'timm_train'),  # the aft-vision command line: options in, plain Python settings out; timm train.py's hooks
-    ('__init__', 'run', 'train', 'timm_sparsity'),  # entry points (timm_sparsity: timm_train at Eq. 9's weight)
+    ('cli',),  # the aft-vision command line: options in, plain Python settings out
+    ('__init__', 'run', 'train'),  # entry points
 )
 
 

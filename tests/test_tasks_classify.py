@@ -111,35 +111,56 @@ def test_entropy_regulariser_matches_a_plain_computation():
     assert position_bias_entropy(timm.create_model('aft_full_test')).item() == 0.0
 
 
-def test_timm_task_hook_adds_the_weighted_entropy_follows_the_windows_and_undoes():
-    from timm.task import ClassificationTask
-
-    original = ClassificationTask.forward
-    from aft_vision.timm_train import add_to_timm_tasks  # importing it installs the hook (weight 0): undone first
-    add_to_timm_tasks(None)
-    assert ClassificationTask.forward is original
-    model = timm.create_model('aft_conv_test', num_classes=3)
+def _bias_spread_model(**kwargs) -> torch.nn.Module:
+    model = timm.create_model('aft_conv_test', num_classes=3, **kwargs)
     with torch.no_grad():
         for block in model.blocks:
             block.attn.pos_gamma.normal_()
+    return model
+
+
+def test_the_launchers_sparsity_adds_the_weighted_entropy_to_timms_task_only_within_its_run():
+    """``python -m aft_vision.run --aft-sparsity W train.py``: timm's task adds W x Eq. 9 within the run only."""
+    from timm.task import ClassificationTask
+
+    from aft_vision.run import sparsity_in_timm_tasks
+
+    original = ClassificationTask.forward
+    model = _bias_spread_model()
     task = ClassificationTask(model, criterion=torch.nn.CrossEntropyLoss())
     images, target = torch.randn(2, 3, 64, 64), torch.tensor([0, 2])
     plain = task(images, target)['loss']
-    larger = torch.randn(2, 3, 96, 96)
-    resized = copy.deepcopy(model)
-    resized.set_input_size(img_size=96)  # windows 5 -> 7
-    try:
-        add_to_timm_tasks(0.5)
+    with sparsity_in_timm_tasks(0.5):
         hooked = task(images, target)
-        at_96 = task(larger, target)
-    finally:
-        add_to_timm_tasks(None)
     assert torch.allclose(hooked['loss'], plain + 0.5 * position_bias_entropy(model))
-    # at another size the task runs the windows resampled for it, and trains the model's own
-    assert torch.equal(at_96['output'], resized(larger))
-    at_96['loss'].backward()
-    assert model.blocks[0].attn.pos_weight.grad.shape == (8, 5, 5)
-    assert model.blocks[0].attn.pos_weight.grad.abs().sum() > 0 and model.blocks[0].attn.pos_gamma.grad.abs().sum() > 0
+    assert ClassificationTask.forward is original
+
+
+def test_timms_task_trains_dynamic_img_size_at_two_sizes_with_the_windows_following_and_no_hook():
+    """What timm's ``train.py --train-img-sizes`` does with ``--model-kwargs dynamic_img_size=True``: one step of its
+    own task per size, each running the windows resampled for the size (as ``set_input_size`` would resample them) and
+    training the one window they are resampled from; timm's task as timm wrote it."""
+    from timm.task import ClassificationTask
+
+    original = ClassificationTask.forward
+    model = _bias_spread_model(dynamic_img_size=True)
+    task = ClassificationTask(model, criterion=torch.nn.CrossEntropyLoss())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    target = torch.tensor([0, 2])
+    for size, window in ((64, 5), (96, 7)):
+        images = torch.randn(2, 3, size, size)
+        resized = copy.deepcopy(model)
+        resized.set_input_size(img_size=size)  # the windows for this size, resampled from the model's
+        assert resized.blocks[0].attn.kernel_size == window
+        before = model.blocks[0].attn.pos_weight.detach().clone()
+        optimizer.zero_grad()
+        result = task(images, target)
+        assert torch.allclose(result['output'], resized(images), atol=1e-5)
+        result['loss'].backward()
+        optimizer.step()
+        grad = model.blocks[0].attn.pos_weight.grad
+        assert grad.shape == (8, 5, 5) and grad.abs().sum() > 0  # the model's own 5 x 5 windows train at 96 px too
+        assert not torch.equal(model.blocks[0].attn.pos_weight, before)
     assert ClassificationTask.forward is original
 
 
@@ -214,19 +235,18 @@ def prepare_distributed(self, device_ids=None, **kwargs):
 ClassificationTask.prepare_distributed = prepare_distributed
 """)
     recipe = REPO / 'models' / 'aft_conv_tiny_11.yaml'  # DeiT's recipe: EMA, mixup / cutmix, erasing, repeated aug
-    common = ['-c', str(recipe), '--data-dir', str(data), '--val-split', 'val', '--device-modules',
-              'aft_vision.timm_sparsity', 'rank_dump', '--model', 'aft_conv_test', '--model-kwargs', *TINY_MODEL,
+    common = ['-c', str(recipe), '--data-dir', str(data), '--val-split', 'val', '--device-modules', 'rank_dump',
+              '--model', 'aft_conv_test', '--model-kwargs', *TINY_MODEL,
               '--num-classes', '3', '--img-size', '32', '-b', '6', '--epochs', '2', '--warmup-epochs', '1',
               '--aa', '', '--device', 'cpu', '--no-prefetcher', '--workers', '0', '--layer-decay', '0.75',
               '--grad-checkpointing', '--amp', '--amp-dtype', 'bfloat16', '--output', str(tmp_path / 'runs')]
-    env = {'PYTHONPATH': os.pathsep.join([str(tmp_path), os.environ.get('PYTHONPATH', '')]),
-           'AFT_SPARSITY_WEIGHT': '0.01'}
-    _torchrun(str(scripts / 'train.py'), *common, '--experiment', 'first', env=env)
+    env = {'PYTHONPATH': os.pathsep.join([str(tmp_path), os.environ.get('PYTHONPATH', '')])}
+    sparse_train = ['-m', 'aft_vision.run', '--aft-sparsity', '0.01', str(scripts / 'train.py')]
+    _torchrun(*sparse_train, *common, '--experiment', 'first', env=env)
     epoch_one = tmp_path / 'runs' / 'first' / 'checkpoint-0.pth.tar'
     assert epoch_one.is_file()
     # --resume from the end of epoch 1 runs epoch 2 again and must reach the same state on both ranks
-    resumed_run = _torchrun(str(scripts / 'train.py'), *common, '--experiment', 'resumed', '--resume', str(epoch_one),
-                            env=env)
+    resumed_run = _torchrun(*sparse_train, *common, '--experiment', 'resumed', '--resume', str(epoch_one), env=env)
     assert 'Restoring optimizer state' in resumed_run.stdout + resumed_run.stderr
     rank0, rank1 = (load_weights(tmp_path / f'rank{r}.safetensors') for r in (0, 1))
     assert state_digest(rank0) == state_digest(rank1)
@@ -253,14 +273,16 @@ ClassificationTask.prepare_distributed = prepare_distributed
 @pytest.mark.skipif(not os.environ.get('AFT_TIMM_SCRIPTS'),
                     reason='set AFT_TIMM_SCRIPTS to a timm checkout (the folder holding train.py and validate.py)')
 def test_timm_train_py_draws_several_sizes_with_the_windows_following(tmp_path):
-    """timm's ``--train-img-sizes`` on an AFT-conv with ``--device-modules aft_vision.timm_train``: every size drawn,
-    and the checkpoint is the model as built (its windows given for 32 px), whatever sizes it trained at."""
+    """timm's ``--train-img-sizes`` on an AFT-conv with ``--model-kwargs dynamic_img_size=True`` (``--device-modules
+    aft_vision`` only registers the models): every size drawn, and the checkpoint is the model as built (its windows
+    given for 32 px), whatever sizes it trained at."""
     shutil.copy(Path(os.environ['AFT_TIMM_SCRIPTS']) / 'train.py', tmp_path / 'train.py')
     data = _tiny_image_folder(tmp_path / 'data')
     done = subprocess.run(
         [sys.executable, str(tmp_path / 'train.py'), '--data-dir', str(data), '--val-split', 'val',
-         '--device-modules', 'aft_vision.timm_train', '--model', 'aft_conv_test', '--model-kwargs', *TINY_MODEL,
-         'img_size=32', '--num-classes', '3', '--img-size', '32', '--train-img-sizes', '24', '32', '40', '-b', '4',
+         '--device-modules', 'aft_vision', '--model', 'aft_conv_test', '--model-kwargs', *TINY_MODEL,
+         'img_size=32', 'dynamic_img_size=True',
+         '--num-classes', '3', '--img-size', '32', '--train-img-sizes', '24', '32', '40', '-b', '4',
          '--epochs', '1', '--device', 'cpu', '--no-prefetcher', '--workers', '0', '--hflip', '0',
          '--output', str(tmp_path / 'runs'), '--experiment', 'sizes'],
         capture_output=True, text=True, timeout=300, env={**os.environ, 'OMP_NUM_THREADS': '1'})

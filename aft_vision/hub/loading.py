@@ -5,12 +5,10 @@ A registered name (with its tag), a checkpoint with the run record beside it, a 
 weights loaded strictly (never resampled to fit, as timm's source loading would) and finite. Every failure is one
 ValueError line naming the file, the field, the model or the key.
 """
+import contextlib
 import difflib
-import itertools
-import os
 import socket
 import sys
-import threading
 from typing import Any, Dict, Optional, Tuple
 from urllib.parse import urlparse
 
@@ -18,6 +16,7 @@ import timm
 import torch
 from safetensors import SafetensorError
 from timm.models import parse_model_name
+from torch.overrides import TorchFunctionMode
 
 from ..checkpoints.files import load_weights
 from ..checkpoints.transfer import check_finite, select_weights, unwrap_state_dict
@@ -93,55 +92,67 @@ def check_model_kwargs(name: str, model_kwargs: Dict[str, Any], defaults: Option
             _build(name.split('.')[0] if ':' not in name else name, {**(defaults or {}), **model_kwargs}, model_kwargs)
 
 
+class _TensorLimit(TorchFunctionMode):
+    """Within it (this thread only, as ``torch.device`` is), a ValueError once a build makes more than ``most`` tensors
+    (``why`` that many): counted at the factory calls that make every parameter and buffer."""
+    FACTORIES = frozenset((torch.empty, torch.zeros, torch.ones, torch.full, torch.rand, torch.randn, torch.tensor,
+                           torch.arange, torch.linspace, torch.eye))
+
+    def __init__(self, most: int, why: str):
+        super().__init__()
+        self.made, self.most, self.why = 0, most, why
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.FACTORIES:
+            self.made += 1
+            if self.made > self.most:
+                raise ValueError(f'more than {self.most} tensors, {self.why}')
+        return func(*args, **(kwargs or {}))
+
+
 def _build(name: str, kwargs: Dict[str, Any], given: Dict[str, Any], where: str = '', limit: str = '',
            most: int = -1) -> torch.nn.Module:
     # timm.create_model, a failure in one line naming the arguments ``given`` (and ``where`` they came from); stopped
-    # once it registers more than ``most`` parameters (``limit`` says why that many), if most >= 0
-    count, owner = itertools.count(1), threading.get_ident()
-
-    def stop(*_):  # the hook is global: only this thread's registrations count
-        if threading.get_ident() == owner and next(count) > most >= 0:
-            raise ValueError(f'more than {most} parameters, {limit}')
-    handle = torch.nn.modules.module.register_module_parameter_registration_hook(stop)
+    # once it makes more than ``most`` tensors (``limit`` says why that many), if most >= 0
     try:
-        return timm.create_model(name, **kwargs)
+        with _TensorLimit(most, limit) if most >= 0 else contextlib.nullcontext():
+            return timm.create_model(name, **kwargs)
     except _BUILD_ERRORS as error:
         given = ' '.join(f'{key}={value!r}' for key, value in given.items())
         raise ValueError(f'{where}{name} cannot be built with {given} ({type(error).__name__}: {_first_line(error)})'
                          ) from None
-    finally:
-        handle.remove()
 
 
-def _check_hub(repo_id: str, filename: str = 'config.json') -> None:
-    """Reachable within ``HUB_TIMEOUT_S`` (no retries), or ``filename`` cached, the process then in huggingface_hub
-    offline mode (answered from the cache at once, no retries)."""
+def _check_hub(repo_id: str, filename: str = 'config.json') -> bool:
+    """True if the Hub answers within ``HUB_TIMEOUT_S`` (no retries); False if it does not but ``filename`` is cached
+    (the caller's downloads then read the cache only: ``local_files_only``); else ValueError. Changes no setting."""
     from huggingface_hub import constants, try_to_load_from_cache
 
     if not constants.HF_HUB_OFFLINE:
         endpoint = urlparse(constants.ENDPOINT)
         try:
             socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=HUB_TIMEOUT_S).close()
-            return
+            return True
         except OSError:
             pass
-    os.environ['HF_HUB_OFFLINE'] = '1'
-    constants.HF_HUB_OFFLINE = True
     repo, _, revision = repo_id.partition('@')
     if not isinstance(try_to_load_from_cache(repo, filename, revision=revision or None), str):
         raise ValueError(f'hf-hub:{repo_id}: the Hub cannot be reached ({constants.ENDPOINT}, offline or '
                          f'HF_HUB_OFFLINE set) and {repo} is not in the cache {constants.HF_HUB_CACHE}')
+    return False
 
 
-def check_source(name: str) -> None:
-    """ValueError unless a ``local-dir:``'s config.json and weights' header read, or ``hf-hub:`` is up or cached."""
+def check_source(name: str) -> bool:
+    """ValueError unless a ``local-dir:``'s config.json and weights' header read, or ``hf-hub:`` is up or cached.
+    False where an ``hf-hub:`` source is to be read from the cache alone (the Hub did not answer), else True."""
     source, model_id = parse_model_name(name)
     if source == 'hf-hub':
-        _check_hub(model_id)
-    elif source == 'local-dir':
+        return _check_hub(model_id)
+    if source == 'local-dir':
         source_architecture(name)  # config.json there and readable
         # there; damaged, empty or hostile: one line naming the file
         load_weights(source_file(name, WEIGHT_FILES, 'weights'), device='meta')
+    return True
 
 
 def _check_fits(state_dict: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor], what: str) -> None:
@@ -192,13 +203,14 @@ def check_runs_at_data_config(model: torch.nn.Module, what: str) -> None:
                              ) from None
 
 
-def _from_checkpoint(name: str, checkpoint: str, use_ema: bool, model_kwargs: Dict) -> Tuple[torch.nn.Module, str]:
+def _from_checkpoint(name: str, checkpoint: str, use_ema: bool, model_kwargs: Dict, local_files_only: bool = False
+                     ) -> Tuple[torch.nn.Module, str]:
     # name built (a source: as timm builds it, its config.json in pretrained_cfg) with the run record's arguments
     # under model_kwargs, sized to the head: on the meta device first (no number above the file's values; stopped past
     # twice its tensors), held to the keys, shapes and dtypes the file declares, then the file read once; loaded
-    # strictly (never resampled); finite
+    # strictly (never resampled); finite; an hf-hub: source from the cache alone with ``local_files_only``
     record = read_training_record(checkpoint)
-    config = read_hub_config(name) if ':' in name else None  # a published folder or Hub repo: its config.json
+    config = read_hub_config(name, local_files_only) if ':' in name else None  # a published folder or repo's
     kwargs = {**(config['model_args'] if config else {}), **(record.model_kwargs if record else {}), **model_kwargs}
     declared, weights = select_weights(load_weights(checkpoint, device='meta'), use_ema, str(checkpoint))
     if 'head.weight' in declared and 'num_classes' not in kwargs:
@@ -235,12 +247,12 @@ def load_model(name: str, checkpoint: Optional[str] = None, pretrained: bool = F
         raise ValueError(f'{name}: pass a checkpoint or pretrained, not both')
     model_kwargs = dict(model_kwargs or {})
     check_model_name(name)
-    check_source(name)
+    cached_only = not check_source(name)  # this call's answer: an unreachable Hub is not asked again
     if aft_only:
         check_aft_model(name)
     if checkpoint or ':' in name:
-        weights = checkpoint or str(source_file(name, WEIGHT_FILES, 'weights'))
-        return _from_checkpoint(name, weights, use_ema, model_kwargs)
+        weights = checkpoint or str(source_file(name, WEIGHT_FILES, 'weights', cached_only))
+        return _from_checkpoint(name, weights, use_ema, model_kwargs, cached_only)
     check_model_kwargs(name, model_kwargs)
     try:
         model = timm.create_model(name, pretrained=pretrained, **model_kwargs)

@@ -35,9 +35,10 @@ def source_architecture(name: str, model_kwargs: Optional[Dict[str, Any]] = None
     return config['architecture'], {**config['model_args'], **model_kwargs}
 
 
-def source_file(name: str, files: Sequence[str], what: str = '') -> Path:
-    """The first of ``files`` (``what`` they hold) in a ``local-dir:`` folder or (downloaded, or from the cache) an
-    ``hf-hub:`` repository; FileNotFoundError naming the source, what is missing and the files where none is there."""
+def source_file(name: str, files: Sequence[str], what: str = '', local_files_only: bool = False) -> Path:
+    """The first of ``files`` (``what`` they hold) in a ``local-dir:`` folder or (downloaded, or from the cache; only
+    from the cache with ``local_files_only``) an ``hf-hub:`` repository; FileNotFoundError naming the source, what is
+    missing and the files where none is there."""
     source, model_id = parse_model_name(name)
     if source == 'local-dir':
         for file in files:
@@ -50,7 +51,7 @@ def source_file(name: str, files: Sequence[str], what: str = '') -> Path:
         repo, _, revision = model_id.partition('@')
         for file in files:
             try:
-                return Path(hf_hub_download(repo, file, revision=revision or None))
+                return Path(hf_hub_download(repo, file, revision=revision or None, local_files_only=local_files_only))
             except (EntryNotFoundError, LocalEntryNotFoundError):
                 pass
     listed = ' or '.join(files)
@@ -58,12 +59,13 @@ def source_file(name: str, files: Sequence[str], what: str = '') -> Path:
                             'writes them)')
 
 
-def read_hub_config(name: str) -> Dict[str, Any]:
+def read_hub_config(name: str, local_files_only: bool = False) -> Dict[str, Any]:
     """A ``local-dir:`` folder's or ``hf-hub:`` repository's config.json in timm's layout, checked: ``architecture``
     registered, ``model_args`` an object (``hub.load_model`` builds with them), ``num_classes`` and ``label_names``
     that agree, the data config (``DATA_CONFIG_KEYS``) present and in range. ``{'path', 'architecture',
-    'model_args', 'num_classes', 'label_names', 'data_config', 'notes'}``; ValueError naming the file and the field."""
-    path = source_file(name, ('config.json',))
+    'model_args', 'num_classes', 'label_names', 'data_config', 'notes'}``; ValueError naming the file and the field.
+    ``local_files_only``: an ``hf-hub:`` repository from the cache alone."""
+    path = source_file(name, ('config.json',), local_files_only=local_files_only)
     config = _read_json_object(path, 'Hub config')
     cfg = config.get('pretrained_cfg', config)  # timm also reads the older single-object layout
     architecture, model_args = config.get('architecture'), config.get('model_args', {})

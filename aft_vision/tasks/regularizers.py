@@ -1,5 +1,6 @@
 """The sparsity regulariser of Eq. 9, ``sum_i entropy(softmax(w_i))`` over AFT-conv heads (weight 0.001 in the
-paper; in timm's ``train.py`` through ``aft_vision.timm_train``; docs/training.md, "The sparsity regulariser")."""
+paper; in timm's ``train.py`` through ``python -m aft_vision.run --aft-sparsity``; docs/training.md, "The sparsity
+regulariser")."""
 import torch
 from torch import nn
 
