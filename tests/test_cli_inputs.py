@@ -233,8 +233,8 @@ def test_a_digits_folder_left_in_out_dir_is_reused_only_if_it_is_the_digits_and_
 
 
 @pytest.mark.parametrize('stop', [signal.SIGINT, signal.SIGTERM])
-def test_an_interrupted_train_ends_in_one_line_with_the_earlier_run_back_in_place(stop, tmp_path, monkeypatch,
-                                                                                 capsys, one_thread):
+def test_an_interrupted_train_ends_in_one_line_with_the_earlier_run_back_in_place(
+        stop, tmp_path, monkeypatch, capsys, one_thread):
     """Ctrl-C or SIGTERM (here sent by the job to itself as it plots): exit 128 + the signal, one line, and the folder
     as it was, nothing hidden left in it."""
     _folders(tmp_path / 'data', {'train': ['a', 'b'], 'val': ['a', 'b']})
