@@ -6,12 +6,15 @@ from typing import Optional
 import torch
 from torch import nn
 
+from timm.layers import register_notrace_function
+
 from ._checks import check_tokens
 from .functional import aft_full, aft_simple
 
 __all__ = ['AFTFull', 'AFTLocal', 'AFTSimple', 'masked_bias']
 
 
+@register_notrace_function  # an fx leaf: a traced call's attn_mask is a proxy
 def masked_bias(w: torch.Tensor, attn_mask: Optional[torch.Tensor]) -> torch.Tensor:
     """The (T, T) bias ``w`` with ``attn_mask`` applied as timm's attention applies one to its logits: a boolean mask
     (True: the key takes part) or an additive float one, (T, T) or with leading 1s; ValueError for a mask per image or
@@ -27,6 +30,14 @@ def masked_bias(w: torch.Tensor, attn_mask: Optional[torch.Tensor]) -> torch.Ten
     if mask.dtype == torch.bool:
         return w.masked_fill(~mask, float('-inf'))
     return w + mask
+
+
+@register_notrace_function  # an fx leaf, as masked_bias
+def refuse_mask(attn_mask: Optional[torch.Tensor], name: str) -> None:
+    """ValueError for an ``attn_mask`` given to a mixer with no pair-wise weights to mask (``name``)."""
+    if attn_mask is not None:
+        raise ValueError(f'{name} takes no attn_mask: it pools the keys over the whole sequence, with no pair-wise '
+                         f'weights to mask; use is_causal=True for the causal form, or AFT-full')
 
 
 class AFTFull(nn.Module):
@@ -110,8 +121,6 @@ class AFTSimple(nn.Module):
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
                 is_causal: bool = False) -> torch.Tensor:
         check_tokens(x, f'(B, T, {self.dim})', self.dim)
-        if attn_mask is not None:
-            raise ValueError('AFT-simple takes no attn_mask: it pools the keys over the whole sequence, with no '
-                             'pair-wise weights to mask; use is_causal=True for the causal form, or AFT-full')
+        refuse_mask(attn_mask, 'AFT-simple')
         q, k, v = self.qkv(x).unflatten(-1, (3, self.dim)).unbind(-2)  # 3 x (B, T, C); unbind: no ONNX Split
         return self.proj_drop(self.proj(aft_simple(q, k, v, causal=self.causal or is_causal)))

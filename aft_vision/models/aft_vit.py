@@ -199,9 +199,9 @@ class AFTVisionTransformer(VisionTransformer):
 
     @torch.jit.ignore
     def no_weight_decay(self) -> Set[str]:
-        """timm's, and AFT-full's u, v (position parameters, as the position embedding)."""
-        return super().no_weight_decay() | {
-            n for n, _ in self.named_parameters() if n.endswith(('.attn.pos_u', '.attn.pos_v'))}
+        """timm's names this model has, and AFT-full's u, v (position parameters, as the position embedding)."""
+        names = super().no_weight_decay()
+        return {n for n, _ in self.named_parameters() if n in names or n.endswith(('.attn.pos_u', '.attn.pos_v'))}
 
     @torch.jit.ignore
     def set_input_size(self, img_size: Optional[Union[int, Tuple[int, int]]] = None,
@@ -224,6 +224,24 @@ class AFTVisionTransformer(VisionTransformer):
         check_image(x, self.in_chans, self.patch_embed.patch_size, self._fixed_img_size(),
                     self.patch_embed.dynamic_img_pad, self.patch_embed.proj.weight.dtype)
 
+    def _pos_embed(self, x: torch.Tensor) -> torch.Tensor:
+        """timm's, the grid (B, H', W', C) flattened by ``flatten`` (timm's ``view`` fails on an empty batch)."""
+        if self.dynamic_img_size:
+            B, H, W, C = x.shape
+            pos_embed = resample_abs_pos_embed(self.pos_embed, new_size=[H, W], old_size=self.patch_embed.grid_size,
+                                               num_prefix_tokens=0 if self.no_embed_class else self.num_prefix_tokens)
+            x = x.flatten(1, 2)  # (B, H' * W', C)
+        else:
+            pos_embed = self.pos_embed
+        to_cat = []
+        if self.cls_token is not None:
+            to_cat.append(self.cls_token.expand(x.shape[0], -1, -1))
+        if self.reg_token is not None:
+            to_cat.append(self.reg_token.expand(x.shape[0], -1, -1))
+        if self.no_embed_class:  # position embedding without the prefix tokens' rows (DeiT-3)
+            return self.pos_drop(torch.cat(to_cat + [x + pos_embed], dim=1))
+        return self.pos_drop(torch.cat(to_cat + [x], dim=1) + pos_embed)
+
     def _embed(self, x: torch.Tensor) -> Tuple[torch.Tensor, Optional[List[int]]]:
         """timm's embedding (patches, prefix and position, patch drop, ``norm_pre``) of images (B, C, H, W), and
         where AFT-full's bias follows each call's grid that grid [H', W'] (else None)."""
@@ -237,7 +255,8 @@ class AFTVisionTransformer(VisionTransformer):
             output_dict: bool = False, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
     ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]], Dict[str, Any]]:
         """timm's ``VisionTransformer.forward_intermediates``, line for line, the grid handed to the blocks."""
-        assert output_fmt in ('NCHW', 'NLC'), 'Output format must be one of NCHW or NLC.'
+        if output_fmt not in ('NCHW', 'NLC'):
+            raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got '{output_fmt}'")
         reshape = output_fmt == 'NCHW'
         intermediates = []
         take_indices, max_index = feature_take_indices(len(self.blocks), indices)
@@ -270,7 +289,7 @@ class AFTVisionTransformer(VisionTransformer):
         if reshape:
             H, W = self.patch_embed.dynamic_feat_size((height, width))
             intermediates = [y.reshape(B, H, W, -1).permute(0, 3, 1, 2).contiguous() for y in intermediates]
-        if output_dict:
+        if output_dict and not torch.jit.is_scripting():  # not in TorchScript (dict typing)
             result_dict = {}
             result_dict['image_intermediates'] = intermediates
             if prefix_tokens is not None and return_prefix_tokens:
