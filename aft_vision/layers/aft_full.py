@@ -78,7 +78,8 @@ class AFTFull(nn.Module):
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
                 is_causal: bool = False) -> torch.Tensor:
         check_tokens(x, f'(B, {self.seq_len}, {self.dim})', self.dim, self.seq_len)
-        q, k, v = self.qkv(x).unflatten(-1, (3, self.dim)).unbind(-2)  # 3 x (B, T, C); unbind: no ONNX Split
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).reshape(B, T, 3, C).unbind(2)  # 3 x (B, T, C), as timm's (no ONNX Split)
         x = self._mix(q, k, v, masked_bias(self.position_bias(), attn_mask), self.causal or is_causal)
         return self.proj_drop(self.proj(x))
 
@@ -122,5 +123,6 @@ class AFTSimple(nn.Module):
                 is_causal: bool = False) -> torch.Tensor:
         check_tokens(x, f'(B, T, {self.dim})', self.dim)
         refuse_mask(attn_mask, 'AFT-simple')
-        q, k, v = self.qkv(x).unflatten(-1, (3, self.dim)).unbind(-2)  # 3 x (B, T, C); unbind: no ONNX Split
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).reshape(B, T, 3, C).unbind(2)  # 3 x (B, T, C), as timm's (no ONNX Split)
         return self.proj_drop(self.proj(aft_simple(q, k, v, causal=self.causal or is_causal)))

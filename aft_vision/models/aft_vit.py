@@ -96,7 +96,8 @@ class GridAFTFull(AFTFull):
                 feat_size: Optional[List[int]] = None) -> torch.Tensor:
         """Mix tokens (B, prefix + H' * W', C) of a (H', W') grid (the built grid if ``feat_size`` is None)."""
         pos_u, pos_v = (self.pos_u, self.pos_v) if feat_size is None else self.resampled_pos(feat_size)
-        q, k, v = self.qkv(x).unflatten(-1, (3, self.dim)).unbind(-2)  # 3 x (B, T, C); unbind: no ONNX Split
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).reshape(B, T, 3, C).unbind(2)  # 3 x (B, T, C), as timm's (no ONNX Split)
         w = masked_bias(pos_u @ pos_v.transpose(0, 1), attn_mask)  # (T, T), Eq. 7
         return self.proj_drop(self.proj(aft_full(q, k, v, w, causal=self.causal or is_causal)))
 
