@@ -100,7 +100,7 @@ class AFTLocal(AFTFull):
     def position_bias(self) -> torch.Tensor:
         pos = torch.arange(self.seq_len, device=self.pos_u.device)
         outside = (pos.unsqueeze(1) - pos.unsqueeze(0)).abs() >= self.window  # (T, T)
-        return super().position_bias().masked_fill(outside, 0.0)
+        return (self.pos_u @ self.pos_v.transpose(0, 1)).masked_fill(outside, 0.0)  # (T, T), TorchScript has no super()
 
     def extra_repr(self) -> str:
         return f'{super().extra_repr()}, window={self.window}'
