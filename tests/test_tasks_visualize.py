@@ -37,8 +37,8 @@ def _reference_keys(model, image):
     keys = []
     with torch.no_grad():
         x = model.patch_embed(image)
-        if hasattr(model, '_pos_embed'):  # AFT-full / simple ViT: class token and position embedding
-            x, _ = model._pos_embed(x)
+        if hasattr(model, '_pos_embed'):  # AFT-full / simple: timm's ViT's class token and position embedding
+            x = model._pos_embed(x)
         for block in model.blocks:
             qkv = block.attn.qkv(block.norm1(x))
             dim = block.attn.dim

@@ -1,12 +1,43 @@
-"""The token mixers on (B, T, C) tokens, drop-ins for a ViT block's ``attn`` (``qkv`` laid out as timm's): AFT-full
-and AFT-local with the factorised position bias of Eq. 7, and AFT-simple."""
+"""The token mixers on (B, T, C) tokens, drop-ins for a timm ViT block's ``attn`` (``qkv`` laid out as timm's, the call
+``attn(x, attn_mask=None, is_causal=False)``): AFT-full and AFT-local with the factorised position bias of Eq. 7, and
+AFT-simple."""
+from typing import Optional
+
 import torch
 from torch import nn
 
-from ._checks import check_tokens
-from .functional import aft_full, aft_local, aft_simple
+from timm.layers import register_notrace_function
 
-__all__ = ['AFTFull', 'AFTLocal', 'AFTSimple']
+from ._checks import check_tokens
+from .functional import aft_full, aft_simple
+
+__all__ = ['AFTFull', 'AFTLocal', 'AFTSimple', 'masked_bias']
+
+
+@register_notrace_function  # an fx leaf: a traced call's attn_mask is a proxy
+def masked_bias(w: torch.Tensor, attn_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """The (T, T) bias ``w`` with ``attn_mask`` applied as timm's attention applies one to its logits: a boolean mask
+    (True: the key takes part) or an additive float one, (T, T) or with leading 1s; ValueError for a mask per image or
+    per head (one bias serves every image and channel)."""
+    if attn_mask is None:
+        return w
+    mask = attn_mask
+    while mask.dim() > 2 and mask.shape[0] == 1:
+        mask = mask.squeeze(0)
+    if mask.dim() != 2 or mask.shape[0] != w.shape[0] or mask.shape[1] != w.shape[1]:
+        raise ValueError(f'AFT takes attn_mask as one ({w.shape[0]}, {w.shape[1]}) mask for all images (leading dims '
+                         f'of 1 allowed), got shape {list(attn_mask.shape)}')
+    if mask.dtype == torch.bool:
+        return w.masked_fill(~mask, float('-inf'))
+    return w + mask
+
+
+@register_notrace_function  # an fx leaf, as masked_bias
+def refuse_mask(attn_mask: Optional[torch.Tensor], name: str) -> None:
+    """ValueError for an ``attn_mask`` given to a mixer with no pair-wise weights to mask (``name``)."""
+    if attn_mask is not None:
+        raise ValueError(f'{name} takes no attn_mask: it pools the keys over the whole sequence, with no pair-wise '
+                         f'weights to mask; use is_causal=True for the causal form, or AFT-full')
 
 
 class AFTFull(nn.Module):
@@ -15,7 +46,9 @@ class AFTFull(nn.Module):
     Args:
         seq_len: Number of tokens T the bias is built for (prefix tokens included).
         pos_dim: Width d' of the factorised bias ``w = pos_u @ pos_v.T`` (Eq. 7).
-        causal: Restrict each token to itself and earlier tokens.
+        causal: Restrict each token to itself and earlier tokens (a call's ``is_causal=True`` does too).
+
+    A call's ``attn_mask`` is added to the bias (``masked_bias``).
     """
 
     def __init__(self, dim: int, seq_len: int, pos_dim: int = 128, qkv_bias: bool = True, proj_drop: float = 0.0,
@@ -39,20 +72,24 @@ class AFTFull(nn.Module):
         """The (T, T) pair-wise position bias ``w = u @ v.T``."""
         return self.pos_u @ self.pos_v.transpose(0, 1)
 
-    def _mix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return aft_full(q, k, v, self.position_bias(), causal=self.causal)
+    def _mix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, causal: bool) -> torch.Tensor:
+        return aft_full(q, k, v, w, causal=causal)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                is_causal: bool = False) -> torch.Tensor:
         check_tokens(x, f'(B, {self.seq_len}, {self.dim})', self.dim, self.seq_len)
-        q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x (B, T, C)
-        return self.proj_drop(self.proj(self._mix(q, k, v)))
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).reshape(B, T, 3, C).unbind(2)  # 3 x (B, T, C), as timm's (no ONNX Split)
+        x = self._mix(q, k, v, masked_bias(self.position_bias(), attn_mask), self.causal or is_causal)
+        return self.proj_drop(self.proj(x))
 
     def extra_repr(self) -> str:
         return f'seq_len={self.seq_len}, pos_dim={self.pos_u.shape[1]}, causal={self.causal}'
 
 
 class AFTLocal(AFTFull):
-    """AFT-local (Eq. 4): AFT-full whose bias is zeroed where ``|t - t'| >= window``; other arguments as ``AFTFull``."""
+    """AFT-local (Eq. 4): AFT-full whose bias is zeroed where ``|t - t'| >= window``, before a call's ``attn_mask``;
+    other arguments as ``AFTFull``."""
 
     def __init__(self, dim: int, seq_len: int, window: int, **kwargs):
         if window < 1:
@@ -60,15 +97,18 @@ class AFTLocal(AFTFull):
         super().__init__(dim, seq_len, **kwargs)
         self.window = window
 
-    def _mix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return aft_local(q, k, v, self.position_bias(), self.window, causal=self.causal)
+    def position_bias(self) -> torch.Tensor:
+        pos = torch.arange(self.seq_len, device=self.pos_u.device)
+        outside = (pos.unsqueeze(1) - pos.unsqueeze(0)).abs() >= self.window  # (T, T)
+        return (self.pos_u @ self.pos_v.transpose(0, 1)).masked_fill(outside, 0.0)  # (T, T), TorchScript has no super()
 
     def extra_repr(self) -> str:
         return f'{super().extra_repr()}, window={self.window}'
 
 
 class AFTSimple(nn.Module):
-    """AFT-simple (Eq. 5): no position bias, linear in T; ``causal`` as ``AFTFull``'s."""
+    """AFT-simple (Eq. 5): no position bias, linear in T; ``causal`` as ``AFTFull``'s. It pools the keys over the
+    sequence, so there are no pairs for an ``attn_mask`` to act on: a mask is refused (ValueError)."""
 
     def __init__(self, dim: int, qkv_bias: bool = True, proj_drop: float = 0.0, causal: bool = False,
                  device=None, dtype=None):
@@ -79,7 +119,10 @@ class AFTSimple(nn.Module):
         self.proj = nn.Linear(dim, dim, **dd)
         self.proj_drop = nn.Dropout(proj_drop)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                is_causal: bool = False) -> torch.Tensor:
         check_tokens(x, f'(B, T, {self.dim})', self.dim)
-        q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x (B, T, C)
-        return self.proj_drop(self.proj(aft_simple(q, k, v, causal=self.causal)))
+        refuse_mask(attn_mask, 'AFT-simple')
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).reshape(B, T, 3, C).unbind(2)  # 3 x (B, T, C), as timm's (no ONNX Split)
+        return self.proj_drop(self.proj(aft_simple(q, k, v, causal=self.causal or is_causal)))

@@ -1,9 +1,10 @@
 """AFT models registered with timm: importing this package registers every ``aft_*`` model. May import ``layers``
 and ``checkpoints``.
 
-* ``aft_vit``: AFT-full and AFT-simple vision transformers (class token, position embedding, token output).
+* ``aft_vit``: AFT-full and AFT-simple: timm's ``VisionTransformer`` with an AFT ``attn_layer``.
 * ``aft_conv``: AFT-conv, fully convolutional (no class token or position embedding, global average pooling).
-* ``_base``: what both share (``Block``, ``AFTTransformerBase``: the trunk and the timm interface built on it).
+* ``_base``: AFT-conv's ``Block`` and ``AFTTransformerBase`` (its trunk and timm interface); the input check, cfgs
+  and checkpoint adapter both families use.
 * ``fit_checkpoint`` (here): which weights a model starts from, decided once; ``count_macs``: its multiply-adds.
 * ``pyramid``: ViTDet's simple feature pyramid on an AFT-conv backbone (``SimpleFeaturePyramid``), for dense heads.
 """
@@ -13,6 +14,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..layers import AFTConv2d
+from ..checkpoints.transfer import unwrap_state_dict
 from ._base import AFTTransformerBase, Block, adapt_vit_checkpoint
 from .aft_vit import *
 from .aft_conv import *
@@ -29,8 +31,8 @@ def fit_checkpoint(checkpoint: Mapping, model: torch.nn.Module, log: Optional[Ca
     family's checkpoint filter, the one timm's pretrained loading calls (the checkpoint's weights as timm takes them, a
     ViT's mapped by the transfer, its report to ``log``; windows, patch, position rows resampled to the model's), or
     for another model the weights as timm takes them. Load it strictly."""
-    family_filter = next((fn for family, fn in _FAMILY_FILTERS if isinstance(model, family)), adapt_vit_checkpoint)
-    return family_filter(checkpoint, model, log=log)
+    family_filter = next((fn for family, fn in _FAMILY_FILTERS if isinstance(model, family)), None)
+    return unwrap_state_dict(checkpoint) if family_filter is None else family_filter(checkpoint, model, log=log)
 
 
 def count_macs(model: torch.nn.Module, images: torch.Tensor) -> int:

@@ -122,11 +122,7 @@ class AFTTransformerBase(nn.Module):
         super().__init__()
         if weight_init not in ('', 'skip'):
             raise ValueError(f"unknown weight_init {weight_init!r}: choose '' or 'skip'")
-        for name, size in dict(sizes, in_chans=in_chans, embed_dim=embed_dim).items():
-            if name == 'img_size' and size is not None:
-                _spatial_size(size)  # timm's check of an image size, in its words
-            elif size is not None and not all(n > 0 for n in to_2tuple(size)):
-                raise ValueError(f'Expected a positive {name}, got {size}.')
+        check_sizes(**sizes, in_chans=in_chans, embed_dim=embed_dim)
         self.num_classes, self.in_chans = num_classes, in_chans
         self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
         self.grad_checkpointing = False
@@ -247,6 +243,15 @@ class AFTTransformerBase(nn.Module):
         return self.forward_head(self.forward_features(x))
 
 
+def check_sizes(**sizes: Any) -> None:
+    """ValueError in timm's words unless each size is None or positive (``img_size`` by timm's own check)."""
+    for name, size in sizes.items():
+        if name == 'img_size' and size is not None:
+            _spatial_size(size)  # timm's check of an image size, in its words
+        elif size is not None and not all(n > 0 for n in to_2tuple(size)):
+            raise ValueError(f'Expected a positive {name}, got {size}.')
+
+
 @register_notrace_function  # an fx leaf: the checks run on real shapes, not on proxies
 def check_image(x: torch.Tensor, in_chans: int, patch_size: Tuple[int, int], img_size: Optional[Tuple[int, int]] = None,
                 dynamic_img_pad: bool = False, weight_dtype: Optional[torch.dtype] = None) -> None:
@@ -284,12 +289,11 @@ def check_image(x: torch.Tensor, in_chans: int, patch_size: Tuple[int, int], img
 
 def adapt_vit_checkpoint(state_dict: Dict[str, torch.Tensor], model: nn.Module,
                          log: Optional[Callable[[str], None]] = None) -> Dict[str, torch.Tensor]:
-    """A training checkpoint's weights as timm takes them; a DeiT / ViT one mapped onto an AFT ``model`` without its
+    """A training checkpoint's weights as timm takes them; a DeiT / ViT one mapped onto the AFT ``model`` without its
     classifier (``transfer_vit_weights``, its report to ``log``, else the logger), unless it has the model's keys (an
     AFT-simple's are a ViT's: the family's filter resamples what differs)."""
     state_dict = unwrap_state_dict(state_dict)
-    if is_vit_state_dict(state_dict) and isinstance(model, AFTTransformerBase) and set(state_dict) != set(
-            model.state_dict()):
+    if is_vit_state_dict(state_dict) and set(state_dict) != set(model.state_dict()):
         cfg = getattr(model, 'pretrained_cfg', None) or {}
         source = BACKBONE_SOURCES.get(f"{cfg.get('architecture')}.{cfg.get('tag')}")
         layout = source_layout(source) if source else None  # a backbone tag's source, read from its timm model

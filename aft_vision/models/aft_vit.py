@@ -1,29 +1,32 @@
 """AFT-full and AFT-simple in DeiT's backbone (Sec. 5.3, Table 7 of `An Attention Free Transformer`,
-https://arxiv.org/abs/2105.14103): a ViT (patch 16, 12 pre-norm blocks, class token, position embedding) whose
-attention is AFT-full (Eq. 2, factorised bias ``w = u @ v.T`` of Eq. 7) or AFT-simple (Eq. 5). Names follow timm's
-``VisionTransformer``, so DeiT weights map by name. AFT-full's u, v follow the patch grid as the position embedding
+https://arxiv.org/abs/2105.14103): timm's ``VisionTransformer`` whose blocks' ``attn`` is AFT-full (Eq. 2, factorised
+bias ``w = u @ v.T`` of Eq. 7, ``GridAFTFull``) or AFT-simple (Eq. 5, ``AFTSimpleAttention``); every other part, name
+and method is timm's, so DeiT weights map by name. AFT-full's u, v follow the patch grid as the position embedding
 does (docs/models.md).
 """
 from functools import partial
-from typing import Callable, Dict, List, Optional, Tuple, Type, Union
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Type, Union
 
 import torch
 from torch import nn
 from torch.jit import Final
 
-from timm.layers import LayerType, PatchEmbed, global_pool_nlc, resample_abs_pos_embed, to_2tuple, trunc_normal_
-from timm.models import register_model
+from timm.layers import Format, LayerNorm, PatchEmbed, get_norm_layer, is_exporting, nchw_to, resample_abs_pos_embed, \
+    to_2tuple
+from timm.models import checkpoint, checkpoint_seq, register_model
 from timm.models._features import feature_take_indices
-from timm.models._input import get_pretrained_grid_size, update_model_input_size  # as timm's ViT (not re-exported)
+from timm.models._input import get_pretrained_grid_size  # as timm's ViT (not re-exported)
+from timm.models.vision_transformer import Block, VisionTransformer
 from timm.models.vision_transformer import checkpoint_filter_fn as vit_checkpoint_filter_fn
 
 from aft_vision.layers import AFTFull, AFTSimple, aft_full
-from ._base import AFTTransformerBase, Block, adapt_vit_checkpoint, aft_cfg, create_aft, family_cfgs
+from aft_vision.layers.aft_full import masked_bias
+from ._base import MLP_LAYERS, adapt_vit_checkpoint, aft_cfg, check_image, check_sizes, create_aft, family_cfgs
 
-__all__ = ['AFTVisionTransformer', 'GridAFTFull']  # register_model adds each entry point
+__all__ = ['AFTVisionTransformer', 'GridAFTFull', 'AFTSimpleAttention']  # register_model adds each entry point
 
 MIXERS = ('full', 'simple')
-GLOBAL_POOLS = ('', 'avg', 'max', 'avgmax', 'token')  # timm's global_pool_nlc
+GLOBAL_POOLS = ('', 'avg', 'max', 'avgmax', 'token', 'map', 'prr')  # timm's ViT's
 
 
 def resample_pos_rows(rows: torch.Tensor, new_size: Tuple[int, int], old_size: Tuple[int, int], num_prefix_tokens: int,
@@ -33,6 +36,25 @@ def resample_pos_rows(rows: torch.Tensor, new_size: Tuple[int, int], old_size: T
     over its query and its key grid."""
     return resample_abs_pos_embed(  # rows as (1, T, D), the layout of a ViT position embedding
         rows.unsqueeze(0), list(new_size), list(old_size), num_prefix_tokens, interpolation, antialias).squeeze(0)
+
+
+def _refuse_attention_options(qk_norm: bool, scale_norm: bool, proj_bias: bool, attn_drop: float) -> None:
+    """ValueError for a timm attention option that an AFT mixer has no part for."""
+    for name, asked in (('qk_norm', qk_norm), ('scale_attn_norm', scale_norm), ('proj_bias=False', not proj_bias),
+                        ('attn_drop_rate', attn_drop > 0)):
+        if asked:
+            raise ValueError(f'{name}: AFT mixers have no attention logits or heads for it; leave it at its default')
+
+
+class AFTSimpleAttention(AFTSimple):
+    """``AFTSimple`` as timm's ``Block`` builds an ``attn_layer``: timm's attention arguments (``num_heads`` unused,
+    every channel is its own head in AFT; the options AFT has no part for refused)."""
+
+    def __init__(self, dim: int, num_heads: int = 1, qkv_bias: bool = True, qk_norm: bool = False,
+                 scale_norm: bool = False, proj_bias: bool = True, attn_drop: float = 0., proj_drop: float = 0.,
+                 norm_layer: Optional[Type[nn.Module]] = None, device=None, dtype=None):
+        _refuse_attention_options(qk_norm, scale_norm, proj_bias, attn_drop)
+        super().__init__(dim, qkv_bias=qkv_bias, proj_drop=proj_drop, device=device, dtype=dtype)
 
 
 class GridAFTFull(AFTFull):
@@ -46,11 +68,12 @@ class GridAFTFull(AFTFull):
                          proj_drop=proj_drop, device=device, dtype=dtype)  # T = prefix + H * W
         self.grid_size: Tuple[int, int] = (int(grid_size[0]), int(grid_size[1]))
         self.num_prefix_tokens = num_prefix_tokens
-        self.grid_aware = True  # Block passes it the patch grid
 
     def resampled_pos(self, feat_size: List[int]) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Factorised bias rows (u, v) for a (H', W') grid, each (num_prefix_tokens + H' * W', d')."""
-        if feat_size[0] == self.grid_size[0] and feat_size[1] == self.grid_size[1]:
+        """Factorised bias rows (u, v) for a (H', W') grid, each (num_prefix_tokens + H' * W', d'). While exporting
+        the grid is symbolic: always resampled (to the built grid, the identity to rounding), as timm's
+        ``resample_abs_pos_embed`` does, so that the program holds at every size."""
+        if not is_exporting() and feat_size[0] == self.grid_size[0] and feat_size[1] == self.grid_size[1]:
             return self.pos_u, self.pos_v
         new_size = (feat_size[0], feat_size[1])
         return (resample_pos_rows(self.pos_u, new_size, self.grid_size, self.num_prefix_tokens),
@@ -69,167 +92,236 @@ class GridAFTFull(AFTFull):
         self.grid_size = (int(grid_size[0]), int(grid_size[1]))
         self.seq_len = pos_u.shape[0]
 
-    def forward(self, x: torch.Tensor, feat_size: Optional[List[int]] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
+                feat_size: Optional[List[int]] = None) -> torch.Tensor:
         """Mix tokens (B, prefix + H' * W', C) of a (H', W') grid (the built grid if ``feat_size`` is None)."""
         pos_u, pos_v = (self.pos_u, self.pos_v) if feat_size is None else self.resampled_pos(feat_size)
-        q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x (B, T, C)
-        x = aft_full(q, k, v, pos_u @ pos_v.transpose(0, 1))  # w (T, T), Eq. 7
-        return self.proj_drop(self.proj(x))
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).reshape(B, T, 3, C).unbind(2)  # 3 x (B, T, C), as timm's (no ONNX Split)
+        w = masked_bias(pos_u @ pos_v.transpose(0, 1), attn_mask)  # (T, T), Eq. 7
+        return self.proj_drop(self.proj(aft_full(q, k, v, w, causal=self.causal or is_causal)))
 
     def extra_repr(self) -> str:
         return f'{super().extra_repr()}, grid_size={self.grid_size}, num_prefix_tokens={self.num_prefix_tokens}'
 
 
-class AFTVisionTransformer(AFTTransformerBase):
-    """DeiT / ViT with an AFT-full or AFT-simple token mixer; ``forward_features`` gives tokens (B, 1 + H * W, C).
+class GridBlock(Block):
+    """timm's ``Block`` that hands its ``attn`` the call's patch grid ``feat_size`` (AFT-full's bias follows it)."""
+
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
+                feat_size: Optional[List[int]] = None) -> torch.Tensor:
+        y = self.attn(self.norm1(x), attn_mask=attn_mask, is_causal=is_causal, feat_size=feat_size)
+        x = x + self.drop_path1(self.ls1(y))
+        return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+
+
+class AFTPatchEmbed(PatchEmbed):
+    """timm's ``PatchEmbed`` whose input is checked first (``check_image``): a wrong size, channel count or dtype is a
+    ValueError / TypeError naming it, where ``PatchEmbed`` fails an assert or its convolution."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_image(x, self.proj.in_channels, self.patch_size, self.img_size if self.strict_img_size else None,
+                    self.dynamic_img_pad, self.proj.weight.dtype)
+        if self.dynamic_img_pad:
+            pad_h = (self.patch_size[0] - x.shape[2] % self.patch_size[0]) % self.patch_size[0]
+            pad_w = (self.patch_size[1] - x.shape[3] % self.patch_size[1]) % self.patch_size[1]
+            x = nn.functional.pad(x, (0, pad_w, 0, pad_h))
+        x = self.proj(x)  # (B, C, H, W)
+        if self.flatten:
+            x = x.flatten(2).transpose(1, 2)  # NCHW -> NLC
+        elif self.output_fmt != Format.NCHW:
+            x = nchw_to(x, self.output_fmt)
+        return self.norm(x)
+
+
+class AFTVisionTransformer(VisionTransformer):
+    """timm's ``VisionTransformer`` (DeiT / ViT) with an AFT-full or AFT-simple token mixer.
 
     Args:
-        img_size: Input size; AFT-full's bias is built for its patch grid.
-        global_pool: 'token' (class token), 'avg', 'max', 'avgmax' (of the patch tokens) or '' (no pooling).
-        mixer: 'full' (AFT-full, Eqs. 2 and 7) or 'simple' (AFT-simple, Eq. 5).
+        attn_layer: 'full' (AFT-full, Eqs. 2 and 7) or 'simple' (AFT-simple, Eq. 5), or timm's attention class.
         pos_dim: Width d' of AFT-full's factorised bias (Eq. 7).
-        pre_norm: A norm between the position embedding and the blocks (``norm_pre``, CLIP's), the patch embedding
-            then without bias, as in timm's ``VisionTransformer``.
         norm_eps: The norms' epsilon (None: the norm layer's own, 1e-6 for timm's LayerNorm; OpenAI / LAION CLIP
             weights were trained with 1e-5).
         mlp_layer: The blocks' MLP, a class or a name of ``MLP_LAYERS`` ('mlp', 'swiglu_packed').
-        dynamic_img_size: Take any multiple of the patch size per call, the position embedding and AFT-full's bias
-            resampled to the grid on the fly.
+        fc_norm: As timm's; False by default for every pool (the final norm before pooling, as DeiT).
+        mixer: The name ``attn_layer`` had before (config.json files written with it still rebuild).
 
-    The other arguments are those of timm's ``VisionTransformer``.
+    The other arguments are those of timm's ``VisionTransformer``. With ``dynamic_img_size`` AFT-full's u, v are
+    resampled to each call's grid as the position embedding is; a call's ``is_causal`` takes the operators' causal
+    form, an ``attn_mask`` is AFT-full's extra (T, T) bias (``layers.aft_full.masked_bias``; AFT-simple refuses one).
     """
-    dynamic_img_size: Final[bool]
+    grid_per_call: Final[bool]
 
     def __init__(
             self, img_size: Union[int, Tuple[int, int]] = 224, patch_size: Union[int, Tuple[int, int]] = 16,
-            in_chans: int = 3, num_classes: int = 1000, global_pool: str = 'token', embed_dim: int = 768,
-            depth: int = 12, mixer: str = 'full', pos_dim: int = 128, mlp_ratio: float = 4., qkv_bias: bool = True,
-            class_token: bool = True, init_values: Optional[float] = None, pre_norm: bool = False,
-            dynamic_img_size: bool = False, dynamic_img_pad: bool = False, drop_rate: float = 0.,
-            pos_drop_rate: float = 0., proj_drop_rate: float = 0., drop_path_rate: float = 0., weight_init: str = '',
-            norm_layer: Optional[LayerType] = None, act_layer: Optional[LayerType] = None,
-            block_fn: Type[nn.Module] = Block, mlp_layer: Union[str, Type[nn.Module]] = 'mlp',
-            norm_eps: Optional[float] = None, device=None,
-            dtype=None,
+            in_chans: int = 3, embed_dim: int = 768, depth: int = 12, mlp_ratio: float = 4.,
+            global_pool: str = 'token', class_token: bool = True, fc_norm: Optional[bool] = False,
+            attn_layer: Union[str, Type[nn.Module]] = 'full', pos_dim: int = 128, patch_drop_rate: float = 0.,
+            norm_layer: Optional[Any] = None, norm_eps: Optional[float] = None,
+            mlp_layer: Union[str, Type[nn.Module]] = 'mlp', weight_init: str = '', mixer: Optional[str] = None,
+            **kwargs: Any,
     ):
-        super().__init__(num_classes, in_chans, embed_dim, weight_init, img_size=img_size, patch_size=patch_size,
-                         depth=depth, mlp_ratio=mlp_ratio)
-        dd = {'device': device, 'dtype': dtype}
-        if mixer not in MIXERS:
-            raise ValueError(f'unknown mixer {mixer!r}: choose one of {MIXERS}')
-        self.num_prefix_tokens = 1 if class_token else 0
-        self.has_class_token = class_token
-        self._set_global_pool(global_pool)
-        self.mixer, self.dynamic_img_size = mixer, dynamic_img_size
-
-        embed_args = dict(strict_img_size=False, output_fmt='NHWC') if dynamic_img_size else {}
-        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, dynamic_img_pad=dynamic_img_pad,
-                                      bias=not pre_norm, **embed_args, **dd)
-        grid_size = self.patch_embed.grid_size
-
-        self.cls_token = nn.Parameter(torch.empty(1, 1, embed_dim, **dd)) if class_token else None
-        embed_len = self.num_prefix_tokens + self.patch_embed.num_patches
-        self.pos_embed = nn.Parameter(torch.empty(1, embed_len, embed_dim, **dd))
-        self.pos_drop = nn.Dropout(p=pos_drop_rate)
-
-        mixer_layer = partial(GridAFTFull, grid_size=grid_size, num_prefix_tokens=self.num_prefix_tokens,
-                              pos_dim=pos_dim) if mixer == 'full' else AFTSimple
-        self._build_trunk(
-            depth, mixer_layer, block_fn, norm_layer, act_layer, drop_rate, drop_path_rate, weight_init, dd,
-            pre_norm=pre_norm, mlp_layer=mlp_layer, norm_eps=norm_eps, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias,
-            proj_drop=proj_drop_rate, init_values=init_values)
-
-    def init_weights(self, mode: str = '') -> None:
-        super().init_weights(mode)
-        trunc_normal_(self.pos_embed, std=.02)
-        if self.cls_token is not None:
-            nn.init.normal_(self.cls_token, std=1e-6)
-
-    def _set_global_pool(self, global_pool: str) -> None:
+        check_sizes(img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim, depth=depth,
+                    mlp_ratio=mlp_ratio)
+        arg, attn_layer = ('mixer', mixer) if mixer is not None else ('attn_layer', attn_layer)
+        if isinstance(attn_layer, str) and attn_layer not in MIXERS:
+            raise ValueError(f'unknown {arg} {attn_layer!r}: choose one of {MIXERS}')
         if global_pool not in GLOBAL_POOLS:
             raise ValueError(f'unknown global_pool {global_pool!r}: choose one of {GLOBAL_POOLS} ("" for no pooling)')
-        if global_pool == 'token' and not self.has_class_token:
+        if global_pool == 'token' and not class_token:
             raise ValueError("global_pool='token' needs the class token (class_token=True); use 'avg' without it")
-        self.global_pool = global_pool
+        full = attn_layer == 'full'
+        if full and patch_drop_rate > 0:
+            raise ValueError("patch_drop_rate: AFT-full's bias is tied to each grid position; use it with AFT-simple")
+        norm_layer = get_norm_layer(norm_layer) or LayerNorm
+        if norm_eps is not None:
+            norm_layer = partial(norm_layer, eps=norm_eps)
+        block_fn = GridBlock if full else kwargs.pop('block_fn', Block)
+        if isinstance(mlp_layer, str):
+            if mlp_layer not in MLP_LAYERS:
+                raise ValueError(f'unknown mlp_layer {mlp_layer!r}: choose one of {sorted(MLP_LAYERS)} or pass a class')
+            mlp_layer = MLP_LAYERS[mlp_layer]
+        super().__init__(
+            img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim, depth=depth,
+            mlp_ratio=mlp_ratio, global_pool=global_pool, class_token=class_token, fc_norm=fc_norm,
+            patch_drop_rate=patch_drop_rate, norm_layer=norm_layer, mlp_layer=mlp_layer,
+            attn_layer=AFTSimpleAttention if isinstance(attn_layer, str) else attn_layer, embed_layer=AFTPatchEmbed,
+            block_fn=block_fn, weight_init='skip' if full else weight_init,
+            **kwargs)
+        self.grid_per_call = full and self.dynamic_img_size
+        if full:  # AFT-full's bias is sized by the grid: built here, as timm's deit.py adds its distillation parts
+            dd = {'device': self.pos_embed.device, 'dtype': self.pos_embed.dtype}
+            for blk in self.blocks:
+                blk.attn = GridAFTFull(embed_dim, self.patch_embed.grid_size, self.num_prefix_tokens, pos_dim,
+                                       qkv_bias=blk.attn.qkv.bias is not None, proj_drop=blk.attn.proj_drop.p, **dd)
+            self.weight_init_mode = 'reset' if weight_init == 'skip' else weight_init
+            if weight_init != 'skip':
+                self.init_weights(needs_reset=False)
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> Set[str]:
+        """timm's names this model has, and AFT-full's u, v (position parameters, as the position embedding)."""
+        names = super().no_weight_decay()
+        return {n for n, _ in self.named_parameters() if n in names or n.endswith(('.attn.pos_u', '.attn.pos_v'))}
 
     @torch.jit.ignore
     def set_input_size(self, img_size: Optional[Union[int, Tuple[int, int]]] = None,
                        patch_size: Optional[Union[int, Tuple[int, int]]] = None) -> None:
-        """Rebuild for another input (or patch) size: the position embedding and AFT-full's u, v resampled, the
-        patch kernel too; recorded as timm's ViT records it, so that ``save_for_hf`` writes arguments that rebuild
-        this model. None keeps a size."""
-        prev_grid_size = self.patch_embed.grid_size
-        self.patch_embed.set_input_size(img_size=img_size, patch_size=patch_size)
-        grid_size = self.patch_embed.grid_size
-        if grid_size != prev_grid_size:
-            with torch.no_grad():
-                pos_embed = resample_abs_pos_embed(
-                    self.pos_embed, list(grid_size), list(prev_grid_size), num_prefix_tokens=self.num_prefix_tokens)
-            self.pos_embed = nn.Parameter(pos_embed, requires_grad=self.pos_embed.requires_grad)
-            for blk in self.blocks:
-                if isinstance(blk.attn, GridAFTFull):
-                    blk.attn.set_grid_size(grid_size)
+        """timm's (position embedding and patch kernel resampled, recorded for ``save_for_hf``), and AFT-full's u, v
+        resampled to the new grid."""
+        super().set_input_size(img_size=img_size, patch_size=patch_size)
+        for blk in self.blocks:
+            if isinstance(blk.attn, GridAFTFull):
+                blk.attn.set_grid_size(self.patch_embed.grid_size)
         for info in self.feature_info:
             info['reduction'] = self.patch_embed.feat_ratio()
-        update_model_input_size(self, self.patch_embed.img_size, patch_size=patch_size)
-
-    def _pos_embed(self, x: torch.Tensor) -> Tuple[torch.Tensor, Optional[List[int]]]:
-        """Tokens (B, prefix + H * W, C) with the class token and position embedding, and with ``dynamic_img_size``
-        the grid [H, W] (else None: the built grid)."""
-        feat_size: Optional[List[int]] = None
-        if self.dynamic_img_size:
-            B, H, W, C = x.shape  # patch_embed returns NHWC when dynamic
-            pos_embed = resample_abs_pos_embed(
-                self.pos_embed, [H, W], list(self.patch_embed.grid_size), num_prefix_tokens=self.num_prefix_tokens)
-            x = x.flatten(1, 2)  # (B, H * W, C)
-            feat_size = [H, W]
-        else:
-            pos_embed = self.pos_embed
-        if self.cls_token is not None:
-            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
-        return self.pos_drop(x + pos_embed), feat_size
 
     def _fixed_img_size(self) -> Optional[Tuple[int, int]]:
         """Without ``dynamic_img_size``, the size the position embedding and AFT-full's biases are built for."""
         return None if self.dynamic_img_size else self.patch_embed.img_size
 
-    def forward_intermediates(self, x: torch.Tensor, indices: Optional[Union[int, List[int]]] = None,
-                              return_prefix_tokens: bool = False, norm: bool = False, stop_early: bool = False,
-                              output_fmt: str = 'NCHW', intermediates_only: bool = False
-                              ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
-        """timm's ViT ``forward_intermediates``: ``indices`` (None: all blocks, n: the last n, a list), ``norm`` each,
-        ``output_fmt`` 'NCHW' (patch-token maps) or 'NLC', ``return_prefix_tokens`` as (map, prefix) pairs."""
+    def _check_input(self, x: torch.Tensor) -> None:
+        """``check_image`` as the patch embedding runs it on each input."""
+        check_image(x, self.in_chans, self.patch_embed.patch_size, self._fixed_img_size(),
+                    self.patch_embed.dynamic_img_pad, self.patch_embed.proj.weight.dtype)
+
+    def _pos_embed(self, x: torch.Tensor) -> torch.Tensor:
+        """timm's, the grid (B, H', W', C) flattened by ``flatten`` (timm's ``view`` fails on an empty batch)."""
+        if self.dynamic_img_size:
+            B, H, W, C = x.shape
+            pos_embed = resample_abs_pos_embed(self.pos_embed, new_size=[H, W], old_size=self.patch_embed.grid_size,
+                                               num_prefix_tokens=0 if self.no_embed_class else self.num_prefix_tokens)
+            x = x.flatten(1, 2)  # (B, H' * W', C)
+        else:
+            pos_embed = self.pos_embed
+        to_cat = []
+        if self.cls_token is not None:
+            to_cat.append(self.cls_token.expand(x.shape[0], -1, -1))
+        if self.reg_token is not None:
+            to_cat.append(self.reg_token.expand(x.shape[0], -1, -1))
+        if self.no_embed_class:  # position embedding without the prefix tokens' rows (DeiT-3)
+            return self.pos_drop(torch.cat(to_cat + [x + pos_embed], dim=1))
+        return self.pos_drop(torch.cat(to_cat + [x], dim=1) + pos_embed)
+
+    def _embed(self, x: torch.Tensor) -> Tuple[torch.Tensor, Optional[List[int]]]:
+        """timm's embedding (patches, prefix and position, patch drop, ``norm_pre``) of images (B, C, H, W), and
+        where AFT-full's bias follows each call's grid that grid [H', W'] (else None)."""
+        x = self.patch_embed(x)
+        feat_size: Optional[List[int]] = [x.shape[1], x.shape[2]] if self.grid_per_call else None  # (B, H', W', C)
+        return self.norm_pre(self.patch_drop(self._pos_embed(x))), feat_size
+
+    def forward_intermediates(
+            self, x: torch.Tensor, indices: Optional[Union[int, List[int]]] = None, return_prefix_tokens: bool = False,
+            norm: bool = False, stop_early: bool = False, output_fmt: str = 'NCHW', intermediates_only: bool = False,
+            output_dict: bool = False, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
+    ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]], Dict[str, Any]]:
+        """timm's ``VisionTransformer.forward_intermediates``, line for line, the grid handed to the blocks."""
         if output_fmt not in ('NCHW', 'NLC'):
             raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got '{output_fmt}'")
+        reshape = output_fmt == 'NCHW'
+        intermediates = []
         take_indices, max_index = feature_take_indices(len(self.blocks), indices)
-        self._check_input(x)
         B, _, height, width = x.shape
-        x, feat_size = self._pos_embed(self.patch_embed(x))
-        x, intermediates = self._run_blocks(x, feat_size, take_indices, norm, max_index if stop_early else None)
+        x, feat_size = self._embed(x)
+        if torch.jit.is_scripting() or not stop_early:  # can't slice blocks in torchscript
+            blocks = self.blocks
+        else:
+            blocks = self.blocks[:max_index + 1]
+        for i, blk in enumerate(blocks):
+            if self.grid_per_call:
+                if self.grad_checkpointing and not torch.jit.is_scripting():
+                    x = checkpoint(blk, x, attn_mask, is_causal, feat_size)
+                else:
+                    x = blk(x, attn_mask=attn_mask, is_causal=is_causal, feat_size=feat_size)
+            elif attn_mask is not None or is_causal:
+                x = blk(x, attn_mask=attn_mask, is_causal=is_causal)
+            elif self.grad_checkpointing and not torch.jit.is_scripting():
+                x = checkpoint(blk, x)
+            else:
+                x = blk(x)
+            if i in take_indices:
+                intermediates.append(self.norm(x) if norm else x)
 
-        # split prefix (class) tokens from the patch tokens
-        prefix_tokens = [y[:, 0:self.num_prefix_tokens] for y in intermediates] if self.num_prefix_tokens else None
-        intermediates = [y[:, self.num_prefix_tokens:] for y in intermediates]
-        if output_fmt == 'NCHW':
+        if self.num_prefix_tokens:  # split prefix (class, register) and patch tokens
+            prefix_tokens = [y[:, 0:self.num_prefix_tokens] for y in intermediates]
+            intermediates = [y[:, self.num_prefix_tokens:] for y in intermediates]
+        else:
+            prefix_tokens = None
+        if reshape:
             H, W = self.patch_embed.dynamic_feat_size((height, width))
             intermediates = [y.reshape(B, H, W, -1).permute(0, 3, 1, 2).contiguous() for y in intermediates]
+        if output_dict and not torch.jit.is_scripting():  # not in TorchScript (dict typing)
+            result_dict = {}
+            result_dict['image_intermediates'] = intermediates
+            if prefix_tokens is not None and return_prefix_tokens:
+                result_dict['image_intermediates_prefix'] = prefix_tokens
+            if not intermediates_only:
+                result_dict['image_features'] = self.norm(x)
+            return result_dict
         if not torch.jit.is_scripting() and return_prefix_tokens and prefix_tokens is not None:
             intermediates = list(zip(intermediates, prefix_tokens))  # not in TorchScript (tuple typing)
-
         if intermediates_only:
             return intermediates
         return self.norm(x), intermediates
 
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """Images (B, C, H, W) -> normalised tokens (B, prefix + H/p * W/p, C)."""
-        self._check_input(x)
-        x, feat_size = self._pos_embed(self.patch_embed(x))
-        return self.norm(self._run_blocks(x, feat_size)[0])
-
-    def pool(self, x: torch.Tensor, pool_type: Optional[str] = None) -> torch.Tensor:
-        """Tokens (B, T, C) -> (B, C) by timm's ``global_pool_nlc`` ('' keeps x)."""
-        pool_type = self.global_pool if pool_type is None else pool_type
-        return global_pool_nlc(x, pool_type=pool_type, num_prefix_tokens=self.num_prefix_tokens)
+    def forward_features(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                         is_causal: bool = False) -> torch.Tensor:
+        """timm's ``VisionTransformer.forward_features``, the grid handed to the blocks."""
+        x, feat_size = self._embed(x)
+        if self.grid_per_call:
+            for blk in self.blocks:
+                if self.grad_checkpointing and not torch.jit.is_scripting():
+                    x = checkpoint(blk, x, attn_mask, is_causal, feat_size)
+                else:
+                    x = blk(x, attn_mask=attn_mask, is_causal=is_causal, feat_size=feat_size)
+        elif attn_mask is not None or is_causal:
+            for blk in self.blocks:
+                x = blk(x, attn_mask=attn_mask, is_causal=is_causal)
+        elif self.grad_checkpointing and not torch.jit.is_scripting():
+            x = checkpoint_seq(self.blocks, x)
+        else:
+            x = self.blocks(x)
+        return self.norm(x)
 
 
 def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: AFTVisionTransformer,
@@ -286,42 +378,42 @@ _model = partial(create_aft, AFTVisionTransformer, 'vit', checkpoint_filter_fn)
 @register_model
 def aft_full_tiny(pretrained: bool = False, **kwargs) -> AFTVisionTransformer:
     """AFT-full tiny (DeiT-tiny backbone, d=192); Table 7: 6.3M."""
-    return _model('aft_full_tiny', pretrained, kwargs, embed_dim=192, depth=12, mixer='full', pos_dim=128)
+    return _model('aft_full_tiny', pretrained, kwargs, embed_dim=192, depth=12, attn_layer='full', pos_dim=128)
 
 
 @register_model
 def aft_full_small(pretrained: bool = False, **kwargs) -> AFTVisionTransformer:
     """AFT-full small (DeiT-small backbone, d=384); Table 7: 22.6M."""
-    return _model('aft_full_small', pretrained, kwargs, embed_dim=384, depth=12, mixer='full', pos_dim=128)
+    return _model('aft_full_small', pretrained, kwargs, embed_dim=384, depth=12, attn_layer='full', pos_dim=128)
 
 
 @register_model
 def aft_full_base(pretrained: bool = False, **kwargs) -> AFTVisionTransformer:
     """AFT-full base (DeiT-base backbone, d=768); not in the paper's tables."""
-    return _model('aft_full_base', pretrained, kwargs, embed_dim=768, depth=12, mixer='full', pos_dim=128)
+    return _model('aft_full_base', pretrained, kwargs, embed_dim=768, depth=12, attn_layer='full', pos_dim=128)
 
 
 @register_model
 def aft_simple_tiny(pretrained: bool = False, **kwargs) -> AFTVisionTransformer:
     """AFT-simple tiny (DeiT-tiny backbone, d=192), DeiT-tiny's parameter count."""
-    return _model('aft_simple_tiny', pretrained, kwargs, embed_dim=192, depth=12, mixer='simple')
+    return _model('aft_simple_tiny', pretrained, kwargs, embed_dim=192, depth=12, attn_layer='simple')
 
 
 @register_model
 def aft_simple_small(pretrained: bool = False, **kwargs) -> AFTVisionTransformer:
     """AFT-simple small (DeiT-small backbone, d=384), DeiT-small's parameter count."""
-    return _model('aft_simple_small', pretrained, kwargs, embed_dim=384, depth=12, mixer='simple')
+    return _model('aft_simple_small', pretrained, kwargs, embed_dim=384, depth=12, attn_layer='simple')
 
 
 @register_model
 def aft_full_test(pretrained: bool = False, **kwargs) -> AFTVisionTransformer:
     """Tiny AFT-full for tests: 64x64 input, patch 8, d=64, 4 blocks."""
-    return _model('aft_full_test', pretrained, kwargs, img_size=64, patch_size=8, embed_dim=64, depth=4, mixer='full',
-                  pos_dim=16, mlp_ratio=2.)
+    return _model('aft_full_test', pretrained, kwargs, img_size=64, patch_size=8, embed_dim=64, depth=4,
+                  attn_layer='full', pos_dim=16, mlp_ratio=2.)
 
 
 @register_model
 def aft_simple_test(pretrained: bool = False, **kwargs) -> AFTVisionTransformer:
     """Tiny AFT-simple for tests: 64x64 input, patch 8, d=64, 4 blocks."""
     return _model('aft_simple_test', pretrained, kwargs, img_size=64, patch_size=8, embed_dim=64, depth=4,
-                  mixer='simple', mlp_ratio=2.)
+                  attn_layer='simple', mlp_ratio=2.)

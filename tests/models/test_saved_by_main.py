@@ -1,0 +1,56 @@
+"""What users hold keeps loading and answering the same: Hub folders (timm's ``save_for_hf``), checkpoints and the
+config.json of backbone tags, written by main at 9faf505 before the ViT families became timm's ``VisionTransformer``
+(``tests/fixtures/saved_by_main``, made by its ``make.py``)."""
+import json
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+from safetensors.torch import load_file
+
+import aft_vision  # noqa: F401  registers the models
+
+SAVED = Path(__file__).parents[1] / 'fixtures' / 'saved_by_main'
+FAMILIES = ['aft_full_test', 'aft_simple_test']
+BUILT_AS = dict(num_classes=10, depth=2, embed_dim=32)  # what make.py built
+
+
+def assert_same_answer(got: torch.Tensor, saved: torch.Tensor):
+    """Within float32 rounding of the logits' scale: the same operations, maybe in another order."""
+    assert got.shape == saved.shape
+    torch.testing.assert_close(got, saved, rtol=0, atol=1e-5 * float(saved.abs().max()))
+
+
+@pytest.mark.parametrize('name', FAMILIES)
+def test_a_hub_folder_saved_by_main_loads_and_answers_the_same(name):
+    folder = SAVED / name
+    saved, io = load_file(folder / 'model.safetensors'), load_file(folder / 'io.safetensors')
+    model = timm.create_model(f'local-dir:{folder}', pretrained=True).eval()
+    state = model.state_dict()
+    assert state.keys() == saved.keys() and all(torch.equal(state[k], v) for k, v in saved.items())
+    with torch.no_grad():
+        assert_same_answer(model(io['images']), io['logits'])
+    dynamic = timm.create_model(f'local-dir:{folder}', pretrained=True, dynamic_img_size=True).eval()
+    with torch.no_grad():  # position embedding and AFT-full's u, v resampled to an 10 x 6 grid per call
+        assert_same_answer(dynamic(io['images_80x48']), io['logits_80x48_dynamic'])
+
+
+@pytest.mark.parametrize('name', FAMILIES)
+def test_a_checkpoint_saved_by_main_loads_through_the_filter_and_answers_the_same(name):
+    folder = SAVED / name
+    io = load_file(folder / 'io.safetensors')
+    model = timm.create_model(name, pretrained=True, **BUILT_AS,
+                              pretrained_cfg_overlay=dict(file=str(folder / 'model.safetensors'), num_classes=10)).eval()
+    with torch.no_grad():
+        assert_same_answer(model(io['images']), io['logits'])
+
+
+@pytest.mark.parametrize('tag', ['aft_full_small.dinov2_lvd142m', 'aft_full_base.clip_openai'])
+def test_a_backbone_config_saved_by_main_rebuilds_its_architecture(tag):
+    """config.json of a backbone tag (patch 14 and LayerScale; CLIP's pre-norm, epsilon and quick GELU) rebuilds the
+    model main built: every state-dict key and shape."""
+    folder = SAVED / tag
+    model = timm.create_model(f'local-dir:{folder}', device='meta')
+    shapes = json.loads((folder / 'shapes.json').read_text())
+    assert {k: list(v.shape) for k, v in model.state_dict().items()} == shapes
