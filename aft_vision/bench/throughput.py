@@ -294,7 +294,17 @@ def check_settings(settings: BenchSettings) -> None:
 
 def main(settings: BenchSettings) -> int:
     """Time what ``settings`` asks for and write ``bench.json``, ``bench.md`` and ``bench.png`` into its out_dir
-    (``bench_dense.*`` for ``dense``, ``ops.*`` for ``ops``); returns 0."""
+    (``bench_dense.*`` for ``dense``, ``ops.*`` for ``ops``); returns 0. The thread count and the random state it
+    sets are its own: the caller's are back afterwards."""
+    threads = torch.get_num_threads()
+    try:
+        with torch.random.fork_rng():
+            return _main(settings)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _main(settings: BenchSettings) -> int:
     check_settings(settings)
     settings = dataclasses.replace(settings, **(README_RUN if settings.readme else {}))  # a copy --quick fills in
     if settings.threads:

@@ -103,8 +103,7 @@ def export(model: torch.nn.Module, out: os.PathLike, fmt: str = 'onnx', img_size
         model.eval()
         config = resolve_data_config({'input_size': (3, img_size, img_size)} if img_size else {}, model=model)
         size = config['input_size'][1:]
-        torch.manual_seed(seed)
-        example = torch.randn(2, 3, *size)
+        example = torch.randn(2, 3, *size, generator=torch.Generator().manual_seed(seed))
         try:
             with torch.no_grad():
                 model(example)
