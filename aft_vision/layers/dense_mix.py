@@ -12,11 +12,9 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from ._gate import sum_last
-from ._stable import TINY
-from .dispatch import no_autocast
+from .functional import TINY, no_autocast, sum_last, window_table
 
-__all__ = ['DenseMix', 'dense_mix', 'dense_plain', 'axis_onehot', 'window_table', 'CACHE_BYTES']
+__all__ = ['DenseMix', 'dense_plain', 'axis_onehot', 'CACHE_BYTES']
 
 CACHE_BYTES = 1 << 24  # what ``axis_onehot`` keeps over every map size, device and dtype
 _CACHE: 'collections.OrderedDict[tuple, torch.Tensor]' = collections.OrderedDict()
@@ -42,13 +40,6 @@ def axis_onehot(size: int, kernel_size: int, like: torch.Tensor, dtype: torch.dt
         while sum(t.numel() * t.element_size() for t in _CACHE.values()) > CACHE_BYTES and len(_CACHE) > 1:
             _CACHE.popitem(last=False)
     return table
-
-
-def window_table(w: torch.Tensor) -> torch.Tensor:
-    """AFT-conv's bias (h, s, s) as its window table (h, s + 1, s + 1) in w's dtype: the softmax over the window
-    zero-padded by one row and column (the pad cell: a key outside the window, bias 0). Both forms build on it."""
-    side = w.shape[-1] + 1
-    return torch.softmax(F.pad(w, [0, 1, 0, 1]).flatten(1), dim=-1).view(-1, side, side)
 
 
 def _table(w: torch.Tensor, grid: Optional[Tuple[int, int]], causal: bool) -> torch.Tensor:
@@ -133,7 +124,7 @@ class DenseMix(torch.autograd.Function):
     smaller than D (AFT-full: one key per channel)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, w, grid, causal, mm_dtype, policy):
+    def forward(ctx, q, k, v, w, grid, causal, mm_dtype):
         batch, num_keys, channels = q.shape
         table = _table(w, grid, causal)  # (1, T, T) or (h, s + 1, s + 1), kept in w's dtype for the bias gradient
         if grid is None:
@@ -152,7 +143,7 @@ class DenseMix(torch.autograd.Function):
         torch.mul(gate.view(numerator.shape), numerator, out=out).div_(denominator.unsqueeze(-1))
         recompute = weights.shape[0] == 1 and weights.numel() < denominator.numel()
         ctx.save_for_backward(gate, tokens, None if recompute else denominator, out, factors, table)
-        ctx.grid, ctx.kernel_size, ctx.mm_dtype, ctx.policy = grid, w.shape[-1], mm_dtype, policy
+        ctx.grid, ctx.kernel_size, ctx.mm_dtype = grid, w.shape[-1], mm_dtype
         ctx.dtypes = (q.dtype, k.dtype, v.dtype, w.dtype)
         ctx.mark_non_differentiable(denominator)
         ctx.set_materialize_grads(False)  # no zeros made for D's gradient
@@ -164,7 +155,7 @@ class DenseMix(torch.autograd.Function):
             raise RuntimeError("DenseMix's backward has no second derivative: for create_graph=True run the forward "
                                "under aft_vision.layers.plain_autograd()")
         if grad_out is None:  # the output was not used
-            return (None,) * 8
+            return (None,) * 7
         with no_autocast():  # the products in the dtypes chosen here
             return DenseMix._backward(ctx, grad_out)
 
@@ -201,7 +192,7 @@ class DenseMix(torch.autograd.Function):
         grad_v = torch.mul(grad_values, keys.unsqueeze(-1), out=out.new_empty(values.shape))  # (B, ..., C / Ck)
         grad_k = sum_last(torch.mul(grad_values, values, out=out.new_empty(values.shape))).addcmul_(grad_keys, keys)
         grads = [g.reshape(batch, num_keys, -1) for g in (grad_q, grad_k, grad_v)] + [grad_w]
-        return tuple(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)) + (None,) * 4
+        return tuple(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)) + (None,) * 3
 
 
 def dense_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, grid: Optional[Tuple[int, int]],
@@ -231,13 +222,3 @@ def dense_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tens
     numerator = sums[..., :per_group].reshape(batch, num_keys, key_channels, -1)
     out = torch.sigmoid(q).view(numerator.shape) * (numerator / denominator)
     return out.view(q.shape), denominator.view(k.shape)
-
-
-def dense_mix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, grid: Optional[Tuple[int, int]],
-              causal: bool, mm_dtype: torch.dtype, policy: str, plain: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The output (B, T, C) and D (B, T, Ck): ``DenseMix``, or ``dense_plain`` in TorchScript and where ``plain``."""
-    if torch.jit.is_scripting() or plain:
-        return dense_plain(q, k, v, w, grid, causal, mm_dtype)
-    else:
-        out, denominator = DenseMix.apply(q, k, v, w, grid, causal, mm_dtype, policy)
-        return out, denominator.flatten(2)
