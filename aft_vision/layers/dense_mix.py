@@ -42,16 +42,6 @@ def axis_onehot(size: int, kernel_size: int, like: torch.Tensor, dtype: torch.dt
     return table
 
 
-def _table(w: torch.Tensor, grid: Optional[Tuple[int, int]], causal: bool) -> torch.Tensor:
-    """The bias's row-scaled exp in w's dtype: for ``grid`` None of a (T, T) bias ``w[query, key]`` (1, T, T), keys
-    after the query dropped if ``causal``; else ``window_table`` of an AFT-conv bias (h, s, s)."""
-    if grid is None:
-        if causal:
-            w = w.masked_fill(torch.ones_like(w, dtype=torch.bool).triu(1), float('-inf'))
-        return torch.softmax(w, dim=-1).unsqueeze(0)  # (1, T, T)
-    return window_table(w)  # (h, s + 1, s + 1)
-
-
 def _scaled_exp(w: torch.Tensor, grid: Optional[Tuple[int, int]], causal: bool) -> torch.Tensor:
     """``_table`` up to a scale per row (per head for AFT-conv), which N / D cancels: ``exp(w - m)``, m the detached
     maximum (AFT-conv: of the zero-padded window, so 0 at least). Its gradient is ``E dL/dE``, as ``DenseMix``'s: a
@@ -96,21 +86,6 @@ def _token_view(tokens: torch.Tensor, grid: Optional[Tuple[int, int]]) -> torch.
     return tokens.unflatten(1, (grid[1], grid[0])).permute(3, 2, 1, 0, 4)
 
 
-def _tokens(k: torch.Tensor, v: torch.Tensor, groups: int, mm_dtype: torch.dtype,
-            grid: Optional[Tuple[int, int]]) -> torch.Tensor:
-    """X (G, T, B, n), n = (C + Ck) / G: per group its values' ``p v`` then its keys' p, written in place."""
-    batch, num_keys, channels = v.shape
-    key_channels = k.shape[-1]
-    per_group = channels // groups
-    tokens = v.new_empty(groups, num_keys, batch, per_group + key_channels // groups, dtype=mm_dtype)
-    layout = _token_view(tokens, grid)  # (B, T or H, W, G, n), a view
-    keys = layout[..., per_group:]  # (B, ..., G, Ck / G)
-    keys.copy_(torch.softmax(k, dim=1).view(keys.shape))  # the softmax over positions: exp once, in float32
-    values = layout[..., :per_group].unflatten(-1, (-1, channels // key_channels))  # (B, ..., G, Ck / G, C / Ck)
-    torch.mul(v.view(values.shape), keys.unsqueeze(-1), out=values)
-    return tokens
-
-
 def _key_sums(weights: torch.Tensor, tokens: torch.Tensor, per_group: int) -> torch.Tensor:
     """D (B, T, 1, Ck) = E p for one E (1, T, T) and X (1, T, B, n), floored at ``TINY``."""
     keys = tokens[0, :, :, per_group:].transpose(0, 1)  # (B, T keys, Ck)
@@ -126,16 +101,28 @@ class DenseMix(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, w, grid, causal, mm_dtype):
         batch, num_keys, channels = q.shape
-        table = _table(w, grid, causal)  # (1, T, T) or (h, s + 1, s + 1), kept in w's dtype for the bias gradient
+        # the bias's row-scaled exp, kept in w's dtype for the bias gradient: of a (T, T) bias w[query, key] (keys after
+        # the query dropped if causal), (1, T, T); of an AFT-conv bias its window table (h, s + 1, s + 1)
         if grid is None:
+            if causal:
+                w = w.masked_fill(torch.ones_like(w, dtype=torch.bool).triu(1), float('-inf'))
+            table = torch.softmax(w, dim=-1).unsqueeze(0)  # (1, T, T)
             weights, factors = table.to(mm_dtype), None  # E
         else:
+            table = window_table(w)  # (h, s + 1, s + 1)
             factors = _row_lines(table.to(mm_dtype), axis_onehot(grid[0], w.shape[-1], q, mm_dtype))  # (h, H * H, s+1)
             weights = _window_weights(factors, axis_onehot(grid[1], w.shape[-1], q, mm_dtype), grid)
-        tokens = _tokens(k, v, weights.shape[0], mm_dtype, grid)  # (G, T, B, n)
+        # X (G, T, B, n), n = (C + Ck) / G: per group its values' p v then its keys' p, written in place
+        groups, key_channels = weights.shape[0], k.shape[-1]
+        per_group = channels // groups
+        tokens = v.new_empty(groups, num_keys, batch, per_group + key_channels // groups, dtype=mm_dtype)
+        layout = _token_view(tokens, grid)  # (B, T or H, W, G, n), a view
+        keys = layout[..., per_group:]  # (B, ..., G, Ck / G)
+        keys.copy_(torch.softmax(k, dim=1).view(keys.shape))  # the softmax over positions: exp once, in float32
+        values = layout[..., :per_group].unflatten(-1, (-1, channels // key_channels))  # (B, ..., G, Ck / G, C / Ck)
+        torch.mul(v.view(values.shape), keys.unsqueeze(-1), out=values)
         sums = torch.bmm(weights, tokens.flatten(2)).view(tokens.shape)  # (G, T queries, B, n)
         layout = sums.permute(2, 1, 0, 3)  # (B, T, G, n)
-        per_group = channels // weights.shape[0]
         denominator = layout[..., per_group:].clamp_min(TINY)  # (B, T, G, Ck / G), its own buffer: N is not kept
         numerator = layout[..., :per_group].unflatten(-1, (-1, channels // k.shape[-1]))  # (B, T, G, Ck / G, C / Ck)
         gate = torch.sigmoid(q)  # (B, T, C)

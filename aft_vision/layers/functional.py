@@ -305,7 +305,9 @@ def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: Optional[torch.T
         autocast = q.device.type in ('cpu', 'cuda', 'xpu', 'mps') and torch.is_autocast_enabled(q.device.type)
         half = torch.get_autocast_dtype(q.device.type) if autocast else out_dtype
         mm_dtype = half if half == torch.bfloat16 and dtype == torch.float32 else dtype
-        recording = exporting()
+        is_exporting = getattr(torch.compiler, 'is_exporting', None)  # exporting()'s check, in the call's one plan
+        recording = ((_EXPORT_FLAG_TRUSTED and is_exporting is not None and is_exporting()) or torch.jit.is_tracing()
+                     or torch.onnx.is_in_onnx_export())
         captured = recording or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
         forced = _override
         if forced is None:  # the variable, read by the first call only
@@ -329,7 +331,9 @@ def choose_conv_method(device_type: str, batch: int, height: int, width: int, ch
 
 def _operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype, mm_dtype: torch.dtype):
     """q, k, v as the products form takes them: as given in ``mm_dtype`` (16-bit), else in ``dtype``."""
-    return [x if x.dtype == mm_dtype else x.to(dtype) for x in [q, k, v]]
+    q = q if q.dtype == mm_dtype else q.to(dtype)
+    k = k if k.dtype == mm_dtype else k.to(dtype)
+    return q, k, v if v.dtype == mm_dtype else v.to(dtype)
 
 
 @register_notrace_function
@@ -349,7 +353,9 @@ def aft_full(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor,
 
 def _aft_full(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, causal: bool, dtype: torch.dtype,
               mm_dtype: torch.dtype, policy: str, plain: bool, tiny: float = TINY) -> torch.Tensor:
-    q, k, v = _operands(q, k, v, dtype, mm_dtype)
+    q = q if q.dtype == mm_dtype else q.to(dtype)  # the products' operands: as given in mm_dtype, else in dtype
+    k = k if k.dtype == mm_dtype else k.to(dtype)
+    v = v if v.dtype == mm_dtype else v.to(dtype)
     w = w.to(device=q.device, dtype=dtype)
     if torch.jit.is_scripting() or plain:
         out, denominator = dense_plain(q, k, v, w, None, causal, mm_dtype)
@@ -439,7 +445,7 @@ def aft_conv2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tenso
     else:
         method = get_conv_method() if method is None else method
         if method not in METHODS:
-            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+            raise ValueError(f"method must be one of {', '.join(METHODS)}, got '{method}'")
         if recording and method in ('auto', 'tuned'):  # the conv form runs at any size on any runtime
             method = 'conv'
         elif method == 'tuned':  # the form timed fastest for such calls here (tuning.py), or 'auto'
