@@ -59,6 +59,9 @@ def pytest_configure(config):
     spin against each other (the suite's ops are small)."""
     if os.environ.get('PYTEST_XDIST_WORKER'):
         torch.set_num_threads(1)
+    # torch.utils.cpp_extension logs once, at its first import, that this CUDA build finds no CUDA runtime; imported
+    # lazily by the exporters, that line would land in whichever test's captured stderr came first
+    import torch.utils.cpp_extension  # noqa: F401
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups

@@ -40,8 +40,8 @@ def test_a_hub_folder_saved_by_main_loads_and_answers_the_same(name):
 def test_a_checkpoint_saved_by_main_loads_through_the_filter_and_answers_the_same(name):
     folder = SAVED / name
     io = load_file(folder / 'io.safetensors')
-    model = timm.create_model(name, pretrained=True, **BUILT_AS,
-                              pretrained_cfg_overlay=dict(file=str(folder / 'model.safetensors'), num_classes=10)).eval()
+    overlay = dict(file=str(folder / 'model.safetensors'), num_classes=10)
+    model = timm.create_model(name, pretrained=True, **BUILT_AS, pretrained_cfg_overlay=overlay).eval()
     with torch.no_grad():
         assert_same_answer(model(io['images']), io['logits'])
 
