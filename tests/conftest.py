@@ -38,6 +38,7 @@ Tests marked ``slow`` (those that train to a result, export, benchmark, or start
 environment: 4-25 s each here) are deselected by ``-m "not slow"``.
 """
 import contextlib
+import importlib
 import io
 import json
 import os
@@ -61,7 +62,7 @@ def pytest_configure(config):
         torch.set_num_threads(1)
     # torch.utils.cpp_extension logs once, at its first import, that this CUDA build finds no CUDA runtime; imported
     # lazily by the exporters, that line would land in whichever test's captured stderr came first
-    import torch.utils.cpp_extension  # noqa: F401
+    importlib.import_module('torch.utils.cpp_extension')
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
