@@ -8,9 +8,10 @@ from torch import nn
 
 from timm.layers import register_notrace_module
 
-from .functional import aft_conv2d, check_choice, get_conv_method  # first: it imports the forms, which import it
+from ._shared import check_choice, get_conv_method
 from .channels_first import linear_nchw
 from .depthwise_mix import depthwise_mix_nchw
+from .functional import aft_conv2d
 
 __all__ = ['AFTConv2d', 'resize_window_bias', 'scaled_kernel_size']
 

@@ -12,7 +12,8 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .functional import TINY, no_autocast, sum_last, window_table
+from ._shared import TINY, no_autocast, sum_last
+from .depthwise_mix import window_table
 
 __all__ = ['DenseMix', 'dense_plain', 'axis_onehot', 'CACHE_BYTES']
 

@@ -8,9 +8,16 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .functional import TINY, no_autocast, per_channel, sum_last
+from ._shared import TINY, no_autocast, per_channel, sum_last
 
-__all__ = ['DepthwiseMix', 'depthwise_mix_nchw', 'depthwise_sums', 'depthwise_conv_backward']
+__all__ = ['DepthwiseMix', 'depthwise_mix_nchw', 'depthwise_sums', 'depthwise_conv_backward', 'window_table']
+
+
+def window_table(w: torch.Tensor) -> torch.Tensor:
+    """AFT-conv's bias (h, s, s) as its window table (h, s + 1, s + 1) in w's dtype: the softmax over the window
+    zero-padded by one row and column (the pad cell: a key outside the window, bias 0). Both forms build on it."""
+    side = w.shape[-1] + 1
+    return torch.softmax(F.pad(w, [0, 1, 0, 1]).flatten(1), dim=-1).view(-1, side, side)
 
 
 def _head_kernel(w: torch.Tensor):
@@ -101,10 +108,12 @@ class DepthwiseMix(torch.autograd.Function):
         values = v.new_empty(v.shape[0], v.shape[3], v.shape[1], v.shape[2], dtype=wide).permute(0, 2, 3, 1) \
             if planes else torch.empty_like(v, dtype=wide)
         torch.mul(v.to(wide).unflatten(-1, heads), keys.unsqueeze(-1), out=values.unflatten(-1, heads))
-        kernel_keys, floor, inside = _head_kernel(w.to(wide))  # (h, s, s) E - f, (h,) f, (h, s, s) E
-        kernel_keys = kernel_keys.unsqueeze(1)  # (h, 1, s, s): D's kernel
-        kernel = kernel_keys.repeat_interleave(heads[1], dim=0)  # (C, 1, s, s): N's, head c // d for channel c
-        global_term = values.sum(dim=(1, 2)).mul_(floor.repeat_interleave(heads[1]))  # (B, C): f sum p v
+        table = window_table(w.to(wide))  # (h, s + 1, s + 1): E inside the window, f at the pad cell
+        s = w.shape[-1]
+        inside, floor = table[:, :s, :s], table[:, s, s]  # (h, s, s), (h,)
+        kernel_keys = torch.sub(inside, floor.view(-1, 1, 1)).unsqueeze(1)  # (h, 1, s, s): D's kernel E - f
+        kernel = kernel_keys.expand(-1, heads[1], -1, -1).reshape(-1, 1, s, s)  # (C, 1, s, s): N's, head c // d
+        global_term = values.sum(dim=(1, 2)).mul_(floor.view(-1, 1).expand(-1, heads[1]).reshape(-1))  # (B, C)
         numerator = _conv(values.permute(0, 3, 1, 2), kernel, global_term).permute(0, 2, 3, 1)  # (B, H, W, C)
         denominator = F.conv2d(keys.permute(0, 3, 1, 2), kernel_keys, floor, padding=kernel.shape[-1] // 2,
                                groups=heads[0]).permute(0, 2, 3, 1)  # (B, H, W, h): f sum p = f, the bias

@@ -5,7 +5,7 @@ from typing import Tuple
 
 import torch
 
-from .functional import TINY, gate
+from ._shared import TINY, gate
 
 __all__ = ['SoftmaxPool', 'SimpleMix', 'simple_sums', 'softmax_pool']
 

@@ -13,7 +13,7 @@ import torch
 import aft_reference as ref
 import aft_vision  # noqa: F401  registers the models
 from aft_vision.layers import aft_conv2d, aft_conv2d_onehot, aft_full, aft_local, aft_simple, device_policy, \
-    functional, plain_autograd
+    _shared, functional, plain_autograd
 from aft_vision.layers.aft_conv_onehot import onehot_bias
 
 ONEHOT_INDEX = torch.tensor([4, 2])  # one flat offset of the 3 x 3 window per head: the centre, a corner
@@ -124,14 +124,14 @@ def test_plain_autograd_is_a_thread_local_switch_and_a_decorator():
     assert all(g.requires_grad for g in twice())
     with plain_autograd():
         with plain_autograd(False):
-            assert not functional.plain_forms()
-        assert functional.plain_forms()
+            assert not _shared.plain_forms()
+        assert _shared.plain_forms()
         seen = []
-        thread = __import__('threading').Thread(target=lambda: seen.append(functional.plain_forms()))
+        thread = __import__('threading').Thread(target=lambda: seen.append(_shared.plain_forms()))
         thread.start()
         thread.join()
         assert seen == [False]
-    assert not functional.plain_forms()
+    assert not _shared.plain_forms()
 
 
 def assert_close64(got, want, label):
