@@ -21,8 +21,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from aft_vision.layers._gate import gate_inplace
 from aft_vision.layers.depthwise_mix import DepthwiseMix, _head_kernel
+from aft_vision.layers.functional import gate
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -59,7 +59,8 @@ def positive_split(q, k, v, w):
     exact = x.float()
     outside = exact.sum(dim=(2, 3)).view(batch, 1, 1, -1) - box_sum(exact, s).permute(0, 2, 3, 1)  # float32
     sums = outside.mul_(floor).add_(window)
-    return gate_inplace(q.float(), sums[..., :channels], sums[..., channels:]).bfloat16()
+    with torch.no_grad():
+        return gate(q.float(), sums[..., :channels], sums[..., channels:]).bfloat16()
 
 
 def main():

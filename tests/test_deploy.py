@@ -159,7 +159,7 @@ def test_dynamo_onnx_matches_eager(case, tmp_path):
 @pytest.mark.parametrize('case', list(TEST_CASES))
 def test_onnx_matches_eager_as_built(case, tmp_path):
     """As built, equal parameters (zeros) in every layer: the TorchScript exporter shares them through Identity
-    nodes, which onnxruntime's graph optimiser once lost (AFT-conv's Eq. 8 scale, ``AFTConv2d.dense_bias``)."""
+    nodes, which onnxruntime's graph optimiser once lost (AFT-conv's Eq. 8 scale, ``AFTConv2d.position_bias``)."""
     check_onnx(case, 'built', 'torchscript_opset17', tmp_path)
 
 

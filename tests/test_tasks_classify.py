@@ -104,7 +104,7 @@ def test_entropy_regulariser_matches_a_plain_computation():
             block.attn.pos_gamma.normal_()
     expected = 0.0
     for block in model.blocks:
-        for head in block.attn.effective_bias():
+        for head in block.attn.position_bias():
             p = torch.softmax(head.flatten().double(), 0)
             expected += float(-(p * p.log()).sum().detach())
     assert abs(position_bias_entropy(model).item() - expected) < 1e-3

@@ -56,7 +56,7 @@ def test_position_bias_maps_are_exp_w_minus_one(conv_model):
     maps = visualize.position_bias_maps(conv_model)
     assert maps.shape == (4, 8, 5, 5) and maps.dtype == np.float32
     for layer, block in enumerate(conv_model.blocks):
-        expected = torch.exp(block.attn.effective_bias().detach()) - 1
+        expected = torch.exp(block.attn.position_bias().detach()) - 1
         np.testing.assert_allclose(maps[layer], expected.numpy(), rtol=1e-5, atol=1e-6)
     assert np.abs(maps).max() > 0.1
     assert visualize.position_bias_maps(conv_model, num_heads=3).shape == (4, 3, 5, 5)

@@ -1,6 +1,7 @@
 """``aft-vision bench --ops``: every method on the mixer layer of each model, timed forward and backward apart, beside
 the one ``method='auto'`` picks and each method's traffic count on the CUDA path (``traffic.py``): the measurements
-behind the dispatch tables (``aft_vision/layers/dispatch.py``; docs/performance.md, "Choosing the AFT-conv method")."""
+behind the dispatch tables (``DISPATCH_TABLES`` in ``layers/functional.py``; docs/performance.md, "Choosing the AFT-conv
+method")."""
 import statistics
 import time
 from typing import Dict, List

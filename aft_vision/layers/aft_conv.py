@@ -6,8 +6,9 @@ import torch
 from timm.layers import resize_rel_pos_bias_table_simple
 from torch import nn
 
-from .dispatch import check_choice, get_conv_method
-from ._checks import check_tokens
+from timm.layers import register_notrace_module
+
+from ._shared import check_choice, get_conv_method
 from .channels_first import linear_nchw
 from .depthwise_mix import depthwise_mix_nchw
 from .functional import aft_conv2d
@@ -15,6 +16,7 @@ from .functional import aft_conv2d
 __all__ = ['AFTConv2d', 'resize_window_bias', 'scaled_kernel_size']
 
 
+@register_notrace_module  # an fx leaf: its input check runs on real shapes, not on proxies
 class AFTConv2d(nn.Module):
     """AFT-conv on a (B, H, W, C) token grid of any size; ``qkv`` stacks q (C), k (one per head) and v (C). The raw
     (h, s, s) bias is reparameterised per head (Eq. 8), ``w_i = gamma_i * (raw_i - mean) / std + beta_i``, with
@@ -50,8 +52,8 @@ class AFTConv2d(nn.Module):
         nn.init.zeros_(self.pos_gamma)
         nn.init.zeros_(self.pos_beta)
 
-    def dense_bias(self, kernel_size: Optional[int] = None) -> torch.Tensor:
-        """The learned bias ``w`` (h, s, s) after the reparameterisation of Eq. 8 (what Eq. 9 regularises); with
+    def position_bias(self, kernel_size: Optional[int] = None) -> torch.Tensor:
+        """The bias ``w`` (h, s, s) of Eq. 6 after the reparameterisation of Eq. 8 (what Eq. 9 regularises); with
         ``kernel_size``, of the window resampled to it for one call (``resize_window_bias``, differentiably; the layer
         is left as it is)."""
         raw, gamma, beta = self.pos_weight, self.pos_gamma, self.pos_beta
@@ -65,10 +67,6 @@ class AFTConv2d(nn.Module):
         # gamma * (raw - mean) / std + beta as one scale and shift of the parameter: autograd keeps no (h, s, s) copy
         return raw * scale + (beta.view(-1, 1, 1) - mean * scale)
 
-    def effective_bias(self, kernel_size: Optional[int] = None) -> torch.Tensor:
-        """The bias (h, s, s) that Eq. 6 uses: ``dense_bias(kernel_size)`` here; sparse subclasses select from it."""
-        return self.dense_bias(kernel_size)
-
     @torch.no_grad()
     def resize_window(self, kernel_size: int) -> None:
         """Resample the window to ``kernel_size`` (``resize_window_bias``) for a grid scaled by about
@@ -81,18 +79,13 @@ class AFTConv2d(nn.Module):
         self.pos_beta.copy_(beta)
         self.kernel_size = kernel_size
 
-    def _mix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             kernel_size: Optional[int] = None) -> torch.Tensor:
-        bias = self.effective_bias() if kernel_size is None else self.effective_bias(kernel_size)  # (h, s, s)
-        return aft_conv2d(q, k, v, bias, method=self.method)  # (B, H, W, C)
-
     def forward(self, x: torch.Tensor, kernel_size: Optional[int] = None) -> torch.Tensor:
-        """Mix tokens x (B, H, W, C); ``kernel_size``: this call's window (``dense_bias``), None the layer's own."""
-        check_tokens(x, f'(B, H, W, {self.dim})', self.dim)
+        """Mix tokens x (B, H, W, C); ``kernel_size``: this call's window (``position_bias``), None the layer's own."""
+        if x.dim() != 4 or x.shape[-1] != self.dim:
+            raise ValueError(f'expected tokens (B, H, W, {self.dim}), got shape {list(x.shape)}')
         q, k, v = self.qkv(x).split([self.dim, self.num_heads, self.dim], dim=-1)  # (B, H, W, C / h / C)
-        if kernel_size is None or torch.jit.is_scripting():  # subclasses' ``_mix`` may take no window
-            return self.proj_drop(self.proj(self._mix(q, k, v)))
-        return self.proj_drop(self.proj(self._mix(q, k, v, kernel_size)))
+        x = aft_conv2d(q, k, v, self.position_bias(kernel_size), method=self.method)  # (B, H, W, C)
+        return self.proj_drop(self.proj(x))
 
     def _check_map(self, x: torch.Tensor) -> None:
         if x.dim() != 4 or x.shape[1] != self.dim:
@@ -105,7 +98,7 @@ class AFTConv2d(nn.Module):
         dim, heads = self.dim, self.num_heads
         q, k, v = (linear_nchw(x, self.qkv, rows) for rows in (
             slice(0, dim), slice(dim, dim + heads), slice(dim + heads, 2 * dim + heads)))
-        x = depthwise_mix_nchw(q, k, v, self.effective_bias())  # (B, C, H, W)
+        x = depthwise_mix_nchw(q, k, v, self.position_bias())  # (B, C, H, W)
         return self.proj_drop(linear_nchw(x, self.proj))
 
     def extra_repr(self) -> str:

@@ -5,6 +5,7 @@ becomes a global sum plus one shifted map per head,
 ``Y = sigmoid(Q) * (sum exp(K) V + c * shift(exp(K) V)) / (sum exp(K) + c * shift(exp(K)))``, ``c = exp(w_sel) - 1``,
 which ``aft_conv2d_onehot`` computes in O(T C): the paper's "convolution into indexing".
 """
+import contextlib
 from typing import Optional
 
 import torch
@@ -12,10 +13,8 @@ import torch.nn.functional as F
 from timm.layers import register_notrace_function
 from torch import nn
 
-from ._stable import CANCEL_TOL, TINY, flag_below
 from .aft_conv import AFTConv2d
-from .dispatch import capturing, no_autocast
-from .functional import aft_conv2d, check_conv_inputs, compute_dtype, get_device_policy, output_dtype
+from .functional import CANCEL_TOL, TINY, _plan, aft_conv2d, flag_below
 
 __all__ = ['AFTConv2dOneHot', 'aft_conv2d_onehot', 'onehot_bias', 'convert_to_onehot']
 
@@ -32,22 +31,22 @@ def aft_conv2d_onehot(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torc
     """``aft_conv2d(q, k, v, onehot_bias(w, index))`` by global pooling plus indexing, O(B T C): head i's bias is
     ``w[i].flatten()[index[i]]`` (h,) at one offset, 0 elsewhere. Under the 'cpu' policy a cancelled denominator
     hands the call to ``aft_conv2d``, which repairs it."""
-    check_conv_inputs(q, k, v, w)
+    out_dtype, dtype, _, policy, captured, _, autocast = _plan(q, k, v, w, 'conv')
     num_heads = k.shape[-1]
     if index.shape != (num_heads,):
         raise ValueError(f'index must be ({num_heads},), got {list(index.shape)}')
     if torch.jit.is_scripting():
-        return _aft_conv2d_onehot(q, k, v, w, index, 'cpu')
-    with no_autocast():
-        return _aft_conv2d_onehot(q, k, v, w, index, get_device_policy(q.device))
+        return _aft_conv2d_onehot(q, k, v, w, index, 'cpu', False, out_dtype, dtype)
+    else:
+        with torch.autocast(q.device.type, enabled=False) if autocast else contextlib.nullcontext():
+            return _aft_conv2d_onehot(q, k, v, w, index, policy, captured, out_dtype, dtype)
 
 
 def _aft_conv2d_onehot(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, index: torch.Tensor,
-                       policy: str, tiny: float = TINY, cancel_tol: float = CANCEL_TOL) -> torch.Tensor:
+                       policy: str, captured: bool, out_dtype: torch.dtype, dtype: torch.dtype, tiny: float = TINY,
+                       cancel_tol: float = CANCEL_TOL) -> torch.Tensor:
     batch, height, width, channels = q.shape
     num_heads, s, head_dim = w.shape[0], w.shape[-1], channels // w.shape[0]
-    out_dtype = output_dtype(q, k, v)
-    dtype = compute_dtype([q, k, v, w])
     q, k, v, w = q.to(dtype), k.to(dtype), v.to(dtype), w.to(device=q.device, dtype=dtype)
     index = index.to(q.device)
     heads = torch.arange(num_heads, device=q.device)
@@ -62,7 +61,7 @@ def _aft_conv2d_onehot(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: tor
     exp_k = buffer[:, :num_keys, :, head_dim]  # (B, T, h), a view
     values = v.view(batch, num_keys, num_heads, head_dim)
     # autograd, or a captured graph (one branch whatever the grad mode, no out= into views): copy into the buffer
-    if capturing() or (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)):
+    if captured or (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)):
         keys = torch.exp(k - k.amax(dim=(1, 2), keepdim=True).detach()).view(batch, num_keys, num_heads)
         buffer[:, :num_keys, :, head_dim] = keys
         buffer[:, :num_keys, :, :head_dim] = keys.unsqueeze(-1) * values
@@ -87,7 +86,7 @@ def _aft_conv2d_onehot(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: tor
     sums = torch.addcmul(totals * floor, shifted, gain)  # (B, T, h, d + 1)
     numerator, denominator = sums[..., :head_dim], sums[..., head_dim:]  # (B, T, h, d), (B, T, h, 1)
     limit = (totals[..., head_dim:].detach() * floor * cancel_tol).clamp_min(tiny)  # (B, 1, h, 1)
-    if flag_below(denominator, limit, policy) is not None:
+    if policy == 'cpu' and flag_below(denominator, limit) is not None:
         return aft_conv2d(q, k, v, onehot_bias(w, index)).to(out_dtype)
     mixed = (numerator / denominator).reshape(batch, height, width, channels)
     return (torch.sigmoid(q) * mixed).to(out_dtype)
@@ -95,9 +94,9 @@ def _aft_conv2d_onehot(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: tor
 
 class AFTConv2dOneHot(AFTConv2d):
     """AFT-conv whose heads each attend through one learned offset (Sec. 8, Eq. 10); ``AFTConv2d``'s parameters and
-    state-dict keys. ``dense_bias()`` (Eq. 8's ``w``) is also the logits of the offset choice; Eq. 6 uses w * onehot:
-    in training a Gumbel-softmax sample (temperature ``tau``, the paper's 0.5; straight-through one-hot if ``hard``)
-    per head and call, in eval ``argmax(w_i)`` by ``aft_conv2d_onehot``."""
+    state-dict keys. ``position_bias()`` (Eq. 8's ``w``) is also the logits of the offset choice; Eq. 6 uses w times a
+    one-hot: in training a Gumbel-softmax sample (temperature ``tau``, the paper's 0.5; straight-through one-hot if
+    ``hard``) per head and call, in eval ``argmax(w_i)`` by ``aft_conv2d_onehot``."""
 
     def __init__(self, dim: int, num_heads: int, kernel_size: int, tau: float = 0.5, hard: bool = True, **kwargs):
         super().__init__(dim, num_heads, kernel_size, **kwargs)
@@ -117,30 +116,32 @@ class AFTConv2dOneHot(AFTConv2d):
 
     def selected_offsets(self) -> torch.Tensor:
         """The offset each head uses at inference, as (h, 2) rows ``(dy, dx)`` from query to key."""
-        index = self.dense_bias().flatten(1).argmax(dim=1)  # (h,)
+        index = self.position_bias().flatten(1).argmax(dim=1)  # (h,)
         return torch.stack([index // self.kernel_size, index % self.kernel_size], dim=1) - self.kernel_size // 2
 
-    def effective_bias(self, kernel_size: Optional[int] = None) -> torch.Tensor:
-        """The bias Eq. 6 uses (h, s, s): ``w`` at one offset per head (sampled in training, argmax in eval), 0 else;
-        ``kernel_size``: of the window resampled for one call (``dense_bias``)."""
-        w = self.dense_bias(kernel_size)
+    def selected_bias(self, kernel_size: Optional[int] = None) -> torch.Tensor:
+        """The bias Eq. 6 uses (h, s, s): ``w`` at one offset per head (sampled in training, argmax in eval), 0 else."""
+        w = self.position_bias(kernel_size)
         if self.training:
             sample = F.gumbel_softmax(w.flatten(1), tau=self.tau, hard=self.hard)  # (h, s*s), rows sum to 1
             return w * sample.view_as(w)
         return onehot_bias(w, w.flatten(1).argmax(dim=1))
 
-    def _mix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             kernel_size: Optional[int] = None) -> torch.Tensor:
-        if self.training:  # Eq. 6 with the sampled bias: gradients reach every offset's logit
-            return aft_conv2d(q, k, v, self.effective_bias(kernel_size), method=self.method)
-        w = self.dense_bias(kernel_size)  # else global pooling plus indexing
-        return aft_conv2d_onehot(q, k, v, w, w.detach().flatten(1).argmax(dim=1))  # (B, H, W, C)
+    def forward(self, x: torch.Tensor, kernel_size: Optional[int] = None) -> torch.Tensor:
+        """``AFTConv2d.forward`` with the selected bias: in training Eq. 6 with the sampled bias (gradients reach every
+        offset's logit), in eval global pooling plus indexing."""
+        if x.dim() != 4 or x.shape[-1] != self.dim:
+            raise ValueError(f'expected tokens (B, H, W, {self.dim}), got shape {list(x.shape)}')
+        q, k, v = self.qkv(x).split([self.dim, self.num_heads, self.dim], dim=-1)  # (B, H, W, C / h / C)
+        if self.training:
+            x = aft_conv2d(q, k, v, self.selected_bias(kernel_size), method=self.method)
+        else:
+            w = self.position_bias(kernel_size)
+            x = aft_conv2d_onehot(q, k, v, w, w.detach().flatten(1).argmax(dim=1))  # (B, H, W, C)
+        return self.proj_drop(self.proj(x))
 
     def forward_nchw(self, x: torch.Tensor) -> torch.Tensor:
-        """``forward`` on a channel-first map (B, C, H, W): in eval the indexing form on token rows, in training
-        ``AFTConv2d``'s."""
-        if self.training:
-            return super().forward_nchw(x)
+        """``forward`` on a channel-first map (B, C, H, W), on token rows between permutes."""
         self._check_map(x)
         return self(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
 

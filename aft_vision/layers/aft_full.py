@@ -6,9 +6,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from timm.layers import register_notrace_function
+from timm.layers import register_notrace_function, register_notrace_module
 
-from ._checks import check_tokens
 from .functional import aft_full, aft_simple
 
 __all__ = ['AFTFull', 'AFTLocal', 'AFTSimple', 'masked_bias']
@@ -40,6 +39,7 @@ def refuse_mask(attn_mask: Optional[torch.Tensor], name: str) -> None:
                          f'weights to mask; use is_causal=True for the causal form, or AFT-full')
 
 
+@register_notrace_module  # an fx leaf: its input check runs on real shapes, not on proxies
 class AFTFull(nn.Module):
     """AFT-full (Eq. 2).
 
@@ -72,15 +72,14 @@ class AFTFull(nn.Module):
         """The (T, T) pair-wise position bias ``w = u @ v.T``."""
         return self.pos_u @ self.pos_v.transpose(0, 1)
 
-    def _mix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, causal: bool) -> torch.Tensor:
-        return aft_full(q, k, v, w, causal=causal)
-
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
                 is_causal: bool = False) -> torch.Tensor:
-        check_tokens(x, f'(B, {self.seq_len}, {self.dim})', self.dim, self.seq_len)
+        if x.dim() != 3 or x.shape[1] != self.seq_len or x.shape[2] != self.dim:
+            raise ValueError(f'expected tokens (B, {self.seq_len}, {self.dim}), got shape {list(x.shape)}')
         B, T, C = x.shape
         q, k, v = self.qkv(x).reshape(B, T, 3, C).unbind(2)  # 3 x (B, T, C), as timm's (no ONNX Split)
-        x = self._mix(q, k, v, masked_bias(self.position_bias(), attn_mask), self.causal or is_causal)
+        w = self.position_bias() if attn_mask is None else masked_bias(self.position_bias(), attn_mask)  # (T, T)
+        x = aft_full(q, k, v, w, causal=self.causal or is_causal)
         return self.proj_drop(self.proj(x))
 
     def extra_repr(self) -> str:
@@ -106,6 +105,7 @@ class AFTLocal(AFTFull):
         return f'{super().extra_repr()}, window={self.window}'
 
 
+@register_notrace_module  # an fx leaf, as AFTFull
 class AFTSimple(nn.Module):
     """AFT-simple (Eq. 5): no position bias, linear in T; ``causal`` as ``AFTFull``'s. It pools the keys over the
     sequence, so there are no pairs for an ``attn_mask`` to act on: a mask is refused (ValueError)."""
@@ -121,8 +121,10 @@ class AFTSimple(nn.Module):
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
                 is_causal: bool = False) -> torch.Tensor:
-        check_tokens(x, f'(B, T, {self.dim})', self.dim)
-        refuse_mask(attn_mask, 'AFT-simple')
+        if x.dim() != 3 or x.shape[2] != self.dim:
+            raise ValueError(f'expected tokens (B, T, {self.dim}), got shape {list(x.shape)}')
+        if attn_mask is not None:
+            refuse_mask(attn_mask, 'AFT-simple')
         B, T, C = x.shape
         q, k, v = self.qkv(x).reshape(B, T, 3, C).unbind(2)  # 3 x (B, T, C), as timm's (no ONNX Split)
         return self.proj_drop(self.proj(aft_simple(q, k, v, causal=self.causal or is_causal)))

@@ -12,11 +12,10 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from ._gate import sum_last
-from ._stable import TINY
-from .dispatch import no_autocast
+from ._shared import TINY, no_autocast, sum_last
+from .depthwise_mix import window_table
 
-__all__ = ['DenseMix', 'dense_mix', 'dense_plain', 'axis_onehot', 'window_table', 'CACHE_BYTES']
+__all__ = ['DenseMix', 'dense_plain', 'axis_onehot', 'CACHE_BYTES']
 
 CACHE_BYTES = 1 << 24  # what ``axis_onehot`` keeps over every map size, device and dtype
 _CACHE: 'collections.OrderedDict[tuple, torch.Tensor]' = collections.OrderedDict()
@@ -42,23 +41,6 @@ def axis_onehot(size: int, kernel_size: int, like: torch.Tensor, dtype: torch.dt
         while sum(t.numel() * t.element_size() for t in _CACHE.values()) > CACHE_BYTES and len(_CACHE) > 1:
             _CACHE.popitem(last=False)
     return table
-
-
-def window_table(w: torch.Tensor) -> torch.Tensor:
-    """AFT-conv's bias (h, s, s) as its window table (h, s + 1, s + 1) in w's dtype: the softmax over the window
-    zero-padded by one row and column (the pad cell: a key outside the window, bias 0). Both forms build on it."""
-    side = w.shape[-1] + 1
-    return torch.softmax(F.pad(w, [0, 1, 0, 1]).flatten(1), dim=-1).view(-1, side, side)
-
-
-def _table(w: torch.Tensor, grid: Optional[Tuple[int, int]], causal: bool) -> torch.Tensor:
-    """The bias's row-scaled exp in w's dtype: for ``grid`` None of a (T, T) bias ``w[query, key]`` (1, T, T), keys
-    after the query dropped if ``causal``; else ``window_table`` of an AFT-conv bias (h, s, s)."""
-    if grid is None:
-        if causal:
-            w = w.masked_fill(torch.ones_like(w, dtype=torch.bool).triu(1), float('-inf'))
-        return torch.softmax(w, dim=-1).unsqueeze(0)  # (1, T, T)
-    return window_table(w)  # (h, s + 1, s + 1)
 
 
 def _scaled_exp(w: torch.Tensor, grid: Optional[Tuple[int, int]], causal: bool) -> torch.Tensor:
@@ -105,21 +87,6 @@ def _token_view(tokens: torch.Tensor, grid: Optional[Tuple[int, int]]) -> torch.
     return tokens.unflatten(1, (grid[1], grid[0])).permute(3, 2, 1, 0, 4)
 
 
-def _tokens(k: torch.Tensor, v: torch.Tensor, groups: int, mm_dtype: torch.dtype,
-            grid: Optional[Tuple[int, int]]) -> torch.Tensor:
-    """X (G, T, B, n), n = (C + Ck) / G: per group its values' ``p v`` then its keys' p, written in place."""
-    batch, num_keys, channels = v.shape
-    key_channels = k.shape[-1]
-    per_group = channels // groups
-    tokens = v.new_empty(groups, num_keys, batch, per_group + key_channels // groups, dtype=mm_dtype)
-    layout = _token_view(tokens, grid)  # (B, T or H, W, G, n), a view
-    keys = layout[..., per_group:]  # (B, ..., G, Ck / G)
-    keys.copy_(torch.softmax(k, dim=1).view(keys.shape))  # the softmax over positions: exp once, in float32
-    values = layout[..., :per_group].unflatten(-1, (-1, channels // key_channels))  # (B, ..., G, Ck / G, C / Ck)
-    torch.mul(v.view(values.shape), keys.unsqueeze(-1), out=values)
-    return tokens
-
-
 def _key_sums(weights: torch.Tensor, tokens: torch.Tensor, per_group: int) -> torch.Tensor:
     """D (B, T, 1, Ck) = E p for one E (1, T, T) and X (1, T, B, n), floored at ``TINY``."""
     keys = tokens[0, :, :, per_group:].transpose(0, 1)  # (B, T keys, Ck)
@@ -133,18 +100,30 @@ class DenseMix(torch.autograd.Function):
     smaller than D (AFT-full: one key per channel)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, w, grid, causal, mm_dtype, policy):
+    def forward(ctx, q, k, v, w, grid, causal, mm_dtype):
         batch, num_keys, channels = q.shape
-        table = _table(w, grid, causal)  # (1, T, T) or (h, s + 1, s + 1), kept in w's dtype for the bias gradient
+        # the bias's row-scaled exp, kept in w's dtype for the bias gradient: of a (T, T) bias w[query, key] (keys after
+        # the query dropped if causal), (1, T, T); of an AFT-conv bias its window table (h, s + 1, s + 1)
         if grid is None:
+            if causal:
+                w = w.masked_fill(torch.ones_like(w, dtype=torch.bool).triu(1), float('-inf'))
+            table = torch.softmax(w, dim=-1).unsqueeze(0)  # (1, T, T)
             weights, factors = table.to(mm_dtype), None  # E
         else:
+            table = window_table(w)  # (h, s + 1, s + 1)
             factors = _row_lines(table.to(mm_dtype), axis_onehot(grid[0], w.shape[-1], q, mm_dtype))  # (h, H * H, s+1)
             weights = _window_weights(factors, axis_onehot(grid[1], w.shape[-1], q, mm_dtype), grid)
-        tokens = _tokens(k, v, weights.shape[0], mm_dtype, grid)  # (G, T, B, n)
+        # X (G, T, B, n), n = (C + Ck) / G: per group its values' p v then its keys' p, written in place
+        groups, key_channels = weights.shape[0], k.shape[-1]
+        per_group = channels // groups
+        tokens = v.new_empty(groups, num_keys, batch, per_group + key_channels // groups, dtype=mm_dtype)
+        layout = _token_view(tokens, grid)  # (B, T or H, W, G, n), a view
+        keys = layout[..., per_group:]  # (B, ..., G, Ck / G)
+        keys.copy_(torch.softmax(k, dim=1).view(keys.shape))  # the softmax over positions: exp once, in float32
+        values = layout[..., :per_group].unflatten(-1, (-1, channels // key_channels))  # (B, ..., G, Ck / G, C / Ck)
+        torch.mul(v.view(values.shape), keys.unsqueeze(-1), out=values)
         sums = torch.bmm(weights, tokens.flatten(2)).view(tokens.shape)  # (G, T queries, B, n)
         layout = sums.permute(2, 1, 0, 3)  # (B, T, G, n)
-        per_group = channels // weights.shape[0]
         denominator = layout[..., per_group:].clamp_min(TINY)  # (B, T, G, Ck / G), its own buffer: N is not kept
         numerator = layout[..., :per_group].unflatten(-1, (-1, channels // k.shape[-1]))  # (B, T, G, Ck / G, C / Ck)
         gate = torch.sigmoid(q)  # (B, T, C)
@@ -152,7 +131,7 @@ class DenseMix(torch.autograd.Function):
         torch.mul(gate.view(numerator.shape), numerator, out=out).div_(denominator.unsqueeze(-1))
         recompute = weights.shape[0] == 1 and weights.numel() < denominator.numel()
         ctx.save_for_backward(gate, tokens, None if recompute else denominator, out, factors, table)
-        ctx.grid, ctx.kernel_size, ctx.mm_dtype, ctx.policy = grid, w.shape[-1], mm_dtype, policy
+        ctx.grid, ctx.kernel_size, ctx.mm_dtype = grid, w.shape[-1], mm_dtype
         ctx.dtypes = (q.dtype, k.dtype, v.dtype, w.dtype)
         ctx.mark_non_differentiable(denominator)
         ctx.set_materialize_grads(False)  # no zeros made for D's gradient
@@ -164,7 +143,7 @@ class DenseMix(torch.autograd.Function):
             raise RuntimeError("DenseMix's backward has no second derivative: for create_graph=True run the forward "
                                "under aft_vision.layers.plain_autograd()")
         if grad_out is None:  # the output was not used
-            return (None,) * 8
+            return (None,) * 7
         with no_autocast():  # the products in the dtypes chosen here
             return DenseMix._backward(ctx, grad_out)
 
@@ -201,7 +180,7 @@ class DenseMix(torch.autograd.Function):
         grad_v = torch.mul(grad_values, keys.unsqueeze(-1), out=out.new_empty(values.shape))  # (B, ..., C / Ck)
         grad_k = sum_last(torch.mul(grad_values, values, out=out.new_empty(values.shape))).addcmul_(grad_keys, keys)
         grads = [g.reshape(batch, num_keys, -1) for g in (grad_q, grad_k, grad_v)] + [grad_w]
-        return tuple(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)) + (None,) * 4
+        return tuple(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)) + (None,) * 3
 
 
 def dense_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, grid: Optional[Tuple[int, int]],
@@ -231,13 +210,3 @@ def dense_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tens
     numerator = sums[..., :per_group].reshape(batch, num_keys, key_channels, -1)
     out = torch.sigmoid(q).view(numerator.shape) * (numerator / denominator)
     return out.view(q.shape), denominator.view(k.shape)
-
-
-def dense_mix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, grid: Optional[Tuple[int, int]],
-              causal: bool, mm_dtype: torch.dtype, policy: str, plain: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The output (B, T, C) and D (B, T, Ck): ``DenseMix``, or ``dense_plain`` in TorchScript and where ``plain``."""
-    if torch.jit.is_scripting() or plain:
-        return dense_plain(q, k, v, w, grid, causal, mm_dtype)
-    else:
-        out, denominator = DenseMix.apply(q, k, v, w, grid, causal, mm_dtype, policy)
-        return out, denominator.flatten(2)

@@ -1,5 +1,6 @@
 """AFT-conv's sums by depthwise convolutions plus a global sum, O(T s^2 C): ``N = conv(p v, E - f) + f sum p v``,
-``D = conv(p, E - f) + f``, ``p = softmax_T(k)``, E and f the softmax of the zero-padded window table and its pad cell.
+``D = conv(p, E - f) + f``, ``p = softmax_T(k)``, E and f the window's ``exp(w - m)`` and the ``exp(-m)`` of a key
+outside it (m = max(0, max w); N / D cancels the scale).
 A negative kernel (w < 0) can cancel D: it is summed in float32, and the 'cpu' policy repairs what cancelled.
 ``DepthwiseMix``'s backward takes the convolutions' gradients by forward convolutions (docs/operators.md)."""
 from typing import Optional, Tuple
@@ -7,12 +8,16 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from ._gate import gate, per_channel, sum_last
-from ._stable import TINY
-from .dense_mix import window_table
-from .dispatch import no_autocast
+from ._shared import TINY, no_autocast, per_channel, sum_last
 
-__all__ = ['DepthwiseMix', 'depthwise_mix', 'depthwise_mix_nchw', 'depthwise_sums', 'depthwise_conv_backward']
+__all__ = ['DepthwiseMix', 'depthwise_mix_nchw', 'depthwise_sums', 'depthwise_conv_backward', 'window_table']
+
+
+def window_table(w: torch.Tensor) -> torch.Tensor:
+    """AFT-conv's bias (h, s, s) as its window table (h, s + 1, s + 1) in w's dtype: the softmax over the window
+    zero-padded by one row and column (the pad cell: a key outside the window, bias 0). Both forms build on it."""
+    side = w.shape[-1] + 1
+    return torch.softmax(F.pad(w, [0, 1, 0, 1]).flatten(1), dim=-1).view(-1, side, side)
 
 
 def _head_kernel(w: torch.Tensor):
@@ -21,23 +26,6 @@ def _head_kernel(w: torch.Tensor):
     floor = torch.exp(-shift)  # (h,) weight of a key outside the window
     inside = torch.exp(w - shift.view(-1, 1, 1))  # (h, s, s)
     return inside - floor.view(-1, 1, 1), floor, inside
-
-
-def _table(w: torch.Tensor, head_dim: int, dtype: torch.dtype):
-    """From the softmax of the zero-padded window table: the kernel E - f of N's channels (C, 1, s, s) in ``dtype``
-    and of D's (h, 1, s, s), E (h, s, s) and f (h,) in w's dtype."""
-    s = w.shape[-1]
-    table = window_table(w)  # (h, s + 1, s + 1)
-    inside, floor = table[:, :s, :s], table[:, s, s]
-    kernel = torch.sub(inside, floor.view(-1, 1, 1)).unsqueeze(1)  # (h, 1, s, s)
-    return per_channel(kernel, head_dim, dim=0).to(dtype), kernel, inside, floor
-
-
-def _maps(like: torch.Tensor, dtype: torch.dtype, planes: bool) -> torch.Tensor:
-    """An empty (B, H, W, n) map shaped as ``like``: a view of contiguous (B, n, H, W) planes, or channels-last."""
-    batch, height, width, channels = like.shape
-    return like.new_empty(batch, channels, height, width, dtype=dtype).permute(0, 2, 3, 1) if planes \
-        else torch.empty_like(like, dtype=dtype)
 
 
 def _conv(x: torch.Tensor, kernel: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
@@ -113,12 +101,19 @@ class DepthwiseMix(torch.autograd.Function):
     def forward(ctx, q, k, v, w, planes, dtype):
         heads = (k.shape[-1], q.shape[-1] // k.shape[-1])
         wide = torch.promote_types(dtype, torch.float32)  # p, p v, N and D: the split's sums cancel where w < 0
-        keys = _maps(k, wide, planes)  # p (B, H, W, h)
+        # p (B, H, W, h) and p v (B, H, W, C): views of contiguous (B, n, H, W) planes, or channels-last maps
+        keys = k.new_empty(k.shape[0], k.shape[3], k.shape[1], k.shape[2], dtype=wide).permute(0, 2, 3, 1) if planes \
+            else torch.empty_like(k, dtype=wide)
         torch.softmax(k.flatten(1, 2), 1, dtype=wide, out=keys.flatten(1, 2))  # over the positions: sums to 1
-        values = _maps(v, wide, planes)  # p v (B, H, W, C)
+        values = v.new_empty(v.shape[0], v.shape[3], v.shape[1], v.shape[2], dtype=wide).permute(0, 2, 3, 1) \
+            if planes else torch.empty_like(v, dtype=wide)
         torch.mul(v.to(wide).unflatten(-1, heads), keys.unsqueeze(-1), out=values.unflatten(-1, heads))
-        kernel, kernel_keys, inside, floor = _table(w.to(wide), heads[1], wide)
-        global_term = values.sum(dim=(1, 2)).mul_(per_channel(floor, heads[1]))  # (B, C): f sum p v
+        table = window_table(w.to(wide))  # (h, s + 1, s + 1): E inside the window, f at the pad cell
+        s = w.shape[-1]
+        inside, floor = table[:, :s, :s], table[:, s, s]  # (h, s, s), (h,)
+        kernel_keys = torch.sub(inside, floor.view(-1, 1, 1)).unsqueeze(1)  # (h, 1, s, s): D's kernel E - f
+        kernel = kernel_keys.expand(-1, heads[1], -1, -1).reshape(-1, 1, s, s)  # (C, 1, s, s): N's, head c // d
+        global_term = values.sum(dim=(1, 2)).mul_(floor.view(-1, 1).expand(-1, heads[1]).reshape(-1))  # (B, C)
         numerator = _conv(values.permute(0, 3, 1, 2), kernel, global_term).permute(0, 2, 3, 1)  # (B, H, W, C)
         denominator = F.conv2d(keys.permute(0, 3, 1, 2), kernel_keys, floor, padding=kernel.shape[-1] // 2,
                                groups=heads[0]).permute(0, 2, 3, 1)  # (B, H, W, h): f sum p = f, the bias
@@ -161,19 +156,3 @@ class DepthwiseMix(torch.autograd.Function):
             grad_w = grad_kernel.add_(grad_kernel_keys.squeeze(1)).mul_(inside)  # E dL/dE: Z and m are free
         grads = (grad_q.flatten(-2), grad_k, grad_v.flatten(-2), grad_w)
         return tuple(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)) + (None, None)
-
-
-def depthwise_mix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, dtype: torch.dtype,
-                  mm_dtype: torch.dtype, policy: str, plain: bool = False
-                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``DepthwiseMix`` (the 'cuda' policy: planes, the gate in ``mm_dtype``; 'cpu': channels-last, in ``dtype``), or
-    ``depthwise_sums`` in ``dtype`` in TorchScript and where ``plain`` (``dispatch.plain_forms()``: capturing too)."""
-    if torch.jit.is_scripting() or plain:
-        height, width = q.shape[1], q.shape[2]
-        numerator, denominator, scale = depthwise_sums(
-            k.to(dtype).flatten(1, 2), v.to(dtype).flatten(1, 2), w.to(dtype), height, width)
-        out = gate(q.to(dtype).flatten(1, 2), numerator, denominator)  # (B, T, C)
-        return out.view(q.shape), denominator.view(k.shape), scale.unsqueeze(1)
-    else:
-        planes = policy == 'cuda'
-        return DepthwiseMix.apply(q, k, v, w, planes, mm_dtype if planes else dtype)

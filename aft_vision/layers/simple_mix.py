@@ -1,13 +1,13 @@
 """AFT-simple's sums (Eq. 5): ``SoftmaxPool`` for the whole sequence, ``sigmoid(q) * sum_T softmax_T(k) v`` (the
 denominator is 1: nothing divides, in the inputs' dtype); ``SimpleMix`` for prefix sums (causal). Both save only
 q, k, v (and the pooled values, (B, 1, C)); for ``create_graph=True`` both backwards take the plain form's autograd."""
-from typing import Optional, Tuple
+from typing import Tuple
 
 import torch
 
-from ._gate import gate, gate_backward
+from ._shared import TINY, gate
 
-__all__ = ['SoftmaxPool', 'SimpleMix', 'simple_mix']
+__all__ = ['SoftmaxPool', 'SimpleMix', 'simple_sums', 'softmax_pool']
 
 
 def simple_sums(k: torch.Tensor, v: torch.Tensor, causal: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -31,7 +31,7 @@ class SoftmaxPool(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v):
-        pooled = _pool(k, v)  # (B, 1, C)
+        pooled = softmax_pool(k, v)  # (B, 1, C)
         ctx.save_for_backward(q, k, v, pooled)
         return torch.sigmoid(q).mul_(pooled)
 
@@ -50,7 +50,7 @@ class SoftmaxPool(torch.autograd.Function):
         return grad_q, grad_k, grad_v
 
 
-def _pool(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def softmax_pool(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """``sum_T softmax_T(k) v`` (B, 1, C), summed in float32 at least whatever the inputs' dtype."""
     terms = torch.softmax(k, dim=1) * v  # (B, T, C)
     return terms.sum(dim=1, keepdim=True, dtype=torch.promote_types(terms.dtype, torch.float32)).to(terms.dtype)
@@ -83,23 +83,29 @@ class SimpleMix(torch.autograd.Function):
         return tuple(g.to(x.dtype) for g, x in zip(grads, inputs)) + (None, None)
 
 
+def gate_backward(grad_out: torch.Tensor, q: torch.Tensor, numerator: torch.Tensor, denominator: torch.Tensor
+                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of ``gate`` in q, N (..., C) and D (..., Ck)."""
+    denominator = denominator.clamp_min(TINY).unsqueeze(-1)  # (..., Ck, 1)
+    mixed = numerator.unflatten(-1, (denominator.shape[-2], -1)) / denominator  # (..., Ck, C / Ck)
+    grad_out = grad_out.unflatten(-1, mixed.shape[-2:])
+    gate_q = torch.sigmoid(q).unflatten(-1, mixed.shape[-2:])
+    gated = grad_out * gate_q
+    scaled = gated * mixed  # grad_out * sigmoid(q) * N / D, (..., Ck, C / Ck)
+    grad_num, grad_den = gated.div_(denominator), scaled.sum(-1)
+    grad_den = grad_den.div_(denominator.squeeze(-1)).neg_()  # (..., Ck)
+    grad_q = scaled.mul_(gate_q.neg_().add_(1.0))  # times 1 - sigmoid(q)
+    return grad_q.flatten(-2), grad_num.flatten(-2), grad_den
+
+
+def _plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, dtype: torch.dtype) -> torch.Tensor:
+    """The output in plain autograd: ``sigmoid(q)`` times the softmax pool, or the causal prefix sums in ``dtype``."""
+    if not causal:
+        return torch.sigmoid(q) * softmax_pool(k, v)
+    numerator, denominator, _ = simple_sums(k.to(dtype), v.to(dtype), causal)
+    return gate(q.to(dtype), numerator, denominator)
+
+
 def _plain_grads(inputs: Tuple[torch.Tensor, ...], grad_out: torch.Tensor, causal: bool, dtype: torch.dtype):
     """The plain form's gradients in q, k, v, themselves differentiable (``torch.func.vjp`` records for autograd)."""
-    return torch.func.vjp(lambda *qkv: simple_mix(*qkv, causal, dtype, True)[0], *inputs)[1](grad_out)
-
-
-def simple_mix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, dtype: torch.dtype,
-               plain: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The output and, causal, D: ``SoftmaxPool`` (q, k, v in their own dtype) or ``SimpleMix`` (in ``dtype``), or
-    their plain-autograd forms inside TorchScript and where ``plain``."""
-    if not causal:
-        if torch.jit.is_scripting() or plain:
-            return torch.sigmoid(q) * _pool(k, v), None
-        else:
-            return SoftmaxPool.apply(q, k, v), None
-    if torch.jit.is_scripting() or plain:
-        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-        numerator, denominator, _ = simple_sums(k, v, causal)
-        return gate(q, numerator, denominator), denominator
-    else:
-        return SimpleMix.apply(q, k, v, causal, dtype)
+    return torch.func.vjp(lambda *qkv: _plain(*qkv, causal, dtype), *inputs)[1](grad_out)

@@ -8,7 +8,7 @@ from typing import Callable, Dict, List
 
 import torch
 
-from .dispatch import DISPATCH_TABLES, plain_autograd, plain_forms
+from ._shared import DISPATCH_TABLES, plain_autograd, plain_forms
 
 __all__ = ['tuned_method', 'tuned_choices']
 

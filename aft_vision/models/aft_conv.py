@@ -274,7 +274,7 @@ class AFTConvTransformer(AFTTransformerBase):
         size, attn = (x.shape[-2], x.shape[-1]), self.blocks[0].attn
         kernel = self._size_plan(size)[1]
         if kernel != attn.kernel_size and not all(
-                'kernel_size' in inspect.signature(f).parameters for f in (attn._mix, attn.effective_bias)):
+                'kernel_size' in inspect.signature(f).parameters for f in (attn.forward, attn.position_bias)):
             raise ValueError(f"{type(attn).__name__} takes no per-call window ({kernel}x{kernel} at {size[0]}x{size[1]}"
                              f" px): build the model with resize_mode='keep', or call set_input_size(img_size={size})")
         return None if kernel == attn.kernel_size else kernel

@@ -15,6 +15,6 @@ def position_bias_entropy(model: nn.Module) -> torch.Tensor:
     entropies = []
     for module in model.modules():
         if isinstance(module, AFTConv2d):
-            logits = module.dense_bias().flatten(1).float()  # (h, s*s); the logits of a one-hot layer
+            logits = module.position_bias().flatten(1).float()  # (h, s*s); the logits of a one-hot layer
             entropies.append(-(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum())
     return sum(entropies) if entropies else torch.zeros((), device=next(model.parameters()).device)

@@ -44,7 +44,7 @@ def _mixers(model: nn.Module, kind: Tuple[type, ...] = MIXERS, needed: str = '')
 
 
 def position_bias_maps(model: nn.Module, num_heads: Optional[int] = None) -> np.ndarray:
-    """``exp(w) - 1`` of every AFT-conv layer's effective bias (Eq. 8), the kernel Eq. 6 convolves: float32
+    """``exp(w) - 1`` of every AFT-conv layer's position bias (Eq. 8), the kernel Eq. 6 convolves: float32
     (layers, heads, s, s), the first ``num_heads`` heads; entry ``[a, b]`` is the key ``(a - s//2, b - s//2)`` from
     the query, 0 the global weight (a fresh model), one-hot layers their argmax bias."""
     layers = _mixers(model, (AFTConv2d,), 'AFT-conv layer: position_bias_for_query shows AFT-full biases, '
@@ -52,7 +52,8 @@ def position_bias_maps(model: nn.Module, num_heads: Optional[int] = None) -> np.
     if num_heads is not None and num_heads < 1:
         raise ValueError(f'num_heads must be >= 1, got {num_heads}')
     with _eval_mode(model):
-        maps = [torch.expm1(layer.effective_bias().float())[:num_heads] for layer in layers]  # (h, s, s) each
+        maps = [torch.expm1(getattr(layer, 'selected_bias', layer.position_bias)().float())[:num_heads]
+                for layer in layers]  # (h, s, s) each; a one-hot layer's selected offsets
     return torch.stack(maps).cpu().numpy()
 
 

@@ -50,7 +50,7 @@ def poison():
 
 def check_operator(op, q, k, v, w, precision, label):
     """``op`` on ``DEVICE`` against the reference on q, k, v rounded to the precision's dtype (a model's activations),
-    with float32 sums and products in that dtype (the 'cuda' policy's ``product_dtype``)."""
+    with float32 sums and products in that dtype (the 'cuda' policy's products dtype)."""
     dtype, autocast = PRECISIONS[precision]
     q, k, v = (x.to(dtype) for x in (q, k, v))
     grad_out = upstream(q).to(dtype)

@@ -15,7 +15,7 @@ from aft_vision.layers import device_policy
 
 def test_a_multi_size_training_keeps_the_tables_within_their_bound():
     """aft_conv_test trained at 64-448 px on the products form under the 'cuda' policy (fake tensors: what a GPU
-    would keep): the cache holds at most ``CACHE_BYTES`` (0.5 GB at most, issue 59), no table larger than the E of the
+    would keep): the cache holds at most ``CACHE_BYTES`` (0.5 GB at most), no table larger than the E of the
     smallest map it serves."""
     model = timm.create_model('aft_conv_test', mixer_kwargs={'method': 'dense'}, dynamic_img_size=True)
     layer = model.blocks[0].attn
@@ -65,7 +65,10 @@ def test_both_forms_agree_and_the_plain_one_differentiates_by_products(grid, cau
     results = []
     for plain in (False, True):
         inputs = [x.clone().requires_grad_() for x in (q, k, v, w)]
-        out, _ = dense_mix.dense_mix(*inputs, grid, causal, torch.float64, 'cuda', plain)
+        if plain:
+            out, _ = dense_mix.dense_plain(*inputs, grid, causal, torch.float64)
+        else:
+            out, _ = dense_mix.DenseMix.apply(*inputs, grid, causal, torch.float64)
         with _OpNames() as ops:
             grads = torch.autograd.grad(out, inputs, grad_out)
         results.append((out, *grads))

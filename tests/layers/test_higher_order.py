@@ -13,7 +13,7 @@ import torch
 import aft_reference as ref
 import aft_vision  # noqa: F401  registers the models
 from aft_vision.layers import aft_conv2d, aft_conv2d_onehot, aft_full, aft_local, aft_simple, device_policy, \
-    functional, plain_autograd
+    _shared, functional, plain_autograd
 from aft_vision.layers.aft_conv_onehot import onehot_bias
 
 ONEHOT_INDEX = torch.tensor([4, 2])  # one flat offset of the 3 x 3 window per head: the centre, a corner
@@ -87,7 +87,7 @@ def test_default_forms_give_second_derivatives_or_refuse(form, one_thread):
 @pytest.mark.parametrize('plain', [True, False])
 @pytest.mark.parametrize('form', list(FORMS))
 def test_gradient_penalty_matches_reference(form, plain, one_thread):
-    """A gradient penalty's gradient (what issue 60 found 3.5e-2 off through AFT-simple) equals the reference's: both
+    """A gradient penalty's gradient (once 3.5e-2 off through AFT-simple) equals the reference's: both
     float64, the forms' arguments below ~10, so rounding leaves ~1e-13 of the largest entry (1e-9 allowed)."""
     if not plain and form not in DIFFERENTIABLE_TWICE:
         pytest.skip('refuses create_graph (test_default_forms_give_second_derivatives_or_refuse)')
@@ -124,14 +124,14 @@ def test_plain_autograd_is_a_thread_local_switch_and_a_decorator():
     assert all(g.requires_grad for g in twice())
     with plain_autograd():
         with plain_autograd(False):
-            assert not functional.plain_forms()
-        assert functional.plain_forms()
+            assert not _shared.plain_forms()
+        assert _shared.plain_forms()
         seen = []
-        thread = __import__('threading').Thread(target=lambda: seen.append(functional.plain_forms()))
+        thread = __import__('threading').Thread(target=lambda: seen.append(_shared.plain_forms()))
         thread.start()
         thread.join()
         assert seen == [False]
-    assert not functional.plain_forms()
+    assert not _shared.plain_forms()
 
 
 def assert_close64(got, want, label):
@@ -192,7 +192,7 @@ def r1_penalty(model, images):
 def test_r1_penalty_gradient_matches_central_differences(name, one_thread):
     """The R1 penalty's parameter gradient under ``plain_autograd()`` against a central difference along a random
     direction u (step 1e-5: truncation ~1e-10, rounding ~1e-11 relative; 1e-6 allowed). Without the switch
-    AFT-simple (issue 60: up to 23% off) gives the same gradient, AFT-conv and AFT-full refuse in one line."""
+    AFT-simple (once up to 23% off) gives the same gradient, AFT-conv and AFT-full refuse in one line."""
     torch.manual_seed(0)
     model = tiny_model(name)
     images = torch.randn(2, 3, 16, 16, dtype=torch.float64, requires_grad=True)

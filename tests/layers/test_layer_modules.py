@@ -63,10 +63,10 @@ def test_aft_conv_module_applies_eq8_reparameterisation():
         g * (r - r.mean()) / torch.sqrt(r.var(unbiased=False) + module.eps) + b
         for r, g, b in zip(raw, module.pos_gamma, module.pos_beta)
     ])
-    torch.testing.assert_close(module.effective_bias(), expected)  # float64 throughout: torch's default tolerance
+    torch.testing.assert_close(module.position_bias(), expected)  # float64 throughout: torch's default tolerance
     x = torch.randn(2, 4, 3, 8, dtype=torch.float64)
     q, k, v = module.qkv(x).split([8, 2, 8], dim=-1)
-    torch.testing.assert_close(module(x), module.proj(conv_reference(q, k, v, module.effective_bias())))
+    torch.testing.assert_close(module(x), module.proj(conv_reference(q, k, v, module.position_bias())))
 
 
 def test_constant_raw_bias_stays_finite():
@@ -75,7 +75,7 @@ def test_constant_raw_bias_stays_finite():
         module.pos_weight.fill_(0.7)
         module.pos_gamma.fill_(1.0)
     module(torch.randn(1, 4, 4, 8)).sum().backward()
-    assert torch.isfinite(module.effective_bias()).all()
+    assert torch.isfinite(module.position_bias()).all()
     assert all(torch.isfinite(p.grad).all() for p in module.parameters())
 
 

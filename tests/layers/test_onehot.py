@@ -58,9 +58,9 @@ def test_onehot_layer_train_and_eval():
         dense.pos_beta.fill_(0.2)
     layer = AFTConv2dOneHot.from_dense(dense).eval()
     assert layer.tau == 0.5 and layer.hard
-    w = dense.effective_bias().detach()
-    torch.testing.assert_close(layer.dense_bias(), dense.effective_bias())  # Eq. 8, as in AFTConv2d
-    bias = layer.effective_bias().detach()
+    w = dense.position_bias().detach()
+    torch.testing.assert_close(layer.position_bias(), dense.position_bias())  # Eq. 8, as in AFTConv2d
+    bias = layer.selected_bias().detach()
     flat = bias.flatten(1)
     argmax = w.flatten(1).argmax(1)
     assert ((flat != 0).sum(1) == 1).all()  # one offset per head at inference
@@ -77,7 +77,7 @@ def test_onehot_layer_train_and_eval():
     torch.testing.assert_close(scripted(x), expected)
 
     layer.train()
-    sample = layer.effective_bias().flatten(1)
+    sample = layer.selected_bias().flatten(1)
     assert ((sample != 0).sum(1) <= 1).all()  # a hard Gumbel sample: at most one offset (w may be 0 there)
     nonzero = sample != 0
     torch.testing.assert_close(sample[nonzero], w.flatten(1)[nonzero])

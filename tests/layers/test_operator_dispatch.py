@@ -12,7 +12,7 @@ import aft_vision  # noqa: F401  registers the models
 from aft_reference import grid_inputs, inputs, upstream
 from aft_vision.layers import (AFTConv2d, AFTConv2dOneHot, aft_conv2d, choose_conv_method, device_policy,
                                get_conv_method, set_conv_method)
-from aft_vision.layers.dispatch import DISPATCH_TABLES
+from aft_vision.layers.functional import DISPATCH_TABLES
 
 # One layer of each registered model, (B, H, W, C, h, s), and the method bench --ops measured fastest forward +
 # backward (docs/performance.md, "The dispatch table" and "GPU"). CPU: one thread, float32, batch 8 (64 for the digits

@@ -11,7 +11,7 @@ import torch
 
 from aft_reference import grid_inputs
 from aft_vision.layers import AFTConv2d, aft_conv2d, choose_conv_method, set_conv_method, tuned_choices
-from aft_vision.layers import dispatch, tuning
+from aft_vision.layers import _shared, tuning
 
 
 @pytest.fixture(autouse=True)
@@ -175,12 +175,13 @@ def test_exports_take_the_convolution():
 def test_tuned_is_a_method_everywhere(monkeypatch):
     q, k, v, w = grid_inputs(1, 3, 3, 8, 2, 3)
     monkeypatch.setattr(tuning, '_ms', Timer({'dense': 1.0, 'conv': 2.0}))
-    monkeypatch.setattr(dispatch, '_default_method', None)  # set_conv_method's, restored after
+    monkeypatch.setattr(_shared, '_default_method', None)  # set_conv_method's, restored after
     set_conv_method('tuned')
     assert AFTConv2d(8, 2, 3).method == 'tuned'
     aft_conv2d(q, k, v, w)
     assert list(tuned_choices().values())[0][0] == 'dense'
-    monkeypatch.setattr(dispatch, '_default_method', None)
+    monkeypatch.setattr(_shared, '_default_method', None)
+    monkeypatch.setattr(_shared, '_environment', {})  # as in a fresh process: the variable is read once
     monkeypatch.setenv('AFT_CONV_METHOD', 'Tuned')
     assert AFTConv2d(8, 2, 3).method == 'tuned'
     with pytest.raises(ValueError, match=r'method must be one of auto, dense, conv, tuned, got .fast.'):

@@ -1,4 +1,4 @@
-"""The API at its edges, call by call beside timm's ViT (issue 56, class 6): out-of-range arguments refused in timm's
+"""The API at its edges, call by call beside timm's ViT: out-of-range arguments refused in timm's
 words in every family; ``dynamic_img_size=True`` taken by every family, forward, features and intermediates at two
 sizes giving the shapes timm's ViT gives, the same inputs refused; AFT-conv's windows following each input as
 ``resize_mode='window'`` does at build. The ViT is timm's ``test_vit`` on the AFT test models' grid (8-px patches)."""

@@ -353,8 +353,8 @@ def test_onehot_model_and_its_bias_maps(trained_like):
         reference.load_state_dict(onehot.state_dict())
         exact = copy.deepcopy(reference).double()
         for ref_block, exact_block, block in zip(reference.blocks, exact.blocks, onehot.blocks):
-            ref_block.attn.effective_bias = lambda bias=block.attn.effective_bias(): bias
-            exact_block.attn.effective_bias = lambda bias=block.attn.effective_bias().double(): bias
+            ref_block.attn.position_bias = lambda kernel_size=None, bias=block.attn.selected_bias(): bias
+            exact_block.attn.position_bias = lambda kernel_size=None, bias=block.attn.selected_bias().double(): bias
         aft_reference.assert_model_agrees(fast, exact(x.double()), reference(x))
     maps = visualize.position_bias_maps(onehot)
     assert maps.shape == (4, 8, 5, 5)

@@ -138,7 +138,7 @@ def test_eq8_reparameterisation_with_a_constant_raw_bias():
         layer.pos_weight.fill_(3.0)
         layer.pos_gamma.fill_(2.0)
         layer.pos_beta.copy_(torch.arange(4.0))
-    torch.testing.assert_close(layer.effective_bias(), torch.arange(4.0).view(4, 1, 1).expand(4, 5, 5))
+    torch.testing.assert_close(layer.position_bias(), torch.arange(4.0).view(4, 1, 1).expand(4, 5, 5))
     layer(torch.randn(2, 6, 6, 16)).square().mean().backward()
     for param in (layer.pos_weight, layer.pos_gamma, layer.pos_beta):
         assert torch.isfinite(param.grad).all()

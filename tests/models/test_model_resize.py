@@ -187,13 +187,13 @@ def test_window_resize_stretches_the_eq8_bias_as_timms_table_resize():
     """The reparameterised bias after the resize is timm's bicubic stretch of the bias before it, in float64 to the
     rounding of a few operations on numbers of the bias' size; the centre offset keeps its value."""
     model = _trained_conv().double()
-    biases = [block.attn.dense_bias().detach() for block in model.blocks]  # (8, 5, 5) each
+    biases = [block.attn.position_bias().detach() for block in model.blocks]  # (8, 5, 5) each
     model.set_input_size(img_size=96, resize_mode='window')  # 1.5x: 5 x 5 -> 7 x 7
     for block, bias in zip(model.blocks, biases):
         assert block.attn.kernel_size == 7 and block.attn.pos_weight.shape == (8, 7, 7)
         expected = resize_rel_pos_bias_table_simple(bias, (4, 4), (8, 7, 7))
         scale = float(expected.abs().max()) + 1.0
-        torch.testing.assert_close(block.attn.dense_bias().detach(), expected, rtol=0, atol=1e-12 * scale)
+        torch.testing.assert_close(block.attn.position_bias().detach(), expected, rtol=0, atol=1e-12 * scale)
         torch.testing.assert_close(expected[:, 3, 3], bias[:, 2, 2], rtol=0, atol=1e-12 * scale)
     assert model(torch.randn(1, 3, 96, 96, dtype=torch.float64)).shape == (1, 1000)
 

@@ -1,4 +1,4 @@
-"""One model, many threads (issue 60, part 1): a model called from a thread pool, as a server calls one model, gives
+"""One model, many threads: a model called from a thread pool, as a server calls one model, gives
 every call the result of the same call made alone, bit for bit, and is left as it was (every parameter and buffer the
 same tensor: shape, values, storage; its state dict loading into a fresh model). Generated over the families' test
 models, the pyramid and the one-hot variant on AFT-conv, AFT-conv's methods, ``dynamic_img_size`` and the device
@@ -136,8 +136,8 @@ def test_training_threads_take_their_own_gradients_through_the_windows():
     assert_unchanged(model, before, lambda: build('aft_conv_test', 'auto', dynamic=True))
 
 
-def test_issue_60_snippet():
-    """The issue's report, as it was written: 200 calls at five sizes from four threads (with grad, in fact: the
+def test_two_hundred_calls_at_five_sizes_from_four_threads():
+    """A server's pattern: 200 calls at five sizes from four threads (with grad, in fact: the
     main thread's ``no_grad`` does not reach the pool's threads)."""
     m = build('aft_conv_test', None, dynamic=True)
     before = snapshot(m)
