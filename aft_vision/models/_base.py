@@ -1,13 +1,13 @@
-"""What the AFT model families share: the pre-norm ``Block``, ``AFTTransformerBase`` (the trunk of blocks, norm and
-head with the timm model interface on it), the input check and the DeiT-initialised cfgs. ``aft_vit`` (token
-sequences) and ``aft_conv`` (token maps) add their patch embedding, positions, features and intermediates."""
+"""What the AFT model families share: the input check, the ViT weight transfer and the DeiT-initialised cfgs; and
+AFT-conv's pre-norm ``Block`` and ``AFTTransformerBase`` (the trunk of blocks, norm and head with the timm model
+interface on it), which ``aft_conv`` completes with its patch embedding, features and intermediates (``aft_vit``'s
+families are timm's ``VisionTransformer``)."""
 import logging
 from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Type, Union
 
 import torch
 from torch import nn
-from torch.jit import Final
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import DropPath, LayerNorm, LayerScale, LayerType, Mlp, SwiGLUPacked, calculate_drop_path_rates, \
@@ -38,13 +38,11 @@ class Block(nn.Module):
     """Pre-norm block with an AFT token mixer as ``attn``: ``x + attn(norm1(x))``, then ``x + mlp(norm2(x))``.
 
     Takes the mixer's layout, (B, T, C) or (B, H, W, C); norms, MLP and residual sums run on (B, T, C) rows, a view
-    (exported graphs then hand CPU runtimes 3-D tensors). A ``grid_aware`` mixer also receives the grid ``feat_size``,
-    an AFT-conv mixer the call's window ``kernel_size`` where one is given (not in TorchScript).
+    (exported graphs then hand CPU runtimes 3-D tensors). An AFT-conv mixer also receives the call's window
+    ``kernel_size`` where one is given (not in TorchScript).
     ``mixer_layer(dim, qkv_bias=..., proj_drop=..., device=..., dtype=...)`` builds the mixer; the other arguments are
     those of timm's ViT block.
     """
-    grid_aware: Final[bool]
-
     def __init__(self, dim: int, mixer_layer: Callable[..., nn.Module], mlp_ratio: float = 4., qkv_bias: bool = True,
                  proj_drop: float = 0., init_values: Optional[float] = None, drop_path: float = 0.,
                  act_layer: Type[nn.Module] = nn.GELU, norm_layer: Type[nn.Module] = LayerNorm,
@@ -53,7 +51,6 @@ class Block(nn.Module):
         dd = {'device': device, 'dtype': dtype}
         self.norm1 = norm_layer(dim, **dd)
         self.attn = mixer_layer(dim, qkv_bias=qkv_bias, proj_drop=proj_drop, **dd)
-        self.grid_aware = bool(getattr(self.attn, 'grid_aware', False))
         self.ls1 = LayerScale(dim, init_values=init_values, **dd) if init_values else nn.Identity()
         self.drop_path1 = DropPath(drop_path) if drop_path > 0. else nn.Identity()
 
@@ -63,13 +60,10 @@ class Block(nn.Module):
         self.ls2 = LayerScale(dim, init_values=init_values, **dd) if init_values else nn.Identity()
         self.drop_path2 = DropPath(drop_path) if drop_path > 0. else nn.Identity()
 
-    def forward(self, x: torch.Tensor, feat_size: Optional[List[int]] = None,
-                kernel_size: Optional[int] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kernel_size: Optional[int] = None) -> torch.Tensor:
         shape = x.shape
         tokens = x.flatten(1, -2)  # (B, T, C)
-        if self.grid_aware:  # a TorchScript constant: the other branch is not compiled
-            y = self.attn(self.norm1(tokens).view(shape), feat_size)
-        elif kernel_size is not None and not torch.jit.is_scripting():
+        if kernel_size is not None and not torch.jit.is_scripting():
             y = self.attn(self.norm1(tokens).view(shape), kernel_size)
         else:
             y = self.attn(self.norm1(tokens).view(shape))
@@ -91,7 +85,7 @@ class Block(nn.Module):
     def _runs_nchw(self) -> bool:
         mlp = self.mlp
         return (hasattr(self.attn, 'forward_nchw') and type(mlp) is Mlp and isinstance(mlp.fc1, nn.Linear)
-                and isinstance(mlp.norm, nn.Identity) and not self.grid_aware)
+                and isinstance(mlp.norm, nn.Identity))
 
 
 def norm_nchw(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -210,11 +204,11 @@ class AFTTransformerBase(nn.Module):
         """The one input size the model takes, or None when any multiple of the patch size runs."""
         return None
 
-    def _run_blocks(self, x: torch.Tensor, feat_size: Optional[List[int]] = None,
-                    take_indices: Optional[List[int]] = None, norm: bool = False, last: Optional[int] = None,
-                    kernel_size: Optional[int] = None) -> Tuple[torch.Tensor, List[torch.Tensor]]:
-        """``norm_pre`` and the blocks (through block ``last`` only, outside TorchScript, which cannot slice them) on x
-        of the grid ``feat_size``, and the outputs of the blocks in ``take_indices`` (through ``norm`` if asked).
+    def _run_blocks(self, x: torch.Tensor, take_indices: Optional[List[int]] = None, norm: bool = False,
+                    last: Optional[int] = None, kernel_size: Optional[int] = None
+                    ) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+        """``norm_pre`` and the blocks (through block ``last`` only, outside TorchScript, which cannot slice them) on
+        x, and the outputs of the blocks in ``take_indices`` (through ``norm`` if asked).
         ``kernel_size``: AFT-conv's window for this call, passed down (the modules are left as they are)."""
         intermediates: List[torch.Tensor] = []
         x = self.norm_pre(x)
@@ -224,9 +218,9 @@ class AFTTransformerBase(nn.Module):
             blocks = self.blocks[:last + 1]
         for i, blk in enumerate(blocks):
             if self.grad_checkpointing and not torch.jit.is_scripting():
-                x = checkpoint(blk, x, feat_size, kernel_size)
+                x = checkpoint(blk, x, kernel_size)
             else:
-                x = blk(x, feat_size, kernel_size)
+                x = blk(x, kernel_size)
             if take_indices is not None and i in take_indices:
                 intermediates.append(self.norm(x) if norm else x)
         return x, intermediates

@@ -200,8 +200,8 @@ class AFTConvTransformer(AFTTransformerBase):
             num_blocks = max_index + 1 if stop_early else len(self.blocks)
             x, intermediates = self._intermediates_nchw(x, num_blocks, take_indices, norm, output_fmt)
         else:
-            x, intermediates = self._run_blocks(self._embed(x), None, take_indices, norm,
-                                                max_index if stop_early else None, self._input_window(x))
+            x, intermediates = self._run_blocks(self._embed(x), take_indices, norm, max_index if stop_early else None,
+                                                self._input_window(x))
             if output_fmt == 'NCHW':  # (B, H, W, C) -> (B, C, H, W)
                 intermediates = [y.permute(0, 3, 1, 2).contiguous() for y in intermediates]
         if intermediates_only:
