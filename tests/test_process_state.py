@@ -81,7 +81,7 @@ def test_a_failed_hub_probe_answers_its_call_only(tmp_path, monkeypatch):
 
 
 def test_loading_a_checkpoint_installs_no_global_hook_and_still_stops_an_oversized_build(tmp_path, monkeypatch):
-    """A load is bounded by the file it checks (at most twice its tensors built, issue 60) without a global hook: none
+    """A load is bounded by the file it checks (at most twice its tensors built) without a global hook: none
     is installed while it builds the model, none is left after."""
     import timm
 
@@ -101,3 +101,16 @@ def test_loading_a_checkpoint_installs_no_global_hook_and_still_stops_an_oversiz
     assert during and all(counts == {name: len(value) for name, value in hooks.items()} for counts in during)
     assert _global_hooks() == hooks
     assert torch.equal(loaded.state_dict()['head.weight'], model.state_dict()['head.weight'])
+
+
+def test_jobs_that_seed_leave_the_random_state_as_they_found_it():
+    import random
+
+    from aft_vision.tasks import segment, training
+    assert all(job.__wrapped__ for job in (training.train, segment.train))  # they seed: run under keeps_random_state
+    torch.manual_seed(123)
+    random.seed(123)
+    torch_state, python_state = torch.get_rng_state(), random.getstate()
+    job = training.keeps_random_state(lambda: (torch.manual_seed(0), random.seed(0), torch.rand(3), random.random()))
+    job()
+    assert torch.equal(torch.get_rng_state(), torch_state) and random.getstate() == python_state

@@ -15,7 +15,7 @@ from ..checkpoints.files import output_dir, save_weights
 from ..hub import create_aft_model
 from ..plots import save_figure
 from .scenes import NUM_CLASSES, Scenes, digit_split, make_scenes
-from .training import check_input_size, fit, launched_world, plot_history
+from .training import check_input_size, fit, keeps_random_state, launched_world, plot_history
 
 __all__ = ['DPT_SIZE_MULTIPLE', 'SegmentSettings', 'build_dpt', 'predict', 'confusion', 'mean_iou', 'run']
 
@@ -93,6 +93,7 @@ def _check_model_and_sizes(settings: SegmentSettings) -> None:
             raise ValueError(f'{option} {size}: DPT needs image sides that are multiples of {DPT_SIZE_MULTIPLE}')
 
 
+@keeps_random_state
 def train(settings: SegmentSettings, data: Dict[str, Scenes], device: torch.device) -> tuple:
     """Train DPT on ``data['train']``; returns the model and the per-epoch history (loss, held-out mIoU)."""
     torch.manual_seed(settings.seed)

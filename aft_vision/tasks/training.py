@@ -2,6 +2,7 @@
 (``check_image_folders``), timm's loaders, optimizer, scheduler and loss, one size drawn per step, DDP under torchrun,
 and top-1 evaluation (``train``, ``evaluate``)."""
 import copy
+import functools
 import hashlib
 import math
 import os
@@ -281,6 +282,21 @@ def fit(model: torch.nn.Module, lr: float, epochs: int, steps: int, epoch_batche
         yield epoch + 1, sum(losses) / len(losses)
 
 
+def keeps_random_state(job: Callable) -> Callable:
+    """``job`` seeding and drawing from torch's and Python's global generators as it likes, the caller's states back
+    afterwards: a job leaves the process as it found it."""
+    @functools.wraps(job)
+    def run(*args, **kwargs):
+        state = random.getstate()
+        try:
+            with torch.random.fork_rng():
+                return job(*args, **kwargs)
+        finally:
+            random.setstate(state)
+    return run
+
+
+@keeps_random_state
 def train(data_dir: Path, model_name: str, epochs: int, img_size: int, batch_size: int, lr: float, seed: int,
           sparsity_weight: float = 0.0, model_kwargs: Optional[Dict] = None, pretrained: bool = False,
           device: torch.device = torch.device('cpu'), rank: int = 0, world_size: int = 1,
