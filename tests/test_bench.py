@@ -94,7 +94,7 @@ def test_malformed_pairs_and_batch_sizes_are_refused(option, value, tmp_path, ca
 def test_readme_run_is_the_documented_one():
     assert README_RUN['resolutions'] == [224, 384, 768] and set(README_RUN['models']) == set(DEFAULT_MODELS)
     assert parse_pairs(README_RUN['pairs']) == [('aft_conv_small', 'deit_small_patch16_224', [1024]),
-                                                ('aft_conv_base_25_h32', 'deit_base_patch16_384', [384])]
+                                                ('aft_conv_base', 'deit_base_patch16_384', [384])]
     assert parse_batch_at(README_RUN['batch_at']) == {768: (8, 2), 1024: (2, 2)}
 
 

@@ -234,7 +234,7 @@ def prepare_distributed(self, device_ids=None, **kwargs):
 
 ClassificationTask.prepare_distributed = prepare_distributed
 """)
-    recipe = REPO / 'models' / 'aft_conv_tiny_11.yaml'  # DeiT's recipe: EMA, mixup / cutmix, erasing, repeated aug
+    recipe = REPO / 'models' / 'aft_conv_tiny.yaml'  # DeiT's recipe: EMA, mixup / cutmix, erasing, repeated aug
     common = ['-c', str(recipe), '--data-dir', str(data), '--val-split', 'val', '--device-modules', 'rank_dump',
               '--model', 'aft_conv_test', '--model-kwargs', *TINY_MODEL,
               '--num-classes', '3', '--img-size', '32', '-b', '6', '--epochs', '2', '--warmup-epochs', '1',

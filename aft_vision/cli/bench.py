@@ -15,7 +15,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--batch-at', nargs='+', default=[], metavar='RES=BATCH[,TRAIN_BATCH]',
                         help='other batch sizes at a resolution, e.g. 768=8,2 (the training step on 2 images)')
     parser.add_argument('--pairs', nargs='+', default=[], metavar='MODEL=BASELINE@RES[,RES]',
-                        help='extra cases, e.g. aft_conv_base_25_h32=deit_base_patch16_384@384')
+                        help='extra cases, e.g. aft_conv_base=deit_base_patch16_384@384')
     parser.add_argument('--repeats', type=int, default=defaults.repeats, help='timed repetitions (median)')
     parser.add_argument('--warmup', type=int, default=defaults.warmup)
     parser.add_argument('--threads', type=int, default=None, help='torch threads (default: all cores)')

@@ -16,7 +16,7 @@ from torch import nn
 from torch.jit import Final
 
 from timm.layers import LayerType, PatchEmbed, SelectAdaptivePool2d, resample_patch_embed, to_2tuple
-from timm.models import register_model
+from timm.models import register_model, register_model_deprecations
 from timm.models._features import feature_take_indices
 from timm.models._input import update_model_args, update_model_input_size  # what timm's ViT records on a resize
 
@@ -346,14 +346,14 @@ _cfg_384 = partial(_cfg, input_size=(3, 384, 384), pool_size=(24, 24), crop_pct=
 _TINY, _SMALL, _BASE = ((_cfg, 'deit_tiny_patch16_224.fb_in1k'), (_cfg, 'deit_small_patch16_224.fb_in1k'),
                         (_cfg_384, 'deit_base_patch16_384.fb_in1k'))
 _INIT = {  # each model's cfg and the DeiT weights its '.deit_in1k' tag converts (Table 8)
-    'aft_conv_tiny': _TINY, 'aft_conv_small': _SMALL, 'aft_conv_base': _BASE, 'aft_conv_tiny_11': _TINY,
+    'aft_conv_tiny': _TINY, 'aft_conv_small': _SMALL, 'aft_conv_base': _BASE,
     'aft_conv_tiny_11_h32': _TINY, 'aft_conv_small_3': _SMALL, 'aft_conv_small_7': _SMALL, 'aft_conv_small_11': _SMALL,
-    'aft_conv_small_15': _SMALL, 'aft_conv_small_11_h16': _SMALL, 'aft_conv_base_25_h32': _BASE,
+    'aft_conv_small_11_h16': _SMALL,
 }
 _PATCH14 = ('dinov2_lvd142m', 'dinov2_reg4_lvd142m', 'eva02_mim_in22k')  # backbone tags of 14-px patches
 # no test_input_size: Table 7's gain at 384 is for its trained weights
 default_cfgs = family_cfgs(
-    _INIT, {'small': 'aft_conv_small', 'base': 'aft_conv_base_25_h32'},
+    _INIT, {'small': 'aft_conv_small', 'base': 'aft_conv_base'},
     tests={'aft_conv_test': _cfg(input_size=(3, 64, 64), pool_size=(8, 8), crop_pct=.95)},
     tag_cfgs={f'aft_conv_small.{tag}': dict(pool_size=(16, 16)) for tag in _PATCH14})  # 224 px in 14-px patches
 _model = partial(create_aft, AFTConvTransformer, 'conv', checkpoint_filter_fn)
@@ -361,27 +361,21 @@ _model = partial(create_aft, AFTConvTransformer, 'conv', checkpoint_filter_fn)
 
 @register_model
 def aft_conv_tiny(pretrained: bool = False, **kwargs) -> AFTConvTransformer:
-    """Recommended tiny (= aft_conv_tiny_11): 11x11 kernel, 192 heads; Table 7: 74.8% top-1, 5.9M."""
+    """11x11 kernel, 192 heads; Table 7: 74.8% top-1, 5.9M (the paper's AFT-conv tiny, 11 x 11)."""
     return _model('aft_conv_tiny', pretrained, kwargs, embed_dim=192, depth=12, num_heads=192, kernel_size=11)
 
 
 @register_model
 def aft_conv_small(pretrained: bool = False, **kwargs) -> AFTConvTransformer:
-    """Recommended small (= aft_conv_small_15): 15x15 kernel, 384 heads; Table 7: 81.0% top-1, 23.0M."""
+    """15x15 kernel, 384 heads; Table 7: 81.0% top-1 (81.6% at 384), 23.0M (the paper's AFT-conv small, 15 x 15)."""
     return _model('aft_conv_small', pretrained, kwargs, embed_dim=384, depth=12, num_heads=384, kernel_size=15)
 
 
 @register_model
 def aft_conv_base(pretrained: bool = False, **kwargs) -> AFTConvTransformer:
-    """Recommended base (= aft_conv_base_25_h32): 25x25 kernel, 32 heads at 384; Table 8: 79.7M."""
+    """25x25 kernel, 32 heads at 384; Table 8: 83.4% top-1 fine-tuned from DeiT base, 79.7M."""
     return _model('aft_conv_base', pretrained, kwargs, img_size=384, embed_dim=768, depth=12, num_heads=32,
                   kernel_size=25)
-
-
-@register_model
-def aft_conv_tiny_11(pretrained: bool = False, **kwargs) -> AFTConvTransformer:
-    """11x11 kernel, 192 heads; Table 7: 74.8% top-1, 5.9M."""
-    return _model('aft_conv_tiny_11', pretrained, kwargs, embed_dim=192, depth=12, num_heads=192, kernel_size=11)
 
 
 @register_model
@@ -409,22 +403,9 @@ def aft_conv_small_11(pretrained: bool = False, **kwargs) -> AFTConvTransformer:
 
 
 @register_model
-def aft_conv_small_15(pretrained: bool = False, **kwargs) -> AFTConvTransformer:
-    """15x15 kernel, 384 heads; Table 7: 81.0% top-1 (81.6% at 384), 23.0M."""
-    return _model('aft_conv_small_15', pretrained, kwargs, embed_dim=384, depth=12, num_heads=384, kernel_size=15)
-
-
-@register_model
 def aft_conv_small_11_h16(pretrained: bool = False, **kwargs) -> AFTConvTransformer:
     """11x11 kernel, 16 heads; Table 7: 80.2% top-1, 20.3M."""
     return _model('aft_conv_small_11_h16', pretrained, kwargs, embed_dim=384, depth=12, num_heads=16, kernel_size=11)
-
-
-@register_model
-def aft_conv_base_25_h32(pretrained: bool = False, **kwargs) -> AFTConvTransformer:
-    """25x25 kernel, 32 heads at 384; Table 8: 83.4% top-1 fine-tuned from DeiT base, 79.7M."""
-    return _model('aft_conv_base_25_h32', pretrained, kwargs, img_size=384, embed_dim=768, depth=12, num_heads=32,
-                  kernel_size=25)
 
 
 @register_model
@@ -432,3 +413,11 @@ def aft_conv_test(pretrained: bool = False, **kwargs) -> AFTConvTransformer:
     """Tiny AFT-conv for tests: 64x64 input, patch 8, d=64, 8 heads, 5x5 kernel, 4 blocks."""
     return _model('aft_conv_test', pretrained, kwargs, img_size=64, patch_size=8, embed_dim=64, depth=4, num_heads=8,
                   kernel_size=5, mlp_ratio=2.)
+
+
+# each architecture once: the names that were the same architecture as another, as timm keeps renamed models
+register_model_deprecations(__name__, {
+    'aft_conv_tiny_11': 'aft_conv_tiny',
+    'aft_conv_small_15': 'aft_conv_small',
+    'aft_conv_base_25_h32': 'aft_conv_base',
+})

@@ -16,7 +16,7 @@ from aft_vision.layers.functional import DISPATCH_TABLES
 
 # One layer of each registered model, (B, H, W, C, h, s), and the method bench --ops measured fastest forward +
 # backward (docs/performance.md, "The dispatch table" and "GPU"). CPU: one thread, float32, batch 8 (64 for the digits
-# model; aft_conv_base_25_h32 at 224 px, a tie within 2%, is left out). CUDA: an H100, bfloat16, batch 64, dense
+# model; aft_conv_base at 224 px, a tie within 2%, is left out). CUDA: an H100, bfloat16, batch 64, dense
 # against conv.
 MEASURED = {
     'cpu': [((8, side, side, c, h, s), 'conv')

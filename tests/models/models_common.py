@@ -15,11 +15,11 @@ PAPER_TABLES = [
     ('aft_full_tiny', '7', 192, None, None, 6.3),
     ('aft_full_small', '7', 384, None, None, 22.6),
     ('aft_conv_tiny_11_h32', '7', 192, 32, 11, 5.4),
-    ('aft_conv_tiny_11', '7', 192, 192, 11, 5.9),
+    ('aft_conv_tiny', '7', 192, 192, 11, 5.9),
     ('aft_conv_small_11_h16', '7', 384, 16, 11, 20.3),
     ('aft_conv_small_11', '7', 384, 384, 11, 22.5),
-    ('aft_conv_small_15', '7', 384, 384, 15, 23.0),
-    ('aft_conv_base_25_h32', '8', 768, 32, 25, 79.7),
+    ('aft_conv_small', '7', 384, 384, 15, 23.0),
+    ('aft_conv_base', '8', 768, 32, 25, 79.7),
 ]
 
 WIDTH = 16  # the pyramid's width in the dense tests

@@ -24,8 +24,7 @@ from models_common import ALL_MODELS, TEST_MODELS, create as _create, create_met
 # the model names the README and docs/models.md list
 EXPECTED_NAMES = [
     'aft_full_tiny', 'aft_full_small', 'aft_full_base', 'aft_simple_tiny', 'aft_simple_small',
-    'aft_conv_tiny_11', 'aft_conv_tiny_11_h32', 'aft_conv_small_3', 'aft_conv_small_7', 'aft_conv_small_11',
-    'aft_conv_small_15', 'aft_conv_small_11_h16', 'aft_conv_base_25_h32',
+    'aft_conv_tiny_11_h32', 'aft_conv_small_3', 'aft_conv_small_7', 'aft_conv_small_11', 'aft_conv_small_11_h16',
     'aft_conv_tiny', 'aft_conv_small', 'aft_conv_base',
 ]
 # the crop of timm's own test-size models (160 px), which the 64 px aft_*_test models follow

@@ -1,5 +1,6 @@
-"""The registered models against the paper's Tables 7 and 8 (parameter counts) and their recommended aliases."""
+"""The registered models against the paper's Tables 7 and 8 (parameter counts); each architecture registered once."""
 import pytest
+import timm
 
 import aft_vision  # noqa: F401  registers the models
 from models_common import PAPER_TABLES, create_meta as _create_meta, num_params as _num_params
@@ -28,10 +29,15 @@ def test_param_count_matches_paper(name, d, heads, kernel, paper_m):
     assert abs(count / 1e6 - paper_m) / paper_m < 0.015, f'{name}: {count / 1e6:.2f}M vs {paper_m}M in the paper'
 
 
-@pytest.mark.parametrize('alias, name', [
-    ('aft_conv_tiny', 'aft_conv_tiny_11'), ('aft_conv_small', 'aft_conv_small_15'),
-    ('aft_conv_base', 'aft_conv_base_25_h32')])
-def test_recommended_aliases(alias, name):
-    a, b = _create_meta(alias), _create_meta(name)
+@pytest.mark.parametrize('old, name', [
+    ('aft_conv_tiny_11', 'aft_conv_tiny'), ('aft_conv_small_15', 'aft_conv_small'),
+    ('aft_conv_base_25_h32', 'aft_conv_base')])
+def test_each_architecture_is_registered_once(old, name):
+    """A name that was the same architecture as another is timm's deprecation of it: listed no more, built (with a
+    warning naming the current name) as the current model, its tags those of the current name."""
+    assert old not in timm.list_models('aft_*') and timm.models.is_model(old)
+    with pytest.warns(UserWarning, match=f'{old} to current {name}'):
+        a = _create_meta(f'{old}.deit_in1k')
+    b = _create_meta(name)
     assert [(k, v.shape) for k, v in a.state_dict().items()] == [(k, v.shape) for k, v in b.state_dict().items()]
-    assert a.pretrained_cfg['input_size'] == b.pretrained_cfg['input_size']
+    assert a.pretrained_cfg['architecture'] == name and a.pretrained_cfg['tag'] == 'deit_in1k'
