@@ -38,6 +38,6 @@ def test_each_architecture_is_registered_once(old, name):
     assert old not in timm.list_models('aft_*') and timm.models.is_model(old)
     with pytest.warns(UserWarning, match=f'{old} to current {name}'):
         a = _create_meta(f'{old}.deit_in1k')
-    b = _create_meta(name)
+    b = _create_meta(f'{name}.deit_in1k')
     assert [(k, v.shape) for k, v in a.state_dict().items()] == [(k, v.shape) for k, v in b.state_dict().items()]
     assert a.pretrained_cfg['architecture'] == name and a.pretrained_cfg['tag'] == 'deit_in1k'
