@@ -31,7 +31,7 @@ def aft_conv2d_onehot(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torc
     """``aft_conv2d(q, k, v, onehot_bias(w, index))`` by global pooling plus indexing, O(B T C): head i's bias is
     ``w[i].flatten()[index[i]]`` (h,) at one offset, 0 elsewhere. Under the 'cpu' policy a cancelled denominator
     hands the call to ``aft_conv2d``, which repairs it."""
-    out_dtype, dtype, _, policy, captured, _, autocast = _plan(q, k, v, w, 'conv')
+    out_dtype, dtype, _, policy, plain, _, autocast = _plan(q, k, v, w, 'conv')
     num_heads = k.shape[-1]
     if index.shape != (num_heads,):
         raise ValueError(f'index must be ({num_heads},), got {list(index.shape)}')
@@ -39,11 +39,11 @@ def aft_conv2d_onehot(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torc
         return _aft_conv2d_onehot(q, k, v, w, index, 'cpu', False, out_dtype, dtype)
     else:
         with torch.autocast(q.device.type, enabled=False) if autocast else contextlib.nullcontext():
-            return _aft_conv2d_onehot(q, k, v, w, index, policy, captured, out_dtype, dtype)
+            return _aft_conv2d_onehot(q, k, v, w, index, policy, plain, out_dtype, dtype)
 
 
 def _aft_conv2d_onehot(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, index: torch.Tensor,
-                       policy: str, captured: bool, out_dtype: torch.dtype, dtype: torch.dtype, tiny: float = TINY,
+                       policy: str, plain: bool, out_dtype: torch.dtype, dtype: torch.dtype, tiny: float = TINY,
                        cancel_tol: float = CANCEL_TOL) -> torch.Tensor:
     batch, height, width, channels = q.shape
     num_heads, s, head_dim = w.shape[0], w.shape[-1], channels // w.shape[0]
@@ -60,8 +60,8 @@ def _aft_conv2d_onehot(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: tor
     exp_kv = buffer[:, :num_keys, :, :head_dim]  # (B, T, h, d), a view
     exp_k = buffer[:, :num_keys, :, head_dim]  # (B, T, h), a view
     values = v.view(batch, num_keys, num_heads, head_dim)
-    # autograd, or a captured graph (one branch whatever the grad mode, no out= into views): copy into the buffer
-    if captured or (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)):
+    # autograd, a captured graph or plain_autograd() (one branch whatever the grad mode, no out= into views): copy
+    if plain or (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)):
         keys = torch.exp(k - k.amax(dim=(1, 2), keepdim=True).detach()).view(batch, num_keys, num_heads)
         buffer[:, :num_keys, :, head_dim] = keys
         buffer[:, :num_keys, :, :head_dim] = keys.unsqueeze(-1) * values

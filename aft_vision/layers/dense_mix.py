@@ -44,9 +44,10 @@ def axis_onehot(size: int, kernel_size: int, like: torch.Tensor, dtype: torch.dt
 
 
 def _scaled_exp(w: torch.Tensor, grid: Optional[Tuple[int, int]], causal: bool) -> torch.Tensor:
-    """``_table`` up to a scale per row (per head for AFT-conv), which N / D cancels: ``exp(w - m)``, m the detached
-    maximum (AFT-conv: of the zero-padded window, so 0 at least). Its gradient is ``E dL/dE``, as ``DenseMix``'s: a
-    softmax's would subtract ``E sum(E dL/dE)``, a sum that is 0 but for rounding, from every entry."""
+    """``DenseMix``'s E up to a scale per row (per head for AFT-conv), which N / D cancels: ``exp(w - m)``, m the
+    detached maximum (AFT-conv: of the zero-padded window, so 0 at least). Its gradient is ``E dL/dE``, as
+    ``DenseMix``'s: a softmax's would subtract ``E sum(E dL/dE)``, a sum that is 0 but for rounding, from every
+    entry."""
     if grid is None:
         if causal:
             w = w.masked_fill(torch.ones_like(w, dtype=torch.bool).triu(1), float('-inf'))

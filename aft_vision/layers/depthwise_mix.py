@@ -1,6 +1,6 @@
 """AFT-conv's sums by depthwise convolutions plus a global sum, O(T s^2 C): ``N = conv(p v, E - f) + f sum p v``,
-``D = conv(p, E - f) + f``, ``p = softmax_T(k)``, E and f the window's ``exp(w - m)`` and the ``exp(-m)`` of a key
-outside it (m = max(0, max w); N / D cancels the scale).
+``D = conv(p, E - f) + f``, ``p = softmax_T(k)``, E and f the softmax of the zero-padded window table and its pad cell
+(the plain form ``depthwise_sums``: ``exp(w - m)`` and ``exp(-m)``, m = max(0, max w); N / D cancels the scale).
 A negative kernel (w < 0) can cancel D: it is summed in float32, and the 'cpu' policy repairs what cancelled.
 ``DepthwiseMix``'s backward takes the convolutions' gradients by forward convolutions (docs/operators.md)."""
 from typing import Optional, Tuple

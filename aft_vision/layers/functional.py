@@ -13,9 +13,8 @@ from timm.layers import register_notrace_function
 
 from . import _shared
 from ._shared import (CANCEL_TOL, DISPATCH_TABLES, METHODS, POLICIES, TINY, _CHUNK_ELEMENTS, _COMPILED_BATCH,
-                      _EXPORT_FLAG_TRUSTED,
-                      capturing, device_policy, exporting, gate, get_conv_method, get_device_policy, plain_autograd,
-                      set_conv_method)
+                      _EXPORT_FLAG_TRUSTED, capturing, device_policy, exporting, gate, get_conv_method,
+                      get_device_policy, plain_autograd, set_conv_method)
 from .dense_mix import DenseMix, dense_plain
 from .depthwise_mix import DepthwiseMix, depthwise_sums
 from .simple_mix import SimpleMix, SoftmaxPool, simple_sums, softmax_pool

@@ -38,8 +38,7 @@ def _time_forms(inputs: List[torch.Tensor], methods: List[str], training: bool, 
     autocast = torch.is_autocast_enabled(device_type) if device_type in ('cpu', 'cuda', 'xpu', 'mps') else False
     autocast_dtype = torch.get_autocast_dtype(device_type) if autocast else None
     plain = plain_forms()
-    if device_type != 'cpu':
-        inputs[0].view(-1)[0].item()  # the inputs written: the timing thread may run on another stream
+    inputs[0][(0,) * inputs[0].dim()].item()  # the inputs written, whatever queue wrote them: the timer runs its own
     times: Dict[str, float] = {}
     failure: List[BaseException] = []
 
