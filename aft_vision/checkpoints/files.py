@@ -1,12 +1,15 @@
-"""Safe weight files and outputs: read only safetensors or tensor-only pickles; write through a hidden temporary folder
-and swap it in, the output locked from the check to the swap, never clobbering silently; ``--force`` replaces only
-the entries a command writes, of their own kind; modes follow the user's umask. (timm's ``load_state_dict`` reads any
-pickle and its savers write in place.)"""
+"""Weight files and outputs: what timm's ``load_state_dict`` and savers leave to the caller.
+
+Read: safetensors (its header alone with ``device='meta'``), or ``torch.load(weights_only=True)`` with timm
+``train.py``'s ``args`` as timm reads it, but whole (``transfer.select_weights`` takes the weights) and with every
+refusal one line naming the file. Write: into a hidden folder beside the output, moved in whole (``swap_in``), the
+output locked from its check to the move (one writer per output), never replaced without ``force`` and then only what
+the command writes; modes from the user's umask.
+"""
 import argparse
 import contextlib
 import hashlib
 import os
-import pickle
 import pickletools
 import re
 import shutil
@@ -21,9 +24,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-
 __all__ = ['load_weights', 'save_weights', 'atomic_file', 'atomic_files', 'atomic_dir', 'output_dir', 'check_output',
-           'check_output_dir', 'swap_in', 'sha256sum', 'umask_mode', 'WRITTEN']
+           'check_output_dir', 'swap_in', 'sha256sum', 'WRITTEN']
 
 PathLike = Union[str, os.PathLike]
 # globals of a weights-only pickle: torch's tensor rebuilders and storages, and what timm train.py checkpoints hold
@@ -32,17 +34,17 @@ WRITTEN: List[Path] = []  # the outputs this process put in place whole (what a 
 
 
 def load_weights(path: PathLike, device: str = 'cpu') -> Dict[str, torch.Tensor]:
-    """Read safetensors or a weights-only PyTorch file (and timm ``train.py``'s ``args``); ValueError naming the file
-    and what is wrong: damaged, or pickled objects other than tensors (found without running them). ``device='meta'``:
-    the tensors' keys, shapes and dtypes alone, no data read (a safetensors header; a PyTorch file's pickle)."""
+    """The whole checkpoint in ``path``: safetensors (by suffix or content) or a weights-only PyTorch file; ValueError
+    naming the file and what is wrong. ``device='meta'``: keys, shapes and dtypes alone, no tensor data read."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f'weight file not found: {path}')
-    if path.stat().st_size == 0:
+    size = path.stat().st_size
+    if not size:
         raise ValueError(f'weight file is empty: {path}')
-    with open(path, 'rb') as file:  # safetensors by content too (named .pth): an 8-byte header length, then JSON
+    with open(path, 'rb') as file:  # safetensors: an 8-byte header length, then JSON
         head = file.read(9)
-    if path.suffix == '.safetensors' or head[8:] == b'{' and int.from_bytes(head[:8], 'little') < path.stat().st_size:
+    if path.suffix == '.safetensors' or head[8:] == b'{' and int.from_bytes(head[:8], 'little') < size:
         try:
             if device != 'meta':
                 return load_file(str(path), device=device)
@@ -56,7 +58,7 @@ def load_weights(path: PathLike, device: str = 'cpu') -> Dict[str, torch.Tensor]
         with torch.serialization.safe_globals([argparse.Namespace]), warnings.catch_warnings():
             warnings.simplefilter('ignore')  # its note on pickle protocols: the refusal below says what matters
             checkpoint = torch.load(path, map_location=device, weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, OSError, UnicodeDecodeError) as error:
+    except Exception as error:  # torch raises UnpicklingError, RuntimeError, EOFError, UnicodeDecodeError, ...
         raise ValueError(_refusal(path, error)) from None
     if not isinstance(checkpoint, Mapping):
         raise ValueError(f'{path} holds a {type(checkpoint).__name__}, not a state dict')
@@ -64,78 +66,43 @@ def load_weights(path: PathLike, device: str = 'cpu') -> Dict[str, torch.Tensor]
 
 
 def _refusal(path: Path, error: BaseException) -> str:
-    """Why torch's weights-only loader refused ``path``, in our words (never its advice to unpickle anyway)."""
-    text = str(error)
-    found = re.search(r'unsupported (?:global\w*:? )+([\w.]*\w)', text, re.IGNORECASE)  # as torch names it
-    objects = [found.group(1)] if found else _pickled_objects(path)
+    """Why torch refused ``path``, in our words (never its advice to unpickle anyway). torch names the first object
+    other than tensors in a file ``torch.save`` wrote, but stops at an opcode it does not take (protocols 0, 4, 5) in
+    other pickles: those are read by ``pickletools``, nothing run, for the objects they would call."""
+    text, names, strings, ops = str(error), [], [], None
+    found = re.findall(r'unsupported (?:global\w*:? )+([\w.]*\w)', text, re.IGNORECASE)
+    if not found and not zipfile.is_zipfile(path):
+        with contextlib.suppress(ValueError, EOFError, OSError):  # None: no whole pickle
+            ops = list(pickletools.genops(path.read_bytes()))
+    for opcode, arg, _ in ops or ():
+        if opcode.name in ('GLOBAL', 'STACK_GLOBAL'):
+            names.append(arg.replace(' ', '.') if arg else '.'.join(strings[-2:]))
+        elif isinstance(arg, str):
+            strings.append(arg)
+    objects = found[:1] or [name for name in dict.fromkeys(names) if not name.startswith(_TENSOR_GLOBALS)]
     if objects:
         return (f'refused to load {path}: it holds pickled objects other than tensors ({", ".join(objects[:3])}); '
                 'only safetensors or weights-only PyTorch files are read')
     detail = (text.split('WeightsUnpickler error:')[-1].split('Check the documentation')[0].strip().splitlines()
               or [type(error).__name__])[0]
-    if objects is not None:  # a whole pickle, of a kind torch's weights-only loader does not read
+    if ops is not None:
         return f'{path} is not a weights-only PyTorch file ({detail}); save a state dict of tensors with torch.save'
     return f'{path} is truncated or corrupted and cannot be read as a PyTorch file ({detail})'
 
 
-def _pickled_objects(path: Path) -> Optional[List[str]]:
-    """The globals other than torch's tensor rebuilders that the pickle in ``path`` (or a torch zip's ``data.pkl``)
-    would call, read by ``pickletools`` without running anything; None if it is no readable pickle."""
-    try:
-        data = path.read_bytes()
-        if zipfile.is_zipfile(path):
-            with zipfile.ZipFile(path) as archive:
-                data = archive.read(next(name for name in archive.namelist() if name.endswith('data.pkl')))
-        names, strings = [], []
-        for opcode, arg, _ in pickletools.genops(data):
-            if opcode.name == 'GLOBAL':
-                names.append(arg.replace(' ', '.'))
-            elif isinstance(arg, str):
-                strings.append(arg)
-            elif opcode.name == 'STACK_GLOBAL' and len(strings) >= 2:
-                names.append('.'.join(strings[-2:]))
-    except (ValueError, KeyError, StopIteration, OSError, zipfile.BadZipFile, EOFError):
-        return None
-    return [name for name in dict.fromkeys(names) if not name.startswith(_TENSOR_GLOBALS)]
+def save_weights(state_dict: Mapping[str, torch.Tensor], path: PathLike, force: bool = False,
+                 metadata: Optional[Mapping[str, str]] = None) -> str:
+    """``state_dict`` as safetensors at ``path`` (``atomic_file``: FileExistsError unless ``force``); its sha256."""
+    with atomic_file(path, force) as temp:
+        save_file({key: value.detach().contiguous().cpu() for key, value in state_dict.items()}, str(temp),
+                  metadata=dict(metadata or {}))
+        return sha256sum(temp)
 
 
-def umask_mode(mode: int = 0o777) -> int:
-    """``mode`` less the process umask (``tempfile`` gives 0700 / 0600)."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return mode & ~mask
-
-
-def _hidden_folder(folder: Path) -> tempfile.TemporaryDirectory:
-    # a staging or set-aside folder: hidden, a short random name whatever the output's, in the output's own folder
-    return tempfile.TemporaryDirectory(prefix='.aft-', dir=folder, ignore_cleanup_errors=True)
-
-
-@contextlib.contextmanager
-def _guard(path: Path) -> Iterator[None]:
-    """``path`` held from the check to the swap against every other writer of it: a lock file beside it (removed while
-    still held: a writer that opened it meanwhile tries again), BlockingIOError while another process holds it."""
-    where = Path(os.path.abspath(path))  # '..' and 'a/..' named as the folder they are
-    where.parent.mkdir(parents=True, exist_ok=True)
-    lock_file = where.parent / f'.aft-{hashlib.sha256(os.fsencode(where.name)).hexdigest()[:16]}.lock'
-    lock = filelock.FileLock(lock_file, timeout=0)
-    try:
-        lock.acquire()
-    except filelock.Timeout:
-        raise BlockingIOError(f'{path} is being written by another process: wait for it to end, or write elsewhere'
-                              ) from None
-    try:
-        yield
-    finally:
-        lock_file.unlink(missing_ok=True)
-        lock.release()
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
+def sha256sum(path: PathLike) -> str:
+    """Hex sha256 of a file."""
+    with open(path, 'rb') as handle:
+        return hashlib.file_digest(handle, 'sha256').hexdigest()
 
 
 def check_output(path: PathLike, force: bool = False, folder: bool = False, option: str = '') -> None:
@@ -148,7 +115,7 @@ def check_output(path: PathLike, force: bool = False, folder: bool = False, opti
         raise NotADirectoryError(f'{option}{path} is {what}, not a folder; give the folder itself')
     if not folder and path.is_dir() and not path.is_symlink():
         raise IsADirectoryError(f'{option}{path} is a folder; give the file to write')
-    if (path.exists() or path.is_symlink()) and not force and not (folder and not any(path.iterdir())):
+    if os.path.lexists(path) and not force and not (folder and not any(path.iterdir())):
         what = 'what this command writes there' if folder else 'it'
         raise FileExistsError(f'{option}{path} exists; pass --force (force=True) to replace {what}')
     existing = next(parent for parent in Path(os.path.abspath(path)).parents if parent.exists())
@@ -156,21 +123,69 @@ def check_output(path: PathLike, force: bool = False, folder: bool = False, opti
         raise PermissionError(f'{option}cannot write {path} ({existing} is not a writable folder)')
 
 
-def _with_umask(folder: Path) -> None:
-    # what writers left in a staging folder, given the modes of the user's umask (tempfile and safetensors: 0700 / 0600)
-    for entry in [folder, *folder.rglob('*')]:
-        if not entry.is_symlink():
-            entry.chmod(umask_mode(0o777 if entry.is_dir() else 0o666))
+def check_output_dir(path: PathLike, force: bool = False, resumes: bool = False) -> None:
+    """``check_output`` of the folder ``path`` (``resumes``: a command that continues what it holds), for --out-dir."""
+    check_output(path, force or resumes, folder=True, option='--out-dir: ')
 
 
-def save_weights(state_dict: Mapping[str, torch.Tensor], path: PathLike, force: bool = False,
-                 metadata: Optional[Mapping[str, str]] = None) -> str:
-    """Write ``state_dict`` as safetensors to ``path`` atomically (FileExistsError unless ``force``); its sha256."""
-    with atomic_file(path, force) as temp:
-        save_file({key: value.detach().contiguous().cpu() for key, value in state_dict.items()}, str(temp),
-                  metadata=dict(metadata or {}))
-        digest = sha256sum(temp)
-    return digest
+def _hidden_folder(folder: Path) -> tempfile.TemporaryDirectory:
+    # a staging or set-aside folder: hidden, a short random name whatever the output's, in the output's own folder
+    return tempfile.TemporaryDirectory(prefix='.aft-', dir=folder, ignore_cleanup_errors=True)
+
+
+@contextlib.contextmanager
+def _guard(path: PathLike) -> Iterator[None]:
+    """``path`` held from the check to the swap against every other writer of it: a lock file beside it (removed while
+    still held: a writer that opened it meanwhile tries again), BlockingIOError while another process holds it."""
+    where = Path(os.path.abspath(path))  # '..' and 'a/..' named as the folder they are
+    where.parent.mkdir(parents=True, exist_ok=True)
+    lock = filelock.FileLock(where.parent / f'.aft-{hashlib.sha256(os.fsencode(where.name)).hexdigest()[:16]}.lock',
+                             timeout=0)
+    try:
+        lock.acquire()
+    except filelock.Timeout:
+        raise BlockingIOError(f'{path} is being written by another process: wait for it to end, or write elsewhere'
+                              ) from None
+    try:
+        yield
+    finally:
+        Path(lock.lock_file).unlink(missing_ok=True)
+        lock.release()
+
+
+@contextlib.contextmanager
+def _replacing(folder: Path, names: Sequence[str]) -> Iterator[None]:
+    """``folder``'s entries ``names`` set aside for the block (in a hidden folder there): dropped if it succeeds; if it
+    fails, what it left under those names removed and each entry set aside moved back."""
+    with _hidden_folder(folder) as retired:
+        retired, aside = Path(retired), []
+        try:
+            for name in names:
+                if os.path.lexists(folder / name):
+                    os.replace(folder / name, retired / name)
+                aside.append(name)
+            yield
+        except BaseException:
+            for name in reversed(aside):
+                if (folder / name).is_dir() and not (folder / name).is_symlink():
+                    shutil.rmtree(folder / name)
+                elif os.path.lexists(folder / name):
+                    (folder / name).unlink()
+                if os.path.lexists(retired / name):
+                    os.replace(retired / name, folder / name)
+            raise
+
+
+def swap_in(staging: Path, target: Path, names: Sequence[str] = ()) -> None:
+    """Move ``staging``'s entries (or those ``names``) into ``target``: all, or (a move failed) none, the replaced
+    ones put back; ``staging`` removed."""
+    names = names or sorted(entry.name for entry in staging.iterdir())
+    try:
+        with _replacing(target, names):
+            for name in names:
+                os.replace(staging / name, target / name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -181,16 +196,21 @@ def atomic_files(paths: Sequence[PathLike], force: bool = False, folder: bool = 
     folder, whose entries are those of the temporary folder yielded."""
     paths = [Path(path) for path in paths]
     with _guard(paths[0]), _hidden_folder(paths[0].parent) as staging:
+        staging = Path(staging)
         for path in paths:
             check_output(path, force, folder)
-        yield Path(staging) if folder else [Path(staging) / path.name for path in paths]
+        yield staging if folder else [staging / path.name for path in paths]
+        umask = os.umask(0o22)
+        os.umask(umask)
+        for entry in [staging, *staging.rglob('*')]:  # tempfile and safetensors write 0700 / 0600
+            if not entry.is_symlink():
+                entry.chmod((0o777 if entry.is_dir() else 0o666) & ~umask)
         for path in paths:  # again: a program that takes no lock may have written one meanwhile
             check_output(path, force, folder)
-        _with_umask(Path(staging))
         if folder and not paths[0].is_dir():
             os.replace(staging, paths[0])
         else:
-            swap_in(Path(staging), *((paths[0], None) if folder else (paths[0].parent, [p.name for p in paths])))
+            swap_in(staging, *((paths[0], ()) if folder else (paths[0].parent, [path.name for path in paths])))
         WRITTEN.extend(paths)
 
 
@@ -204,38 +224,6 @@ def atomic_file(path: PathLike, force: bool = False) -> Iterator[Path]:
 def atomic_dir(path: PathLike, force: bool = False) -> contextlib.AbstractContextManager:
     """``atomic_files`` for a folder: a temporary one whose entries reach ``path`` if the block succeeds."""
     return atomic_files([path], force, folder=True)
-
-
-def swap_in(staging: Path, target: Path, names: Optional[Sequence[str]] = None) -> None:
-    """Move ``staging``'s entries (or those ``names``) into ``target``: all, or (a move failed) none, the replaced
-    ones put back; ``staging`` removed."""
-    moved = []
-    with _hidden_folder(target) as retired:
-        retired = Path(retired)
-        try:
-            for name in names or sorted(entry.name for entry in staging.iterdir()):
-                if (target / name).exists() or (target / name).is_symlink():
-                    os.replace(target / name, retired / name)
-                moved.append(name)
-                os.replace(staging / name, target / name)
-        except BaseException:
-            for name in reversed(moved):
-                _put_back(retired, target, name)
-            raise
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-
-
-def _put_back(retired: Path, target: Path, name: str) -> None:
-    """``target / name`` as it was: a new entry there taken out, the one set aside in ``retired`` moved back."""
-    _remove(target / name)
-    if (retired / name).exists() or (retired / name).is_symlink():
-        os.replace(retired / name, target / name)
-
-
-def check_output_dir(path: PathLike, force: bool = False, resumes: bool = False) -> None:
-    """``check_output`` of the folder ``path`` (``resumes``: a command that continues what it holds), for --out-dir."""
-    check_output(path, force or resumes, folder=True, option='--out-dir: ')
 
 
 @contextlib.contextmanager
@@ -252,24 +240,11 @@ def output_dir(path: PathLike, force: bool = False, writes: Sequence[str] = (), 
         check_output_dir(path, force)
         created = not path.exists()
         path.mkdir(parents=True, exist_ok=True)
-        with _hidden_folder(path) as retired:  # outside ``writes``; made here: the folder is writable
-            try:
-                for name in writes:
-                    if (path / name).exists() or (path / name).is_symlink():
-                        os.replace(path / name, Path(retired) / name)
+        try:
+            with _replacing(path, writes):
                 yield path
-            except BaseException:
-                if created:
-                    shutil.rmtree(path, ignore_errors=True)
-                else:
-                    for name in writes:
-                        _put_back(Path(retired), path, name)
-                WRITTEN[:] = [done for done in WRITTEN if not done.is_relative_to(path)]  # put back, not written
-                raise
+        except BaseException:
+            shutil.rmtree(path, ignore_errors=True) if created else None
+            WRITTEN[:] = [done for done in WRITTEN if not done.is_relative_to(path)]  # put back, not written
+            raise
     WRITTEN.append(path)
-
-
-def sha256sum(path: PathLike) -> str:
-    """Hex sha256 of a file."""
-    with open(path, 'rb') as handle:
-        return hashlib.file_digest(handle, 'sha256').hexdigest()
