@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import hashlib
 import os
+import pickle
 import pickletools
 import re
 import shutil
@@ -58,7 +59,7 @@ def load_weights(path: PathLike, device: str = 'cpu') -> Dict[str, torch.Tensor]
         with torch.serialization.safe_globals([argparse.Namespace]), warnings.catch_warnings():
             warnings.simplefilter('ignore')  # its note on pickle protocols: the refusal below says what matters
             checkpoint = torch.load(path, map_location=device, weights_only=True)
-    except Exception as error:  # torch raises UnpicklingError, RuntimeError, EOFError, UnicodeDecodeError, ...
+    except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, OSError, UnicodeDecodeError) as error:
         raise ValueError(_refusal(path, error)) from None
     if not isinstance(checkpoint, Mapping):
         raise ValueError(f'{path} holds a {type(checkpoint).__name__}, not a state dict')

@@ -54,7 +54,7 @@ def _read_labels(path: str) -> List[str]:
         labels = json.loads(text) if text.lstrip().startswith('[') else [line.strip() for line in text.splitlines()]
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ValueError(f'--labels {path}: not UTF-8 text or a JSON list ({error})') from None
-    return [label for label in labels if label]  # as strings, one per class: checked by hub.build_hub_folder
+    return [label for label in labels if label]  # as strings, one per class: checked by hub.publish
 
 
 def run(args: argparse.Namespace) -> int:

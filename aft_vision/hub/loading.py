@@ -25,8 +25,8 @@ from .records import (read_hub_config, read_training_record, resolve_publish_dat
                       source_file)
 
 __all__ = ['load_model', 'create_aft_model', 'check_model_name', 'check_pretrained', 'check_aft_model',
-           'check_init_weights', 'check_model_kwargs', 'check_source', 'warn_random_weights', 'RANDOM_WEIGHTS',
-           'check_finite', 'check_runs_at_data_config']
+           'check_init_weights', 'check_model_kwargs', 'check_source', 'warn_random_weights',
+           'check_runs_at_data_config']
 
 HUB_TIMEOUT_S = 3.0  # how long a connection to the Hub may take before it counts as offline
 WEIGHT_FILES = ('model.safetensors', 'pytorch_model.bin', 'open_clip_pytorch_model.bin')  # timm's order
@@ -213,8 +213,8 @@ def _from_checkpoint(name: str, checkpoint: str, use_ema: bool, model_kwargs: Di
     config = read_hub_config(name, local_files_only) if ':' in name else None  # a published folder or repo's
     kwargs = {**(config['model_args'] if config else {}), **(record.model_kwargs if record else {}), **model_kwargs}
     declared, weights = select_weights(load_weights(checkpoint, device='meta'), use_ema, str(checkpoint))
-    if 'head.weight' in declared and 'num_classes' not in kwargs:
-        kwargs['num_classes'] = declared['head.weight'].shape[0]
+    if 'head.weight' in declared:
+        kwargs.setdefault('num_classes', declared['head.weight'].shape[0])
     where = f'{config["path"]}: model_args{"" if config["model_args"] else " (none: the defaults)"}' if config else name
     if config and kwargs.get('num_classes', config['num_classes']) != config['num_classes']:
         raise ValueError(f'{config["path"]}: num_classes {config["num_classes"]} but the weights in {checkpoint} hold '

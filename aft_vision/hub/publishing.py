@@ -23,7 +23,7 @@ from ..version import __version__
 from .loading import check_runs_at_data_config, load_model
 from .records import _read_json_object, read_training_record, resolve_publish_data_config, source_architecture
 
-__all__ = ['build_hub_folder', 'publish']
+__all__ = ['publish']
 
 # numeric entries of the main job's results.json that are settings of the run, not metrics for the model card
 _RUN_SETTINGS = ('epochs', 'img_size', 'eval_img_size', 'world_size', 'wall_seconds', 'seed')
@@ -95,24 +95,6 @@ def _model_card(model: torch.nn.Module, model_name: str, repo_id: str, cfg: Dict
     return str(card)
 
 
-def build_hub_folder(model: torch.nn.Module, folder: Path, model_name: str, repo_id: str,
-                     label_names: Optional[List[str]] = None, data_config: Optional[Dict[str, Any]] = None,
-                     run: Optional[Dict[str, Any]] = None, **card) -> None:
-    """Write ``config.json``, ``model.safetensors`` and ``README.md`` for ``model`` into ``folder``; ``data_config``
-    (``DATA_CONFIG_KEYS``) None publishes the architecture's default config; ``run``: the pretrained_cfg entries
-    that name the run (``tag``, ``notes``); ``card``: ``_model_card``'s."""
-    if label_names is not None and (len(label_names) != model.num_classes
-                                    or not all(isinstance(name, str) for name in label_names)):
-        raise ValueError(f'--labels: {model.num_classes} names (strings, one per class) are needed, got '
-                         f'{len(label_names)}: {str(label_names)[:60]}')
-    model_config = {'label_names': list(label_names)} if label_names else {}
-    save_for_hf(model, str(folder), model_config={**model_config, 'pretrained_cfg': dict(run or {})},
-                safe_serialization=True, data_config=data_config)
-    config = _strip_client_args(model, folder / 'config.json')
-    text = _model_card(model, model_name, repo_id, config['pretrained_cfg'], **card)
-    (folder / 'README.md').write_text(text, encoding='utf-8')
-
-
 def _check_card_text(texts: Dict[str, Sequence[Optional[str]]]) -> None:
     """ValueError naming the option of user text the card cannot hold as data: control characters, line breaks
     included (but in ``--training``)."""
@@ -155,25 +137,33 @@ def publish(checkpoint: str, model_name: Optional[str], repo_id: str, out_dir: O
     if model_name is None or parse_model_name(model_name)[0]:  # the record's, or a published folder's architecture
         model_name, kwargs = source_architecture(model_name or record.architecture, kwargs)
     model, weights = load_model(model_name, checkpoint, use_ema=use_ema, model_kwargs=kwargs, aft_only=False)
-    weights = weights.split('; data config: ')[0]  # this folder's data config is resolved here
-    data_config, source = resolve_publish_data_config(model, record, data_config)
+    data_config, source = resolve_publish_data_config(model, record, data_config)  # this folder's, not the load's
     if data_config is None:
         warnings.warn(f'publishing {checkpoint} with {source}; give the run record or --input-size / --crop-pct',
                       UserWarning, stacklevel=2)
     model.pretrained_cfg = {**model.pretrained_cfg, **(data_config or {})}
     check_runs_at_data_config(model, 'the data config to publish')
     label_names = label_names or (record.label_names if record else None)
+    if label_names is not None and (len(label_names) != model.num_classes
+                                    or not all(isinstance(name, str) for name in label_names)):
+        raise ValueError(f'--labels: {model.num_classes} names (strings, one per class) are needed, got '
+                         f'{len(label_names)}: {str(label_names)[:60]}')
     notes = [*(record.notes if record else [f'{Path(checkpoint).name}: no record of how it was trained']),
              *([training] if training else []), f'preprocessing from {source}']
-    run = {'tag': repo_id.split('/')[1], 'notes': notes}
+    run = {'pretrained_cfg': {'tag': repo_id.split('/')[1], 'notes': notes}}  # the run, not the architecture's entry
     staged = atomic_dir(out_dir, force=force) if out_dir else tempfile.TemporaryDirectory(prefix='aft-publish-')
-    with staged as staging:
-        build_hub_folder(model, Path(staging), model_name, repo_id, label_names, data_config, run, results=results,
-                         datasets=datasets, base_model=base_model, training=training, data_config_source=source)
-        digest = sha256sum(Path(staging) / 'model.safetensors')
-        url = _upload(Path(staging), repo_id, private) if upload else None
+    with staged as folder:
+        folder = Path(folder)
+        save_for_hf(model, str(folder), model_config={**run, **({'label_names': label_names} if label_names else {})},
+                    safe_serialization=True, data_config=data_config)
+        config = _strip_client_args(model, folder / 'config.json')
+        (folder / 'README.md').write_text(_model_card(
+            model, model_name, repo_id, config['pretrained_cfg'], results, datasets, base_model, training,
+            data_config_source=source), encoding='utf-8')
+        digest = sha256sum(folder / 'model.safetensors')
+        url = _upload(folder, repo_id, private) if upload else None
     return {'folder': out_dir and str(out_dir), 'url': url, 'sha256': digest, 'data_config_source': source,
-            'weights': weights}
+            'weights': weights.split('; data config: ')[0]}
 
 
 def _upload(folder: Path, repo_id: str, private: bool) -> str:

@@ -188,32 +188,28 @@ def _spatial(value: Any, in_chans: int, name: str) -> Tuple[int, int, int]:
 
 
 def _check_data_config(config: Dict[str, Any], in_chans: int) -> Dict[str, Any]:
-    # sizes as (C, H, W) of the model's channels, 0 < crop_pct <= 1, known modes, positive std
+    # sizes as (C, H, W) of the model's channels, 0 < crop_pct <= 1, known modes, 1 or C positive std / mean in [0, 1]
     checked = {}
-    for key, value in config.items():
-        if value is None:
-            continue
+    for key, value in ((key, value) for key, value in config.items() if value is not None):
         if key not in DATA_CONFIG_KEYS:
             raise ValueError(f'unknown data config entry {key!r}; known: {", ".join(DATA_CONFIG_KEYS)}')
         if key in ('input_size', 'test_input_size'):
             value = _spatial(value, in_chans, key)
-        elif key == 'crop_pct':
-            if not isinstance(value, (int, float)) or not 0 < value <= 1:
-                raise ValueError(f'crop_pct must be in (0, 1], got {value!r}')
-            value = float(value)
-        elif key == 'crop_mode' and value not in CROP_MODES:
-            raise ValueError(f'crop_mode must be one of {CROP_MODES}, got {value!r}')
-        elif key == 'interpolation' and value not in INTERPOLATIONS:
-            raise ValueError(f'interpolation must be one of {INTERPOLATIONS}, got {value!r}')
+        elif key == 'crop_pct' and not (isinstance(value, (int, float)) and 0 < value <= 1):
+            raise ValueError(f'crop_pct must be in (0, 1], got {value!r}')
+        elif key in ('crop_mode', 'interpolation'):
+            choices = CROP_MODES if key == 'crop_mode' else INTERPOLATIONS
+            if value not in choices:
+                raise ValueError(f'{key} must be one of {choices}, got {value!r}')
         elif key in ('mean', 'std'):
             values = [value] if isinstance(value, (int, float)) else list(value)
-            numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
-            if len(values) not in (1, in_chans) or not numbers or not all(
-                    v > 0 if key == 'std' else 0 <= v <= 1 for v in values):
+            if len(values) not in (1, in_chans) or not all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and (v > 0 if key == 'std' else 0 <= v <= 1)
+                    for v in values):
                 raise ValueError(f'{key} must be 1 or {in_chans} numbers, '
                                  f'{"positive" if key == "std" else "in [0, 1]"}, got {value!r}')
             value = tuple(float(v) for v in values) * (in_chans if len(values) == 1 else 1)
-        checked[key] = value
+        checked[key] = float(value) if key == 'crop_pct' else value
     small, large = checked.get('input_size'), checked.get('test_input_size')
     if small and large and (large[1] < small[1] or large[2] < small[2]):
         raise ValueError(f'test_input_size {large} is below input_size {small}: it names a larger size that scores at '
