@@ -201,8 +201,10 @@ def atomic_files(paths: Sequence[PathLike], force: bool = False, folder: bool = 
         for path in paths:
             check_output(path, force, folder)
         yield staging if folder else [staging / path.name for path in paths]
-        umask = os.umask(0o22)
-        os.umask(umask)
+        probe = staging / '.aft-umask'  # the umask as the kernel applies it to a new file (os.umask would set it)
+        os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o777))
+        umask = ~probe.stat().st_mode & 0o777
+        probe.unlink()
         for entry in [staging, *staging.rglob('*')]:  # tempfile and safetensors write 0700 / 0600
             if not entry.is_symlink():
                 entry.chmod((0o777 if entry.is_dir() else 0o666) & ~umask)
