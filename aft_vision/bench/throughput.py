@@ -34,8 +34,7 @@ OPS_RESOLUTIONS = [224, 384, 768, 1024]  # --ops: where the two AFT-conv forms c
 BASELINES = {64: 'test_vit', 192: 'deit_tiny_patch16_224', 384: 'deit_small_patch16_224', 768: 'deit_base_patch16_224'}
 # --readme: the figures of docs/performance.md (batch 8; 2 images for the training step from 768 px, all at 1024 px)
 README_RUN = dict(models=DEFAULT_MODELS, resolutions=[224, 384, 768],
-                  pairs=['aft_conv_small=deit_small_patch16_224@1024',
-                         'aft_conv_base=deit_base_patch16_384@384'],
+                  pairs=['aft_conv_small=deit_small_patch16_224@1024', 'aft_conv_base=deit_base_patch16_384@384'],
                   batch_at=['768=8,2', '1024=2,2'])
 
 
