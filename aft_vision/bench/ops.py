@@ -1,7 +1,6 @@
 """``aft-vision bench --ops``: every method on the mixer layer of each model, timed forward and backward apart, beside
 the one ``method='auto'`` picks and each method's traffic count on the CUDA path (``traffic.py``): the measurements
-behind the dispatch tables (``DISPATCH_TABLES`` in ``layers/functional.py``; docs/performance.md, "Choosing the AFT-conv
-method")."""
+behind ``layers/functional.py``'s dispatch tables."""
 import statistics
 import time
 from typing import Dict, List
@@ -30,8 +29,7 @@ def variants_for(kind: str) -> List[str]:
 
 def time_methods(shape: Dict, batch_size: int, device: torch.device, precision: str, repeats: int,
                  warmup: int, variants: List[str]) -> Dict[str, Dict[str, float]]:
-    """Median forward and backward milliseconds of the mixer call for one layer shape, per variant of
-    ``variants_for``."""
+    """Median forward and backward milliseconds of the mixer call for one layer shape, per ``variants_for`` variant."""
     torch.manual_seed(0)
     q, k, v, w = mixer_inputs(shape, batch_size, 'fp32', device)
     dtype = {'fp32': None, 'bf16': torch.bfloat16, 'fp16': torch.float16}[precision]
@@ -118,9 +116,9 @@ def _table(rows: List[Dict], timed: bool, compiled: bool) -> str:
 
 
 def main(settings, models: List[str], resolutions: List[int], baselines: Dict[str, str]) -> int:
-    """``aft-vision bench --ops``: ``settings`` is a ``BenchSettings``; writes ``ops.json`` and ``ops.md``: per layer
-    the methods' times (none under ``ops_count_only``) beside their traffic counts, and per model the bytes a training
-    step saves beside those of its DeiT (``baselines``: model -> DeiT)."""
+    """``aft-vision bench --ops`` (``settings``: a ``BenchSettings``): ``ops.json`` and ``ops.md``, per layer the
+    methods' times (none under ``ops_count_only``) and traffic counts, per model the bytes a training step saves and
+    its DeiT's (``baselines``: model -> DeiT)."""
     device = torch.device(settings.device)
     timed = not settings.ops_count_only
     rows = []

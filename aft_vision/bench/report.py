@@ -71,9 +71,9 @@ def plot(rows: List[Dict], path: Path) -> None:
 
 def write_report(settings, stem: str, rows: List[Dict], table: str, plot_rows: bool = False) -> None:
     """``<stem>.json`` (``settings``, a ``BenchSettings``, and the rows), ``<stem>.md`` (the table) and, for
-    ``plot_rows``, the plot ``<stem>.png`` into ``settings.out_dir``, replacing earlier ones of those names."""
+    ``plot_rows``, ``<stem>.png`` into ``settings.out_dir``, replacing earlier ones of those names alone."""
     out = Path(settings.out_dir)
-    with atomic_dir(out, force=True) as staging:  # the earlier files of those names replaced, nothing else
+    with atomic_dir(out, force=True) as staging:
         (staging / f'{stem}.json').write_text(json.dumps({'command': dataclasses.asdict(settings), 'rows': rows},
                                                          indent=2))
         (staging / f'{stem}.md').write_text(table + '\n')

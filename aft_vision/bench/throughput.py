@@ -34,8 +34,7 @@ OPS_RESOLUTIONS = [224, 384, 768, 1024]  # --ops: where the two AFT-conv forms c
 BASELINES = {64: 'test_vit', 192: 'deit_tiny_patch16_224', 384: 'deit_small_patch16_224', 768: 'deit_base_patch16_224'}
 # --readme: the figures of docs/performance.md (batch 8; 2 images for the training step from 768 px, all at 1024 px)
 README_RUN = dict(models=DEFAULT_MODELS, resolutions=[224, 384, 768],
-                  pairs=['aft_conv_small=deit_small_patch16_224@1024',
-                         'aft_conv_base=deit_base_patch16_384@384'],
+                  pairs=['aft_conv_small=deit_small_patch16_224@1024', 'aft_conv_base=deit_base_patch16_384@384'],
                   batch_at=['768=8,2', '1024=2,2'])
 
 
@@ -83,8 +82,7 @@ class _Case:
 
     def peak_memory(self, method: str) -> int:
         """Peak bytes of one ``method`` call: CUDA's ``max_memory_allocated``; on CPU the peak RSS growth in a fresh
-        process (an allocator keeps what its process has freed), forked from multiprocessing's forkserver: a process
-        that has imported this module and run no model, so that a figure costs a fork, not an interpreter's start."""
+        process (an allocator keeps what its process has freed) forked from a forkserver that imported this module."""
         if self.device.type == 'cuda':
             gc.collect()
             torch.cuda.empty_cache()
@@ -111,15 +109,15 @@ def _classifier(name: str, img_size: int, batch_size: int, train_batch_size: Opt
         label = f'{name} ({model.blocks[0].attn.kernel_size}x{model.blocks[0].attn.kernel_size} window)'
     train_batch_size = train_batch_size or batch_size
     images = torch.randn(batch_size, 3, img_size, img_size, device=device)
-    train_images = torch.randn(train_batch_size, 3, img_size, img_size, device=device) \
-        if train_batch_size != batch_size else None
+    train_images = images if train_batch_size == batch_size else torch.randn(train_batch_size, *images.shape[1:],
+                                                                             device=device)
     labels = torch.randint(0, 1000, (train_batch_size,), device=device)
     return _Case(name, model, images, labels, device, precision, runtime, train_images, label)
 
 
 def _deployed(model: torch.nn.Module, images: torch.Tensor, runtime: str, precision: str):
-    """``model`` in ``runtime`` at ``precision`` as ``aft-vision export`` writes it (``deploy.write_model``), a function
-    of an image batch (INT8 calibrated on ``images`` and a batch of random images)."""
+    """``model`` in ``runtime`` at ``precision`` as ``deploy.write_model`` writes it, a function of an image batch (INT8
+    calibrated on ``images`` and a batch of random images)."""
     from ..deploy import load_runner, write_model
 
     batches = [images.numpy(), torch.randn_like(images).numpy()] if precision == 'int8' else []
@@ -132,8 +130,7 @@ def _deployed(model: torch.nn.Module, images: torch.Tensor, runtime: str, precis
 
 def _fresh_process_rss_peak(name: str, img_size: int, batch_size: int, precision: str, method: str,
                             threads: int) -> int:
-    """Peak RSS growth over the first call of ``method`` of a freshly built model (in a fresh process, which has
-    registered the AFT models in importing this module)."""
+    """Peak RSS growth over the first call of ``method`` of a freshly built model (in ``peak_memory``'s process)."""
     torch.set_num_threads(threads)
     case = _classifier(name, img_size, batch_size, None, torch.device('cpu'), precision)
     gc.collect()
@@ -182,10 +179,8 @@ def parse_batch_at(entries: List[str]) -> Dict[int, Tuple[int, int]]:
 def _benchmark(settings, models: List[str], resolutions: List[int], baselines: Optional[Dict[str, str]],
                pairs: List[Tuple[str, str, List[int]]], batch_at: Dict[int, Tuple[int, int]],
                runtime: str) -> List[Dict]:
-    """Measure every model against its baseline (default: the DeiT of its width) at every resolution, and the
-    ``pairs`` (model, baseline, resolutions), as ``settings`` (a ``BenchSettings`` ``main`` checked) asks: ``repeats``
-    timed calls per figure (median), round-robin; one row per (model, resolution). ``batch_at``: resolution ->
-    (inference, training batch)."""
+    """Rows of every model against its baseline (default: the DeiT of its width) at every resolution, and of the
+    ``pairs`` (model, baseline, resolutions); ``batch_at``: resolution -> (inference, training batch)."""
     device, precision = torch.device(settings.device), settings.precision
     baselines = baselines or {name: _baseline_for(name) for name in models}
     cases = [(name, baselines[name], res) for res in resolutions for name in models]
@@ -202,8 +197,8 @@ def _benchmark(settings, models: List[str], resolutions: List[int], baselines: O
 
 def _measure(settings, runtime: str, groups: Dict[Tuple[int, str], Dict[str, None]], build: Callable,
              batches: Dict[int, Tuple[int, int]], peak_memory: bool, **fields) -> List[Dict]:
-    """Build each group (``build(model, res)``), time it round-robin as ``settings`` asks, record it: a row per AFT
-    model, the resolution, its ``batches``, how it ran, ``fields``, then its figures, its baseline's and the ratios."""
+    """Build each group (``build(model, res)``), time it round-robin (``repeats`` calls per figure, median): a row per
+    AFT model with the resolution, its ``batches``, how it ran, ``fields``, its figures, its baseline's, the ratios."""
     ran = dict(device=str(torch.device(settings.device)), precision=settings.precision,
                threads=torch.get_num_threads(), runtime=runtime, **fields)
     rows = []

@@ -1,24 +1,13 @@
 """A traffic count of one AFT mixer call: the aten ops that run a kernel and the bytes they read and write, counted on
 the path CUDA takes without a GPU (``count_layer``), beside what Inductor generates for it (``inductor_counts``).
 
-The rules that define the figure (``TrafficCounter``):
-
-* An op counts once per call if it runs a kernel. Views and metadata queries do not: an op whose outputs all alias
-  its inputs without writing (the schema's alias info: ``view``, ``permute``, ``split``, ``detach``...) or share
-  their storage (``_unsafe_view``), and queries such as ``aten.sym_size``, ``aten.is_contiguous``, ``prim.device``.
-  Allocations that write nothing (``empty``, ``empty_strided``, ``new_empty``, ``empty_like``) are not kernels, nor
-  is an op that returns no tensor (``promote_types``).
-* Its bytes are those of its distinct tensor inputs plus those of its distinct tensor outputs. A tensor moves
-  ``element_size * min(numel, 1 + sum((size - 1) * stride))``: a broadcast or overlapping view moves its storage
-  once, not its logical size. The same tensor (storage, offset, shape, strides, dtype) given twice counts once.
-* An in-place op counts the tensor it mutates as input and output; an ``out=`` tensor is an output only, and so is
-  the destination of ``copy_``, ``fill_`` and ``zero_``. A factory ``new_*`` op reads nothing of its ``self``.
-* An op of another namespace than aten and prims (a custom operator) is refused: its kernels are not seen.
-
-What the count cannot see: the kernels inside one aten op (cuDNN's own transposes, a matmul's workspace).
+``TrafficCounter``'s rules (docs/performance.md, "Counting what a layer moves"): an op counts once if it runs a kernel
+(not views, storage aliases, metadata queries, bare allocations, ops returning no tensor); its bytes are those of its
+distinct tensor inputs plus outputs, each ``tensor_bytes`` (a broadcast view moves its storage once); an in-place op's
+tensor is input and output, ``out=`` and ``copy_`` / ``fill_`` / ``zero_`` / ``new_*`` destinations outputs only; a
+custom operator is refused (its kernels are unseen), as are the kernels inside one aten op (cuDNN's transposes).
 """
 import collections
-import contextlib
 import logging
 from typing import Dict, Optional, Tuple
 
@@ -109,10 +98,6 @@ class TrafficCounter(TorchDispatchMode):
                     if isinstance(t, torch.Tensor)}
         return all(StorageWeakRef(t.untyped_storage()).cdata in storages for t in outputs)
 
-    def largest(self, n: int = 5) -> Dict[str, list]:
-        """The ``n`` op names that moved the most bytes: name -> [count, bytes]."""
-        return dict(sorted(self.by_name.items(), key=lambda item: -item[1][1])[:n])
-
 
 def layer_shape(name: str, img_size: int) -> Dict:
     """The first AFT layer of a registered model at ``img_size`` (built on meta): its kind ('conv', 'full',
@@ -147,11 +132,8 @@ def mixer_inputs(shape: Dict, batch_size: int, precision: str, device):
 
 def mixer_call(shape: Dict, method: Optional[str] = None):
     """The mixer call of ``shape``'s kind, f(q, k, v, w); ``method``: AFT-conv's."""
-    if shape['kind'] == 'conv':
-        return lambda q, k, v, w: aft_conv2d(q, k, v, w, method=method)
-    if shape['kind'] == 'full':
-        return lambda q, k, v, w: aft_full(q, k, v, w)
-    return lambda q, k, v, w: aft_simple(q, k, v)
+    return {'conv': lambda q, k, v, w: aft_conv2d(q, k, v, w, method=method), 'full': aft_full,
+            'simple': lambda q, k, v, w: aft_simple(q, k, v)}[shape['kind']]
 
 
 _METHOD_OF = {'full': 'dense', 'simple': 'simple'}  # what the other kinds' call is named in reports
@@ -166,27 +148,16 @@ def auto_method(shape: Dict, batch_size: int, device_type: str = 'cuda') -> str:
 
 
 def count_layer(name_or_shape, img_size: int, batch_size: int, precision: str, method: Optional[str] = None) -> Dict:
-    """Ops and MB (1e6 bytes) of the mixer call of a model's first AFT layer, forward and forward + backward, on the
-    path CUDA takes, without a GPU and without computing anything.
+    """Ops and MB (1e6 bytes) of the mixer call of a model's first AFT layer (``name_or_shape``: a registered name at
+    ``img_size``, or a ``layer_shape``), forward and forward + backward, on the path CUDA takes, computing nothing.
 
-    The forward runs on fake CUDA tensors (``FakeTensorMode``) under CUDA's policy. The autograd engine refuses fake
-    CUDA tensors, so the backward (everything ``out.backward(grad)`` runs, the output gradient ``grad`` made
-    outside the count) runs on fake CPU tensors under ``device_policy('cuda')`` with the same method. Both are
-    counted on a second call, as a GPU runs every step after the first: the tables a layer builds once per input size
-    (AFT-conv's gather index, its bias-gradient selector) are cached by then. Where the
-    layers branch on the device type itself (the conv form's NCHW copies for cuDNN), that backward takes the CPU's
-    branch.
-
-    Args:
-        name_or_shape: A registered model name, or a ``layer_shape`` dict.
-        img_size: Input resolution (px), when a name is given.
-        batch_size: Images per call.
-        precision: 'bf16' (q, k, v in bfloat16, w float32, as under bf16 autocast) or 'fp32'.
-        method: AFT-conv's method (None: what 'auto' picks on CUDA).
+    The forward runs on fake CUDA tensors under CUDA's policy; the autograd engine refuses those, so the backward runs
+    on fake CPU tensors under ``device_policy('cuda')`` (the CPU's branch where a layer branches on the device type).
+    The second of two calls is counted, as a GPU runs every step after the first (per-size tables cached).
 
     Returns:
-        Dict with 'method', 'forward_ops', 'forward_mb', 'ops', 'mb' (forward + backward), 'largest' (op ->
-        [count, MB] of the forward + backward) and the layer's shape.
+        Dict with 'method' (``method``, else CUDA's 'auto'), 'forward_ops', 'forward_mb', 'ops', 'mb' (forward +
+        backward), 'largest' (op -> [count, MB], forward + backward) and the layer's shape.
     """
     shape = layer_shape(name_or_shape, img_size) if isinstance(name_or_shape, str) else dict(name_or_shape)
     method = method or auto_method(shape, batch_size)
@@ -214,9 +185,8 @@ def count_layer(name_or_shape, img_size: int, batch_size: int, precision: str, m
 
 def autocast(device: torch.device, precision: str):
     """Autocast to ``precision`` ('bf16', 'fp16') on ``device``; nothing for 'fp32'."""
-    if precision == 'fp32':
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=torch.bfloat16 if precision == 'bf16' else torch.float16)
+    return torch.autocast(device.type, torch.bfloat16 if precision == 'bf16' else torch.float16,
+                          enabled=precision != 'fp32')
 
 
 def saved_bytes(model: torch.nn.Module, images: torch.Tensor, precision: str) -> int:
@@ -249,25 +219,12 @@ def saved_on_cuda_path(name: str, img_size: int, batch_size: int, precision: str
         return saved_bytes(model, torch.randn(batch_size, 3, img_size, img_size), precision)
 
 
-def _no_compile_caches():
-    """Compile afresh: a graph loaded from Inductor's caches generates no kernels and counts no bytes."""
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch._inductor.config.patch(fx_graph_cache=False))
-    stack.enter_context(torch._functorch.config.patch(enable_autograd_cache=False))
-    return stack
-
-
 def inductor_counts(name_or_shape, img_size: int, batch_size: int, precision: str,
                     method: Optional[str] = None) -> Dict:
-    """Inductor's kernels and bytes (``torch._inductor.metrics``: ``generated_kernel_count``,
-    ``num_bytes_accessed``) for the same mixer call under ``torch.compile(fullgraph=True)`` on the CPU (real
-    tensors: it compiles and runs once), forward alone and forward + backward. The bytes are those of every scheduled
-    node, extern kernels (convolutions, matrix products) included, which are not among the generated kernels.
-    Inductor counts bytes only while its metrics log is enabled at INFO: it is, during the call, with no handler.
-
-    Returns:
-        Dict with 'forward_kernels', 'forward_mb', 'kernels', 'mb' (forward + backward).
-    """
+    """Inductor's generated kernels and bytes of every scheduled node (extern kernels included) for the same mixer
+    call under ``torch.compile(fullgraph=True)`` on the CPU (compiled and run once): a dict of 'method',
+    'forward_kernels', 'forward_mb', 'kernels', 'mb' (forward + backward). Inductor counts bytes only while its
+    metrics log is at INFO: it is, during the call, with no handler."""
     from torch._inductor import metrics
     from torch._inductor.compile_fx import inductor_metrics_log
 
@@ -282,7 +239,9 @@ def inductor_counts(name_or_shape, img_size: int, batch_size: int, precision: st
             metrics.reset()
             inputs = [x if x is None else x.detach().requires_grad_(train)
                       for x in mixer_inputs(shape, batch_size, precision, 'cpu')]
-            with _no_compile_caches(), device_policy('cuda'), torch.set_grad_enabled(train):
+            # compiled afresh: a graph loaded from Inductor's caches generates no kernels and counts no bytes
+            with torch._inductor.config.patch(fx_graph_cache=False), device_policy('cuda'), \
+                    torch._functorch.config.patch(enable_autograd_cache=False), torch.set_grad_enabled(train):
                 out = compiled(*inputs)
                 if train:
                     out.backward(torch.randn_like(out))

@@ -29,10 +29,8 @@ def _label_names(model: torch.nn.Module) -> Optional[List[str]]:
 
 
 def predict(model: torch.nn.Module, paths: List[str], img_size: Optional[int] = None, topk: int = 5) -> Dict:
-    """Classify readable images (``images.read_image``, timm's eval transform; a progress bar on a terminal);
-    unreadable ones are listed with the reason. Returns ``{'results': {path: [(label, p, index)]}, 'errors': {path:
-    why}}``, the top ``topk`` classes by probability."""
-    # a data config the hub checked as it loaded the model (hub.read_hub_config, resolve_publish_data_config)
+    """Classify readable images (``images.read_image``, timm's eval transform); unreadable ones are listed with the
+    reason. Returns ``{'results': {path: [(label, p, index)]}, 'errors': {path: why}}``, the top ``topk`` classes."""
     transform = create_transform(**resolve_data_config({'input_size': (3, img_size, img_size)} if img_size else {},
                                                        model=model))
     names = _label_names(model)

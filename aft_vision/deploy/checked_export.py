@@ -77,8 +77,7 @@ def write_model(model: torch.nn.Module, example: torch.Tensor, fmt: str, target:
 
 def runs_any_size(model: torch.nn.Module) -> bool:
     """Whether one graph serves every input size: the model takes any size with the same parameters (AFT-conv with
-    ``resize_mode='keep'``). Otherwise the graph takes only the size it was recorded at, as a model rebuilt for another
-    size (``set_input_size``: windows or patch resampled) computes something else."""
+    ``resize_mode='keep'``), not rebuilt for it (``set_input_size``: windows or patch resampled)."""
     fixed = getattr(model, '_fixed_img_size', lambda: ())()
     return fixed is None and getattr(model, 'resize_mode', 'keep') == 'keep'
 

@@ -55,9 +55,8 @@ class ClassifySettings:
 
 
 def run(settings: ClassifySettings) -> Dict:
-    """The whole job, its steps in order, in its out_dir (``output_dir``: refused if it holds anything unless
-    ``force``, left as it was if the job fails or is stopped); returns the results written to ``results.json``
-    (empty on ranks other than 0)."""
+    """The whole job in its out_dir (``output_dir``: left as it was if the job fails or is stopped); returns the
+    results written to ``results.json`` (empty on ranks other than 0)."""
     start = time.perf_counter()
     writes = RUN_OUTPUTS + (() if settings.data_dir else ('data',))
     plan = _plan(settings)  # every option checked before anything is written or waited for
@@ -109,10 +108,10 @@ def _plan(settings: ClassifySettings) -> Dict:
 
 
 def check_model_and_sizes(settings: ClassifySettings, model_kwargs: Dict) -> Tuple[Dict, List[int]]:
-    """Check the model and every size of ``settings`` on a meta-device copy, before anything is written (ValueError,
-    one line). Returns ``model_kwargs`` with the size arguments added (a model tied to one size built for ``img_size``,
-    AFT-conv also given ``resize_mode`` / ``base_img_size``) and the training sizes: ``train_img_sizes``, else the
-    recipe's ``TRAIN_SIZE_RATIOS`` of ``img_size`` in whole patches for a model that takes any size."""
+    """Check the model and every size of ``settings`` on a meta-device copy (ValueError, one line). Returns
+    ``model_kwargs`` with the size arguments added (a model tied to one size built for ``img_size``; AFT-conv's
+    ``resize_mode`` / ``base_img_size``) and the training sizes: ``train_img_sizes``, else ``TRAIN_SIZE_RATIOS`` of
+    ``img_size`` in whole patches for a model that takes any size."""
     train_sizes = list(settings.train_img_sizes or [settings.img_size])  # the recipe's, once the model is known
     if settings.train_img_sizes is not None and not settings.train_img_sizes:
         raise ValueError('--train-img-sizes: give at least one size')
@@ -170,8 +169,7 @@ def check_model_and_sizes(settings: ClassifySettings, model_kwargs: Dict) -> Tup
 
 def _train_on_every_rank(settings: ClassifySettings, plan: Dict, rank: int, world_size: int, device: torch.device
                          ) -> Dict:
-    """Write the digits (rank 0), train on every rank of the group ``join_peers`` joined, and gather each rank's
-    weight and size-schedule digests."""
+    """Write the digits (rank 0), train on every rank, and gather each rank's weight and size-schedule digests."""
     try:
         data_dir = Path(settings.data_dir) if settings.data_dir else Path(settings.out_dir) / 'data'
         if not settings.data_dir and rank == 0:
@@ -206,9 +204,8 @@ def evaluate_sizes(model: torch.nn.Module, val: Path, img_size: int, sizes: Sequ
 
 def save(model: torch.nn.Module, settings: ClassifySettings, plan: Dict, top1: float, top1_at: Dict
          ) -> Tuple[Dict, str]:
-    """Write ``model.safetensors`` and ``results.json`` (the figures, the data config to publish: timm's
-    ``test_input_size`` is the best larger size the model runs as built, if it scores at least as well as
-    ``img_size``); returns the results and the weights' sha256."""
+    """Write ``model.safetensors`` and ``results.json`` (the figures, the data config to publish, its
+    ``test_input_size`` the best larger size the model runs as built if it scores as well as ``img_size``)."""
     out = Path(settings.out_dir)
     sha256 = save_weights(model.state_dict(), out / 'model.safetensors', force=True)
     architecture, architecture_kwargs = source_architecture(settings.model, plan['model_kwargs'])
@@ -242,9 +239,8 @@ def publish_run(settings: ClassifySettings, plan: Dict, classes: List[str], resu
 
 def check_reload(hub_dir: Path, val: Path, img_size: int, top1: float, top1_at: Dict, data_config: Dict,
                  device: torch.device) -> Dict:
-    """Reload the folder as every timm client does (``timm.create_model('local-dir:...')``, as published and rebuilt
-    for the largest size; with timm's data config and its test size): RuntimeError unless each gives the job's figure.
-    """
+    """Reload the folder as timm clients do (``local-dir:``, as published and rebuilt for the largest size; with
+    timm's data config and its test size): RuntimeError unless each gives the job's figure."""
     def require(found: float, expected: float, what: str) -> float:
         if found != expected:
             raise RuntimeError(f'{what} scores {found:.2f}%, the trained model {expected:.2f}%')

@@ -1,6 +1,5 @@
-"""The sparsity regulariser of Eq. 9, ``sum_i entropy(softmax(w_i))`` over AFT-conv heads (weight 0.001 in the
-paper; in timm's ``train.py`` through ``python -m aft_vision.run --aft-sparsity``; docs/training.md, "The sparsity
-regulariser")."""
+"""The sparsity regulariser of Eq. 9, ``sum_i entropy(softmax(w_i))`` over AFT-conv heads (the paper's weight: 0.001;
+in timm's ``train.py`` through ``python -m aft_vision.run --aft-sparsity``)."""
 import torch
 from torch import nn
 

@@ -35,9 +35,8 @@ def digit_split(val_fraction: float = 0.2, seed: int = 0) -> Dict[str, Tuple[tor
 
 def make_scenes(digits: Tuple[torch.Tensor, torch.Tensor], num_scenes: int, size: int,
                 digit_sizes: Tuple[int, int] = (16, 28), digits_per_area: float = 3 / 64 ** 2, seed: int = 0) -> Scenes:
-    """``num_scenes`` noisy scenes of ``size`` px from ``digits`` (images (n, 8, 8) in [0, 1], classes (n,)):
-    digits of ``digit_sizes`` px, ``digits_per_area`` tried per pixel (one without a free place in 20 tries left out).
-    """
+    """``num_scenes`` noisy scenes of ``size`` px from ``digits`` (images (n, 8, 8) in [0, 1], classes (n,)): digits of
+    ``digit_sizes`` px, ``digits_per_area`` tried per pixel (one without a free place in 20 tries left out)."""
     images, targets = digits
     gen = torch.Generator().manual_seed(seed)
     canvas = torch.zeros(num_scenes, size, size)

@@ -19,9 +19,7 @@ from .training import check_input_size, fit, keeps_random_state, launched_world,
 
 __all__ = ['DPT_SIZE_MULTIPLE', 'SegmentSettings', 'build_dpt', 'predict', 'confusion', 'mean_iou', 'run']
 
-# smp's DPT reassembles its four features at 1/4 ... 1/32 of the image and adds each level, upsampled 2x, to the next:
-# image sides must be multiples of 32 (smp checks only the patch size).
-DPT_SIZE_MULTIPLE = 32
+DPT_SIZE_MULTIPLE = 32  # DPT adds its features at 1/4 ... 1/32 of the image, each upsampled 2x, to the next
 DPT_DECODER = dict(decoder_intermediate_channels=(32, 64, 64, 64), decoder_fusion_channels=64)  # a small decoder
 MEAN, STD = 0.5, 0.5  # scenes are in [0, 1]; the model sees (x - 0.5) / 0.5
 
@@ -128,8 +126,7 @@ def plot(history: List[Dict], model: torch.nn.Module, scenes: Scenes, path: Path
 
 
 def run(settings: SegmentSettings) -> Dict:
-    """The whole job in its out_dir (``output_dir``: left as it was if the job fails or is stopped); returns the
-    results written to ``results.json``."""
+    """The whole job in its out_dir (``output_dir``: left as it was if the job fails); returns ``results.json``'s."""
     start = time.perf_counter()
     with output_dir(settings.out_dir, settings.force, ('model.safetensors', 'results.json', 'training_curve.png')):
         _check_model_and_sizes(settings)
@@ -144,8 +141,7 @@ def run(settings: SegmentSettings) -> Dict:
         model, history = train(settings, data, torch.device(settings.device))
         counts, counts_large = confusion(model, data['val']), confusion(model, data['val_large'])
         out = Path(settings.out_dir)
-        weights = out / 'model.safetensors'
-        sha256 = save_weights(model.state_dict(), weights, force=True)
+        sha256 = save_weights(model.state_dict(), out / 'model.safetensors', force=True)
         results = {
             'task': 'segment', 'model': settings.model, 'model_kwargs': dict(settings.model_kwargs),
             'decoder': 'smp.DPT',
@@ -163,6 +159,6 @@ def run(settings: SegmentSettings) -> Dict:
             print('matplotlib is not installed (pip install aft-vision[demo]): no training curve written')
         print(f'\n{settings.model} + DPT on digit scenes: held-out mIoU {100 * results["miou"]:.1f}% at '
               f'{settings.img_size} px, {100 * results[f"miou_at_{settings.eval_img_size}"]:.1f}% at '
-              f'{settings.eval_img_size} px (never trained at that size)\nwrote {weights}, {out / "results.json"}, '
-              f'{out / "training_curve.png"}; {results["wall_seconds"]:.0f} s')
+              f'{settings.eval_img_size} px (never trained at that size)\nwrote {out / "model.safetensors"}, '
+              f'{out / "results.json"}, {out / "training_curve.png"}; {results["wall_seconds"]:.0f} s')
         return results

@@ -139,8 +139,8 @@ def plan_runs(settings: StudySettings) -> List[Run]:
 
 
 def check_settings(settings: StudySettings) -> Dict[str, Dict]:
-    """Check the settings and every configuration on meta-device copies, before anything is written; returns each
-    configuration's model arguments as the trainer builds it. ValueError: one line naming the bad option."""
+    """Check the settings and every configuration on meta-device copies (ValueError: one line naming the option);
+    returns each configuration's model arguments as the trainer builds it."""
     for name, value in (('--seeds', settings.seeds), ('--epochs', settings.epochs)):
         if value < 1:
             raise ValueError(f'{name}: must be >= 1, got {value}')
@@ -230,8 +230,7 @@ def _finished(path: Path, settings: StudySettings, run: Run) -> Optional[Dict]:
 
 
 def run_study(settings: StudySettings, out_dir: Path) -> Dict:
-    """Run (or resume) the study under ``out_dir``; returns ``study.json``'s content (each part's rows, the runs
-    trained now and those found finished)."""
+    """Run (or resume) the study under ``out_dir``; returns ``study.json``'s content."""
     start = time.perf_counter()
     model_kwargs = check_settings(settings)
     out_dir = Path(out_dir)
@@ -287,8 +286,7 @@ def _tables(settings: StudySettings, records: Dict[str, Dict]) -> Dict[str, List
 
 
 def _head_starts(rows: List[Dict]) -> List[Dict]:
-    """Each transferred row's head start: its top-1 after epoch 1 minus the random start's of the same model and
-    length, per seed (percentage points)."""
+    """Each transferred row's head start: its top-1 after epoch 1 minus the random start's, per seed (points)."""
     for row in rows:
         control = next((r for r in rows if r['key'] == row['key'] and r['epochs'] == row['epochs']
                         and r['start'] == 'random'), None)

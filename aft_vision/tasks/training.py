@@ -59,10 +59,9 @@ def launched_world() -> Tuple[int, int, int]:
 
 
 def join_peers(device: str) -> Tuple[int, int, torch.device]:
-    """Join torchrun's process group, saying whom it waits for: gloo on the CPU, RuntimeError in one line if the
-    others are not all there within ``PEER_TIMEOUT_S``; on CUDA timm's ``init_distributed_device_so`` as before (NCCL,
-    one GPU per local rank, torch's timeout: no GPU has run a join of this package's own). Returns (rank, world size,
-    device): (0, 1, ``device``) outside torchrun."""
+    """Join torchrun's process group, saying whom it waits for: gloo on the CPU (RuntimeError in one line if the others
+    are not all there within ``PEER_TIMEOUT_S``), on CUDA timm's ``init_distributed_device_so``. Returns (rank, world
+    size, device): (0, 1, ``device``) outside torchrun."""
     rank, _, world_size = launched_world()
     if world_size == 1:
         return 0, 1, torch.device(device)
@@ -226,26 +225,25 @@ def check_input_size(model: torch.nn.Module, img_size: int) -> None:
 
 def size_scaled_batches(batch_size: int, img_size: int, sizes: Sequence[int]) -> List[int]:
     """A batch size per training size: ``batch_size`` at ``img_size``, inversely proportional to the side elsewhere
-    (at least 1), so that a step costs about the same at every size (docs/results.md, "Resolution")."""
+    (at least 1): a step costs about the same at every size."""
     return [max(1, round(batch_size * img_size / size)) for size in sizes]
 
 
 def sizes_text(sizes: Sequence[int]) -> str:
-    return '/'.join(map(str, sizes))  # 24/32/40, as the jobs print sizes
+    return '/'.join(map(str, sizes))  # 24/32/40
 
 
 def train_loader(folder: Path, model: torch.nn.Module, img_sizes: Sequence[int], batch_sizes: Sequence[int],
                  schedule: str, epochs: int, seed: int, distributed: bool = False) -> DataLoader:
     """timm's scheduled loader: a size of ``img_sizes`` per step (with its batch), drawn from ``seed`` alike on every
-    rank; no flips (digits), crops of 40-100% of the area (docs/training.md). Call ``batch_sampler.set_epoch``."""
+    rank; no flips (digits), crops of 40-100% of the area. Call ``batch_sampler.set_epoch``."""
     loader = create_loader(  # the size, interpolation and normalisation of eval_data_config (its crop unused here)
         _image_folder(folder), **eval_data_config(model, img_sizes[0]), batch_size=batch_sizes[0], is_training=True,
         use_prefetcher=False, num_workers=0, distributed=distributed, hflip=0.0, scale=(0.4, 1.0), ratio=(0.9, 1.1),
         color_jitter=None, input_size_choices=list(img_sizes), batch_size_choices=list(batch_sizes),
         batch_choice_seed=seed, batch_choice_schedule=schedule,
         batch_schedule_epochs=epochs if schedule == 'progressive' else None)
-    # The image order from the seed alone, not from torch's global generator, which timm's loader would share with
-    # the crops (the ViT baseline trained markedly worse so: docs/results.md, "Resolution").
+    # the image order from the seed alone, not from torch's global generator that the crops share (docs/results.md)
     images = loader.batch_sampler.sampler
     if isinstance(images, RandomSampler):
         images.generator = torch.Generator().manual_seed(seed)
@@ -257,9 +255,8 @@ def train_loader(folder: Path, model: torch.nn.Module, img_sizes: Sequence[int],
 def fit(model: torch.nn.Module, lr: float, epochs: int, steps: int, epoch_batches: Callable[[int], Iterable],
         loss_of: Callable[[Any], torch.Tensor], disable: Optional[bool] = False) -> Iterator[Tuple[int, float]]:
     """The jobs' optimisation: AdamW (weight decay 0.05) under timm's cosine schedule (a warm-up epoch from lr / 10,
-    down to lr / 100, stepped per update), ``loss_of(batch)`` for the ``steps`` batches of ``epoch_batches(epoch)``,
-    a tqdm bar per epoch (``disable`` as tqdm's). Yields each epoch's number (from 1) and mean loss once the epoch is
-    done; RuntimeError if a loss was not finite."""
+    down to lr / 100, stepped per update) on ``loss_of(batch)`` for the ``steps`` batches of ``epoch_batches(epoch)``.
+    Yields each epoch's number (from 1) and mean loss; RuntimeError if a loss was not finite."""
     optimizer = create_optimizer_v2(model, 'adamw', lr=lr, weight_decay=0.05)
     scheduler, _ = create_scheduler_v2(optimizer, sched='cosine', num_epochs=epochs, warmup_epochs=1,
                                        warmup_lr=lr / 10, min_lr=lr / 100, step_on_epochs=False,
@@ -283,8 +280,7 @@ def fit(model: torch.nn.Module, lr: float, epochs: int, steps: int, epoch_batche
 
 
 def keeps_random_state(job: Callable) -> Callable:
-    """``job`` seeding and drawing from torch's and Python's global generators as it likes, the caller's states back
-    afterwards: a job leaves the process as it found it."""
+    """``job`` seeding and drawing from torch's and Python's global generators, the caller's states back after."""
     @functools.wraps(job)
     def run(*args, **kwargs):
         state = random.getstate()
@@ -303,11 +299,10 @@ def train(data_dir: Path, model_name: str, epochs: int, img_size: int, batch_siz
           init_weights: Optional[Mapping[str, torch.Tensor]] = None, log: Callable[[str], None] = print,
           train_img_sizes: Optional[Sequence[int]] = None, train_batch_sizes: Optional[Sequence[int]] = None,
           size_schedule: str = 'constant') -> Tuple[torch.nn.Module, List[Dict], List[str]]:
-    """Train ``model_name`` (``hub.load_model``) with AdamW, a cosine schedule and label smoothing, from
-    ``init_weights`` if given (``models.fit_checkpoint``), at ``train_img_sizes`` (one per step, ``train_loader``;
-    None: ``img_size``, where evaluation runs) with ``train_batch_sizes`` (None: ``size_scaled_batches``). Under
-    torchrun DDP trains a shard per rank; rank 0 alone evaluates and logs. Returns the unwrapped model, a record per
-    epoch (loss, steps per size, the sha256 of the sizes drawn, rank 0's held-out top-1) and the class names."""
+    """Train ``model_name`` (``hub.load_model``) by ``fit`` with label smoothing, from ``init_weights`` if given, at
+    ``train_img_sizes`` (one per step; None: ``img_size``, where evaluation runs) with ``train_batch_sizes`` (None:
+    ``size_scaled_batches``); under torchrun a shard per rank, rank 0 alone evaluating and logging. Returns the model,
+    a record per epoch (loss, steps per size, the sha256 of the sizes drawn, rank 0's top-1) and the class names."""
     torch.manual_seed(seed)  # the same initial weights on every rank
     classes = _image_folder(data_dir / 'train').classes
     kwargs = dict(model_kwargs or {}, num_classes=len(classes))
@@ -355,8 +350,8 @@ def train(data_dir: Path, model_name: str, epochs: int, img_size: int, batch_siz
 
 def plot_history(history: List[Dict], metric: str, ylabel: str, title: str, panels: int, width: float,
                  scale: float = 1.0) -> tuple:
-    """A figure (``plots.figure``) of ``panels`` axes: the training loss and ``scale * metric`` per epoch of
-    ``history`` in the first two, the rest left for the job's own. Returns the figure and its axes."""
+    """A figure of ``panels`` axes: the training loss and ``scale * metric`` per epoch of ``history`` in the first two,
+    the rest left for the job's own. Returns the figure and its axes."""
     epochs = [h['epoch'] for h in history]
     fig = figure(width, 3.5)
     axes = fig.subplots(1, panels)

@@ -8,6 +8,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Un
 
 import numpy as np
 import torch
+from timm.data import create_transform, resolve_data_config
 from torch import nn
 
 from ..checkpoints import check_output
@@ -130,8 +131,6 @@ def _grid_of(model: nn.Module, image_size: Sequence[int], num_tokens: int) -> Tu
 def load_image(path: PathLike, model: nn.Module, img_size: Optional[int] = None) -> Tuple[torch.Tensor, np.ndarray]:
     """An image (``images.read_image``) through timm's eval transform for ``model`` (at ``img_size`` if given): the
     input (1, C, H, W) and the crop the model sees, (H, W, 3) RGB in [0, 1]."""
-    from timm.data import create_transform, resolve_data_config
-
     args = {} if img_size is None else {'input_size': (3, img_size, img_size)}
     config = resolve_data_config(args, model=model)
     tensor = create_transform(**config)(read_image(path)).unsqueeze(0)  # (1, 3, H, W)
@@ -161,8 +160,6 @@ def _draw_grid(fig, maps: np.ndarray, cmap: str, norm_of_row: Callable, col_labe
     spec = fig.add_gridspec(len(ratios), num_cols + 1, height_ratios=ratios, width_ratios=[1.0] * num_cols + [0.08])
     fig.get_layout_engine().set(w_pad=0.01, h_pad=0.01, wspace=0.02, hspace=0.02)
     panels = [[fig.add_subplot(spec[top + r, c]) for c in range(num_cols)] for r in range(num_rows)]
-    bars = [fig.add_subplot(spec[top + r, num_cols]) for r in range(num_rows)]
-    band = fig.add_subplot(spec[0, :num_cols]) if top else None
     for r, row in enumerate(panels):
         norm = norm_of_row(maps[r])
         for c, ax in enumerate(row):
@@ -170,39 +167,37 @@ def _draw_grid(fig, maps: np.ndarray, cmap: str, norm_of_row: Callable, col_labe
             ax.set(xticks=[], yticks=[])
             if c == 0:
                 ax.set_ylabel(f'layer {r + 1}', fontsize=8)
-            if r == 0:
+            if r == 0 and col_label:
                 ax.set_title(f'{col_label} {c + 1}', fontsize=8)
-        fig.colorbar(shown, cax=bars[r]).ax.tick_params(labelsize=6)
+        fig.colorbar(shown, cax=fig.add_subplot(spec[top + r, num_cols])).ax.tick_params(labelsize=6)
     if top:
+        band = fig.add_subplot(spec[0, :num_cols])
         band.imshow(image)
         band.set_axis_off()
         band.set_title('input', fontsize=8)
     return panels
 
 
-def _bias_norm(limit: float, log_scale: bool):
-    """Colour scale over [-limit, limit]: linear, or linear within +-0.1 and logarithmic beyond."""
-    from matplotlib.colors import Normalize, SymLogNorm
-
-    if log_scale and limit > 0.1:
-        return SymLogNorm(linthresh=0.1, vmin=-limit, vmax=limit, base=10)
-    return Normalize(vmin=-limit, vmax=limit)
-
-
 def plot_position_bias(maps: np.ndarray, path: PathLike, title: Optional[str] = None,
                        query: Optional[Tuple[int, int]] = None, log_scale: bool = False, force: bool = False,
                        dpi: int = 110) -> Path:
     """Draw position-bias maps into the .png ``path`` (refused if it exists unless ``force``); returns it. (layers,
-    heads, s, s) maps: layers as rows, heads as columns, one colour scale per layer centred on 0 (symmetric log with
-    ``log_scale``). (layers, H, W) maps: a panel per layer, ``query`` (row, column) marked."""
+    heads, s, s) maps: layers as rows, heads as columns, one colour scale per layer centred on 0 (linear within +-0.1
+    and logarithmic beyond with ``log_scale``). (layers, H, W) maps: a panel per layer, ``query`` (row, column)
+    marked."""
+    from matplotlib.colors import Normalize, SymLogNorm
+
     path = _check_out(path, force)
     maps = np.asarray(maps, dtype=np.float32)
     if maps.ndim == 4:
         num_layers, num_heads, size = maps.shape[0], maps.shape[1], maps.shape[-1]
+
+        def norm(layer: np.ndarray):  # centred on 0; a layer all 0 takes any scale
+            limit = float(np.abs(layer).max()) or 1.0
+            return SymLogNorm(0.1, vmin=-limit, vmax=limit, base=10) if log_scale and limit > 0.1 else Normalize(
+                -limit, limit)
         fig = figure(0.9 * num_heads + 1.2, 0.9 * num_layers + 0.8, 'constrained')
-        panels = _draw_grid(fig, maps, 'RdBu_r',
-                            lambda layer: _bias_norm(float(np.abs(layer).max()) or 1.0, log_scale),  # all 0: any
-                            'head', extent=(-size / 2, size / 2, size / 2, -size / 2))
+        panels = _draw_grid(fig, maps, 'RdBu_r', norm, 'head', extent=(-size / 2, size / 2, size / 2, -size / 2))
         bottom_left, radius = panels[-1][0], size // 2
         bottom_left.set(xticks=[-radius, 0, radius], yticks=[-radius, 0, radius])
         bottom_left.tick_params(labelsize=6)
@@ -210,21 +205,10 @@ def plot_position_bias(maps: np.ndarray, path: PathLike, title: Optional[str] = 
         bottom_left.set_ylabel(f'layer {num_layers}\nkey row offset', fontsize=7)
         title = title or f'exp(w) - 1 per layer (rows) and head (columns), {size} x {size} offsets'
     elif maps.ndim == 3:
-        num_layers = maps.shape[0]
-        num_cols = min(num_layers, 4)
-        num_rows = -(-num_layers // num_cols)
-        fig = figure(2.6 * num_cols, 2.3 * num_rows + 0.6, 'constrained')
-        spec = fig.add_gridspec(num_rows, num_cols)
-        for layer in range(num_layers):
-            ax = fig.add_subplot(spec[layer // num_cols, layer % num_cols])
-            image = ax.imshow(maps[layer], cmap='viridis', interpolation='nearest')
-            if query is not None:
-                ax.plot(query[1], query[0], marker='x', color='red', markersize=6)
-            ax.set_title(f'layer {layer + 1}', fontsize=8)
-            ax.set_xlabel('key column', fontsize=7)
-            ax.set_ylabel('key row', fontsize=7)
-            ax.tick_params(labelsize=6)
-            fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04).ax.tick_params(labelsize=6)
+        fig = figure(4.6, 2.0 * maps.shape[0] + 0.6, 'constrained')
+        panels = _draw_grid(fig, maps[:, None], 'viridis', lambda layer: Normalize(layer.min(), layer.max()), '')
+        for (ax,) in panels if query is not None else ():
+            ax.plot(query[1], query[0], marker='x', color='red', markersize=6)
         where = 'the class token' if query is None else f'query {tuple(query)} (x)'
         title = title or f'exp(w) for {where} over the patch grid, per layer'
     else:
