@@ -205,10 +205,21 @@ def plot_position_bias(maps: np.ndarray, path: PathLike, title: Optional[str] = 
         bottom_left.set_ylabel(f'layer {num_layers}\nkey row offset', fontsize=7)
         title = title or f'exp(w) - 1 per layer (rows) and head (columns), {size} x {size} offsets'
     elif maps.ndim == 3:
-        fig = figure(4.6, 2.0 * maps.shape[0] + 0.6, 'constrained')
-        panels = _draw_grid(fig, maps[:, None], 'viridis', lambda layer: Normalize(layer.min(), layer.max()), '')
-        for (ax,) in panels if query is not None else ():
-            ax.plot(query[1], query[0], marker='x', color='red', markersize=6)
+        num_layers = maps.shape[0]
+        num_cols = min(num_layers, 4)
+        num_rows = -(-num_layers // num_cols)
+        fig = figure(2.6 * num_cols, 2.3 * num_rows + 0.6, 'constrained')
+        spec = fig.add_gridspec(num_rows, num_cols)
+        for layer in range(num_layers):
+            ax = fig.add_subplot(spec[layer // num_cols, layer % num_cols])
+            image = ax.imshow(maps[layer], cmap='viridis', interpolation='nearest')
+            if query is not None:
+                ax.plot(query[1], query[0], marker='x', color='red', markersize=6)
+            ax.set_title(f'layer {layer + 1}', fontsize=8)
+            ax.set_xlabel('key column', fontsize=7)
+            ax.set_ylabel('key row', fontsize=7)
+            ax.tick_params(labelsize=6)
+            fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04).ax.tick_params(labelsize=6)
         where = 'the class token' if query is None else f'query {tuple(query)} (x)'
         title = title or f'exp(w) for {where} over the patch grid, per layer'
     else:
