@@ -210,6 +210,7 @@ def test_source_architecture_reads_a_folder_or_hub_repo_and_names_a_missing_conf
     from aft_vision.hub import source_architecture
 
     assert source_architecture('aft_conv_small.deit_in1k', {'kernel_size': 3}) == ('aft_conv_small', {'kernel_size': 3})
+    assert source_architecture('aft_full_base.clip_openai') == ('aft_full_base_clip_quickgelu', {})  # main's tag
     folder = tmp_path / 'published'
     folder.mkdir()
     (folder / 'config.json').write_text(json.dumps({  # the layout timm's save_config_for_hf writes
