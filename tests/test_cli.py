@@ -245,10 +245,12 @@ def test_no_readable_image_is_an_error(tmp_path, capsys):
 @pytest.mark.parametrize('model, pretrained, why', [
     ('aft_conv_small', True, 'aft_conv_small has no pretrained weights (tag .untrained)'),
     ('aft_conv_small.deit_in1k', True, 'aft_conv_small.deit_in1k has no trained classifier'),
+    ('aft_conv_small.dinov2_lvd142m', True, 'aft_conv_small.dinov2_lvd142m has no trained classifier'),  # deprecated
     ('backbone-folder', False, 'has no classifier (num_classes=0)'),
 ])
 def test_predict_refuses_weights_without_a_trained_classifier(model, pretrained, why, tmp_path, capsys):
-    """No weights, a DeiT backbone tag or a headless folder: one line saying what to do, nothing downloaded."""
+    """No weights, a backbone tag (main's deprecated ones too) or a headless folder: one line saying what to do,
+    nothing downloaded."""
     good, _ = _images(tmp_path)
     if model == 'backbone-folder':
         save_for_hf(timm.create_model('aft_conv_test', num_classes=0), str(tmp_path / 'hub'), safe_serialization=True)

@@ -80,11 +80,15 @@ def test_deit_tag_loads_through_the_hub_path_and_transfers_exactly(tmp_path, off
 
 
 def test_no_tag_presents_a_trained_classifier():
-    """What ``pretrained=True`` gives: the listed tags are DeiT backbones (num_classes=0, no test size); each
+    """What ``pretrained=True`` gives: the listed tags are backbones converted from DeiT (``.deit_in1k``, every model in
+    DeiT's layout) or from the ViT whose layout the model's name ends with (num_classes=0, no test size); each
     architecture's default is '.untrained', where ``pretrained=True`` fails as timm does for models without weights."""
     listed = timm.list_models('aft_*', pretrained=True)
     architectures = [name for name in timm.list_models('aft_*') if not name.endswith('_test')]
-    assert sorted(name[:-len('.deit_in1k')] for name in listed if name.endswith('.deit_in1k')) == sorted(architectures)
+    assert sorted({name.split('.')[0] for name in listed}) == sorted(architectures)  # each with a tag to start from
+    sources = ('_deit3', '_dinov2', '_eva02', '_clip', '_clip_quickgelu', '_siglip')
+    deit = [name for name in architectures if not name.endswith(sources)]
+    assert sorted(name[:-len('.deit_in1k')] for name in listed if name.endswith('.deit_in1k')) == sorted(deit)
     for name in listed:
         cfg = timm.models.get_pretrained_cfg(name)
         assert cfg.has_weights and cfg.num_classes == 0 and cfg.test_input_size is None, name
@@ -206,6 +210,7 @@ def test_source_architecture_reads_a_folder_or_hub_repo_and_names_a_missing_conf
     from aft_vision.hub import source_architecture
 
     assert source_architecture('aft_conv_small.deit_in1k', {'kernel_size': 3}) == ('aft_conv_small', {'kernel_size': 3})
+    assert source_architecture('aft_full_base.clip_openai') == ('aft_full_base_clip_quickgelu', {})  # main's tag
     folder = tmp_path / 'published'
     folder.mkdir()
     (folder / 'config.json').write_text(json.dumps({  # the layout timm's save_config_for_hf writes

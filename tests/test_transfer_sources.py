@@ -2,6 +2,8 @@
 QuickGELU, SigLIP, EVA-02) into AFT-conv and AFT-full: each source built by timm at a tiny size with random weights,
 its layout read from timm's model, every carried tensor bit-equal, the carried MLP / LayerScale / pre-norm computing
 the source's function, the converted model running at two sizes, and one-line refusals naming the key."""
+import warnings
+
 import pytest
 import timm
 import torch
@@ -132,6 +134,34 @@ def test_cli_reads_a_files_layout_from_src_model(tmp_path, capsys):
 # Backbone tags: the source's own Hub files converted on load, offline (a Hub cache the test fills itself).
 # ---------------------------------------------------------------------------------------------------------------------
 BACKBONE_TAGS = [t for t in timm.list_pretrained('aft_*') if not t.endswith('.deit_in1k')]
+# the backbone tags of today's main ('size.tag', the model built to the source's layout by the tag), and their names now
+DEPRECATED = {
+    'aft_conv_small.deit3_in1k': 'aft_conv_small_deit3.fb_in1k',
+    'aft_conv_small.dinov2_lvd142m': 'aft_conv_small_patch14_dinov2.lvd142m',
+    'aft_conv_small.dinov2_reg4_lvd142m': 'aft_conv_small_patch14_dinov2.reg4_lvd142m',
+    'aft_conv_small.eva02_mim_in22k': 'aft_conv_small_patch14_eva02.mim_in22k',
+    'aft_conv_base.clip_laion2b': 'aft_conv_base_clip.laion2b',
+    'aft_conv_base.clip_openai': 'aft_conv_base_clip_quickgelu.openai',
+    'aft_full_small.deit3_in1k': 'aft_full_small_deit3.fb_in1k',
+    'aft_full_small.dinov2_lvd142m': 'aft_full_small_patch14_dinov2.lvd142m',
+    'aft_full_small.dinov2_reg4_lvd142m': 'aft_full_small_patch14_dinov2.reg4_lvd142m',
+    'aft_full_small.eva02_mim_in22k': 'aft_full_small_patch14_eva02.mim_in22k',
+    'aft_full_base.clip_laion2b': 'aft_full_base_clip.laion2b',
+    'aft_full_base.clip_openai': 'aft_full_base_clip_quickgelu.openai',
+    'aft_full_base.siglip_webli': 'aft_full_base_siglip.webli',
+}
+
+
+def structure(model):
+    """What makes an architecture: modules (with their sizes, epsilons, activations), tensors and pooling."""
+    return repr(model), [(k, tuple(v.shape)) for k, v in model.state_dict().items()], getattr(model, 'global_pool', 0)
+
+
+def in_layout(base, source, **kwargs):
+    """What today's main built for a backbone tag: the DeiT-layout model ``base`` with the source's layout arguments."""
+    family = 'conv' if base.startswith('aft_conv') else 'vit'
+    layout = read_layout(timm.create_model(source.split('.')[0], pretrained=False, device='meta'))
+    return timm.create_model(base, device='meta', **layout.model_args(family), **kwargs)
 
 
 def test_every_backbone_tag_builds_its_sources_layout_with_its_preprocessing():
@@ -142,26 +172,42 @@ def test_every_backbone_tag_builds_its_sources_layout_with_its_preprocessing():
         src_cfg = timm.models.get_pretrained_cfg(source)
         assert cfg.hf_hub_id == src_cfg.hf_hub_id and (cfg.mean, cfg.std) == (src_cfg.mean, src_cfg.std), tag
         assert cfg.num_classes == 0 and 'initialisation for fine-tuning' in cfg.notes[0]
-        model = timm.create_model(tag, pretrained=False, device='meta')
-        layout = read_layout(timm.create_model(source.split('.')[0], pretrained=False, device='meta'))
-        family = 'conv' if tag.startswith('aft_conv') else 'vit'
-        for key, value in layout.model_args(family).items():
-            assert model._model_args[key] == value, (tag, key)  # what save_for_hf's config.json records
-        assert tuple(model.patch_embed.patch_size) == layout.patch_size
-        assert isinstance(model.blocks[0].ls1, torch.nn.Identity) != layout.layer_scale
+        architecture = tag.split('.')[0]
+        model = timm.create_model(architecture, device='meta', num_classes=0)  # the name alone, as config.json has it
+        assert structure(model) == structure(timm.create_model(tag, device='meta')), tag  # the tag chooses weights only
+        base = '_'.join(architecture.split('_')[:3])  # aft_conv_small, aft_full_base: DeiT's layout
+        assert structure(model) == structure(in_layout(base, source, num_classes=0)), tag
         if cfg.pool_size:
-            assert cfg.pool_size == tuple(s // p for s, p in zip(cfg.input_size[1:], layout.patch_size)), tag
+            patch = model.patch_embed.patch_size
+            assert cfg.pool_size == tuple(s // p for s, p in zip(cfg.input_size[1:], patch)), tag
 
 
-@pytest.mark.parametrize('tag', ['aft_conv_small.dinov2_reg4_lvd142m', 'aft_full_small.eva02_mim_in22k'])
+@pytest.mark.parametrize('old', DEPRECATED)
+def test_a_backbone_tag_of_main_builds_its_architecture_under_its_name_now(old):
+    """Each backbone tag that built another architecture than its name's is deprecated: built (with timm's warning
+    naming the current name) as main built it, under the name and tag that hold that layout."""
+    current = DEPRECATED[old]
+    assert old not in timm.list_pretrained('aft_*') and current in timm.list_pretrained('aft_*')
+    with pytest.warns(UserWarning, match=f'deprecated model name {old} to current {current}'):
+        model = timm.create_model(old, device='meta', num_classes=5)
+    source = timm.models.get_pretrained_cfg(current).notes[0].split(' ')[0]
+    assert structure(model) == structure(in_layout(old.split('.')[0], source, num_classes=5))
+    assert (model.pretrained_cfg['architecture'], model.pretrained_cfg['tag']) == tuple(current.split('.'))
+
+
+@pytest.mark.parametrize('tag', ['aft_conv_small_patch14_dinov2.reg4_lvd142m', 'aft_full_small_patch14_eva02.mim_in22k',
+                                 'aft_conv_small.dinov2_reg4_lvd142m'])
 def test_backbone_tag_loads_its_sources_hub_file(tag, tmp_path, offline_hub):
-    source_name = timm.models.get_pretrained_cfg(tag).notes[0].split(' ')[0]
+    """The tag's source weights, converted on load; a deprecated tag of main loads its current tag's."""
+    source_name = timm.models.get_pretrained_cfg(DEPRECATED.get(tag, tag)).notes[0].split(' ')[0]
     torch.manual_seed(0)
     source = timm.create_model(source_name, pretrained=False).eval()
     folder = tmp_path / 'source'
     timm.models.save_for_hf(source, str(folder), safe_serialization=True)
     offline_hub(source.pretrained_cfg['hf_hub_id'], folder)
-    model = timm.create_model(tag, pretrained=True).eval()
+    with warnings.catch_warnings():
+        warnings.filterwarnings('ignore', 'Mapping deprecated model name')
+        model = timm.create_model(tag, pretrained=True).eval()
     state = model.state_dict()
     for key in ('blocks.3.mlp.fc1.weight', 'blocks.3.norm2.bias', 'patch_embed.proj.weight'):
         assert torch.equal(state[key], source.state_dict()[key]), key

@@ -20,7 +20,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..checkpoints.files import load_weights
 from ..checkpoints.transfer import check_finite, select_weights, unwrap_state_dict
-from ..models import fit_checkpoint
+from ..models import DEPRECATED_TAGS, fit_checkpoint
 from .records import (read_hub_config, read_training_record, resolve_publish_data_config, source_architecture,
                       source_file)
 
@@ -40,7 +40,8 @@ def _first_line(error: BaseException) -> str:
 
 
 def check_model_name(name: str) -> None:
-    """ValueError unless ``name`` is a ``:`` source or registered with a known tag (the closest names or tags said)."""
+    """ValueError unless ``name`` is a ``:`` source or registered with a known (or deprecated) tag (the closest names or
+    tags said)."""
     if ':' in name:
         return
     architecture = name.split('.')[0]
@@ -49,7 +50,7 @@ def check_model_name(name: str) -> None:
         hint = f'did you mean {", ".join(close)}?' if close else f'AFT models: {", ".join(timm.list_models("aft_*"))}'
         raise ValueError(f'unknown model {name!r}; {hint}')
     try:
-        timm.models.get_pretrained_cfg(name)
+        timm.models.get_pretrained_cfg(DEPRECATED_TAGS.get(name, name))
     except RuntimeError as error:  # an unknown tag
         raise ValueError(f'{error} Tags: {", ".join(timm.list_models(architecture, include_tags=True))}') from None
 
@@ -66,7 +67,7 @@ def check_pretrained(name: str, classifier: bool = False) -> None:
     if ':' in name:
         return
     check_model_name(name)
-    cfg = timm.models.get_pretrained_cfg(name)
+    cfg = timm.models.get_pretrained_cfg(DEPRECATED_TAGS.get(name, name))
     if not cfg.has_weights:
         tagged = ', '.join(timm.list_pretrained(f'{name.split(".")[0]}.*')) or 'none'
         raise ValueError(f'{name} has no pretrained weights (tag .{cfg.tag}); tags with weights: {tagged}')

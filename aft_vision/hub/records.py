@@ -14,6 +14,7 @@ from timm.data import resolve_data_config
 from timm.models import parse_model_name, split_model_name_tag
 
 from ..checkpoints.files import load_weights
+from ..models import DEPRECATED_TAGS
 
 __all__ = ['source_architecture', 'source_file', 'read_hub_config', 'read_training_record', 'TrainingRecord',
            'DATA_CONFIG_KEYS', 'resolve_publish_data_config', 'CROP_MODES', 'INTERPOLATIONS']
@@ -25,12 +26,13 @@ CROP_MODES = ('center', 'squash', 'border')
 
 
 def source_architecture(name: str, model_kwargs: Optional[Dict[str, Any]] = None) -> Tuple[str, Dict[str, Any]]:
-    """The architecture (no tag) and arguments that rebuild ``name``: a source's config.json ``model_args`` but
-    ``num_classes`` (the head gives it), ``model_kwargs`` over them. FileNotFoundError without config.json."""
+    """The architecture (no tag; a deprecated tag's current one) and arguments that rebuild ``name``: a source's
+    config.json ``model_args`` but ``num_classes`` (the head gives it), ``model_kwargs`` over them. FileNotFoundError
+    without config.json."""
     model_kwargs = dict(model_kwargs or {})
     source, model_id = parse_model_name(name)
     if not source:
-        return split_model_name_tag(model_id)[0], model_kwargs
+        return split_model_name_tag(DEPRECATED_TAGS.get(model_id, model_id))[0], model_kwargs
     config = read_hub_config(name)
     return config['architecture'], {**config['model_args'], **model_kwargs}
 

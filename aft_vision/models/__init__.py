@@ -15,7 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..layers import AFTConv2d
 from ..checkpoints.transfer import unwrap_state_dict
-from ._base import AFTTransformerBase, Block, adapt_vit_checkpoint
+from ._base import DEPRECATED_TAGS, AFTTransformerBase, Block, adapt_vit_checkpoint
 from .aft_vit import *
 from .aft_conv import *
 from .aft_conv import AFTConvTransformer, checkpoint_filter_fn as _aft_conv_filter

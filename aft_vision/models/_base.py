@@ -3,6 +3,7 @@ AFT-conv's pre-norm ``Block`` and ``AFTTransformerBase`` (the trunk of blocks, n
 interface on it), which ``aft_conv`` completes with its patch embedding, features and intermediates (``aft_vit``'s
 families are timm's ``VisionTransformer``)."""
 import logging
+import warnings
 from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Type, Union
 
@@ -12,10 +13,10 @@ from torch import nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import DropPath, LayerNorm, LayerScale, LayerType, Mlp, SwiGLUPacked, calculate_drop_path_rates, \
     get_act_layer, get_device_dtype, get_norm_layer, to_2tuple
-from timm.models import build_model_with_cfg, checkpoint, generate_default_cfgs, get_pretrained_cfg, named_apply, \
-    register_notrace_function
+from timm.models import build_model_with_cfg, checkpoint, generate_default_cfgs, get_pretrained_cfg, model_entrypoint, \
+    named_apply, register_notrace_function
 from timm.models._features import feature_take_indices  # as timm's own models import it (not re-exported)
-from timm.models._input import _spatial_size, update_model_args  # timm's size check; what its ViT records on a resize
+from timm.models._input import _spatial_size  # timm's size check
 from timm.models.vision_transformer import init_weights_vit_timm
 
 from ..layers import layer_norm_nchw, linear_nchw
@@ -290,7 +291,7 @@ def adapt_vit_checkpoint(state_dict: Dict[str, torch.Tensor], model: nn.Module,
     if is_vit_state_dict(state_dict) and set(state_dict) != set(model.state_dict()):
         cfg = getattr(model, 'pretrained_cfg', None) or {}
         source = BACKBONE_SOURCES.get(f"{cfg.get('architecture')}.{cfg.get('tag')}")
-        layout = source_layout(source) if source else None  # a backbone tag's source, read from its timm model
+        layout = source_layout(source) if source else None  # a tag's source, read from its timm model
         state_dict, report = transfer_vit_weights(state_dict, model, layout=layout)
         if log:
             log(report.summary())
@@ -314,61 +315,53 @@ DEIT_INIT_NOTE = (
     'initialisation for fine-tuning, not a trained AFT model. AFT-specific tensors start fresh and there is no '
     'classifier (num_classes=0, like timm\'s MAE / DINO tags): pass num_classes=N for a fresh N-class head.'
 )
-UNTRAINED_NOTE = 'No weights: the DeiT recipe\'s preprocessing only. The .deit_in1k tag initialises fine-tuning.'
+UNTRAINED_NOTE = 'No weights: the DeiT recipe\'s preprocessing only. Tags with weights initialise fine-tuning.'
 BACKBONE_NOTE = (
     '{source} weights converted on load by the ViT -> AFT transfer (the model built to hold their layout): a '
     'backbone initialisation for fine-tuning, not a trained AFT model and not a classifier. AFT-specific tensors '
     '(position biases, AFT-conv\'s query and key projections) start fresh; the source\'s head is dropped '
     '(num_classes=0): pass num_classes=N for a fresh N-class head. Preprocessing: the source\'s.'
 )
-# backbone tags by AFT size: each converts on load the Hub weights of a timm source (docs/weights.md)
-BACKBONES = {
-    'small': {'deit3_in1k': 'deit3_small_patch16_224.fb_in1k', 'dinov2_lvd142m': 'vit_small_patch14_dinov2.lvd142m',
-              'dinov2_reg4_lvd142m': 'vit_small_patch14_reg4_dinov2.lvd142m',
-              'eva02_mim_in22k': 'eva02_small_patch14_224.mim_in22k'},
-    'base': {'clip_laion2b': 'vit_base_patch16_clip_224.laion2b',
-             'clip_openai': 'vit_base_patch16_clip_quickgelu_224.openai',
-             'siglip_webli': 'vit_base_patch16_siglip_224.webli'},
-}
-# the registered backbone tags ('arch.tag' -> the timm source 'arch.tag'), filled by ``family_cfgs``
+# the registered tags with weights ('arch.tag' -> the timm source 'arch.tag' converted on load), filled by
+# ``family_cfgs``; and the 'arch.tag' names that built another architecture than their name's, mapped to the current
+# 'arch.tag' by ``create_aft`` (timm's ``register_model_deprecations`` maps names without tags), filled by the families
 BACKBONE_SOURCES: Dict[str, str] = {}
+DEPRECATED_TAGS: Dict[str, str] = {}
 
 
-def family_cfgs(inits: Dict[str, Tuple[Callable[..., Dict[str, Any]], str]], backbone_archs: Dict[str, str],
-                tests: Dict[str, Dict[str, Any]], tag_cfgs: Optional[Dict[str, Dict[str, Any]]] = None
-                ) -> Dict[str, Any]:
-    """A family's ``default_cfgs``: ``inits`` maps each model to its cfg function and the DeiT weights its
-    ``.deit_in1k`` tag converts on load into a backbone; ``backbone_archs`` names the architecture per size that takes
-    the ``BACKBONES`` tags (the source's mean, std, license; ``tag_cfgs`` changes by tag); then ``.untrained*`` (no
-    weights, DeiT's preprocessing) as every default, and for the ``tests`` models (their cfgs). Listed after the tags
-    with weights, as ``generate_default_cfgs`` requires, the defaults make ``pretrained=True`` on a bare name fail as
-    timm does without weights instead of loading half a network."""
-    cfgs = {f'{name}.deit_in1k': cfg_fn(hf_hub_id=f'timm/{deit}', num_classes=0, notes=(DEIT_INIT_NOTE,))
-            for name, (cfg_fn, deit) in inits.items()}
-    for size, arch in backbone_archs.items():
-        for tag, source in BACKBONES[size].items():
-            src, name = get_pretrained_cfg(source), f'{arch}.{tag}'
-            BACKBONE_SOURCES[name] = source
-            cfgs[name] = inits[arch][0](hf_hub_id=src.hf_hub_id, num_classes=0, mean=src.mean, std=src.std,
-                                        license=src.license, notes=(BACKBONE_NOTE.format(source=source),),
-                                        **(tag_cfgs or {}).get(name, {}))
-    cfgs.update({f'{name}.untrained*': cfg_fn(notes=(UNTRAINED_NOTE,)) for name, (cfg_fn, _) in inits.items()})
+def family_cfgs(weights: Dict[str, Tuple[Callable[..., Dict[str, Any]], Dict[str, str]]],
+                tests: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
+    """A family's ``default_cfgs``: ``weights`` maps each model to its cfg function and tags, each tag the timm
+    source whose Hub weights it converts on load into a backbone (``.deit_in1k``: DeiT's, Table 8; the others a
+    source of the model's layout, whose mean, std and license the tag takes; docs/weights.md); then ``.untrained*``
+    (no weights, the cfg function's preprocessing) as every default, and for the ``tests`` models (their cfgs). Listed
+    after the tags with weights, as ``generate_default_cfgs`` requires, the defaults make ``pretrained=True`` on a bare
+    name fail as timm does without weights instead of loading half a network."""
+    cfgs = {}
+    for name, (cfg_fn, tags) in weights.items():
+        for tag, source in tags.items():
+            src = get_pretrained_cfg(source)
+            BACKBONE_SOURCES[f'{name}.{tag}'] = source
+            note = DEIT_INIT_NOTE if tag == 'deit_in1k' else BACKBONE_NOTE.format(source=source)
+            cfgs[f'{name}.{tag}'] = cfg_fn(hf_hub_id=src.hf_hub_id, num_classes=0, mean=src.mean, std=src.std,
+                                           license=src.license, notes=(note,))
+    cfgs.update({f'{name}.untrained*': cfg_fn(notes=(UNTRAINED_NOTE,)) for name, (cfg_fn, _) in weights.items()})
     cfgs.update({f'{name}.untrained*': dict(cfg, notes=(UNTRAINED_NOTE,)) for name, cfg in tests.items()})
     return generate_default_cfgs(cfgs)
 
 
-def create_aft(model_cls: Type[nn.Module], family: str, filter_fn: Callable[..., Dict[str, torch.Tensor]],
-               variant: str, pretrained: bool, kwargs: Dict[str, Any], **model_args) -> nn.Module:
+def create_aft(model_cls: Type[nn.Module], filter_fn: Callable[..., Dict[str, torch.Tensor]], variant: str,
+               pretrained: bool, kwargs: Dict[str, Any], **model_args) -> nn.Module:
     """``build_model_with_cfg`` for entry point ``variant`` with ``model_args`` under the caller's ``kwargs``; a
-    backbone tag's model (``kwargs['pretrained_cfg']``, as ``create_model`` passes a tag) built to hold its source's
-    layout (patch, LayerScale, pre-norm, activation, MLP), recorded so that config.json rebuilds it."""
+    deprecated tag (``kwargs['pretrained_cfg']``, as ``create_model`` passes one; ``DEPRECATED_TAGS``) builds its
+    current name and tag instead, with timm's deprecation warning."""
     tag = kwargs.get('pretrained_cfg')
-    source = BACKBONE_SOURCES.get(f'{variant}.{tag}') if isinstance(tag, str) else None
-    tag_args = source_layout(source).model_args(family) if source else {}
-    kwargs = {**model_args, **tag_args, **kwargs}
+    current = DEPRECATED_TAGS.get(f'{variant}.{tag}') if isinstance(tag, str) else None
+    if current:
+        warnings.warn(f'Mapping deprecated model name {variant}.{tag} to current {current}.', stacklevel=2)
+        name, tag = current.split('.')
+        return model_entrypoint(name)(pretrained=pretrained, **{**kwargs, 'pretrained_cfg': tag})
+    kwargs = {**model_args, **kwargs}
     feature_cfg = dict(out_indices=kwargs.pop('out_indices', 3), feature_cls='getter')
-    model = build_model_with_cfg(model_cls, variant, pretrained, pretrained_filter_fn=filter_fn,
-                                 feature_cfg=feature_cfg, **kwargs)
-    if tag_args:
-        update_model_args(model, **tag_args)
-    return model
+    return build_model_with_cfg(model_cls, variant, pretrained, pretrained_filter_fn=filter_fn,
+                                feature_cfg=feature_cfg, **kwargs)

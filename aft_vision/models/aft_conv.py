@@ -21,7 +21,8 @@ from timm.models._features import feature_take_indices
 from timm.models._input import update_model_args, update_model_input_size  # what timm's ViT records on a resize
 
 from aft_vision.layers import AFTConv2d, AFTConv2dOneHot, exporting, resize_window_bias, scaled_kernel_size
-from ._base import AFTTransformerBase, Block, adapt_vit_checkpoint, aft_cfg, create_aft, family_cfgs, norm_nchw
+from ._base import DEPRECATED_TAGS, AFTTransformerBase, Block, adapt_vit_checkpoint, aft_cfg, create_aft, family_cfgs, \
+    norm_nchw
 
 # register_model adds each entry point
 __all__ = ['AFTConvTransformer', 'EXPORT_LAYOUTS', 'export_layout', 'forward_at_size']
@@ -343,20 +344,26 @@ def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: AFTConvTran
 
 _cfg = partial(aft_cfg, pool_size=(14, 14))
 _cfg_384 = partial(_cfg, input_size=(3, 384, 384), pool_size=(24, 24), crop_pct=1.0)
-_TINY, _SMALL, _BASE = ((_cfg, 'deit_tiny_patch16_224.fb_in1k'), (_cfg, 'deit_small_patch16_224.fb_in1k'),
-                        (_cfg_384, 'deit_base_patch16_384.fb_in1k'))
-_INIT = {  # each model's cfg and the DeiT weights its '.deit_in1k' tag converts (Table 8)
-    'aft_conv_tiny': _TINY, 'aft_conv_small': _SMALL, 'aft_conv_base': _BASE,
-    'aft_conv_tiny_11_h32': _TINY, 'aft_conv_small_3': _SMALL, 'aft_conv_small_7': _SMALL, 'aft_conv_small_11': _SMALL,
-    'aft_conv_small_11_h16': _SMALL,
+_cfg_patch14 = partial(_cfg, pool_size=(16, 16))  # 224 px in 14-px patches
+_TINY, _SMALL = ((_cfg, {'deit_in1k': f'deit_{size}_patch16_224.fb_in1k'}) for size in ('tiny', 'small'))
+# each model's cfg and tags: the timm source whose weights each converts on load (DeiT's: Table 8; docs/weights.md)
+_WEIGHTS = {
+    'aft_conv_tiny': _TINY, 'aft_conv_small': _SMALL,
+    'aft_conv_base': (_cfg_384, {'deit_in1k': 'deit_base_patch16_384.fb_in1k',
+                                 'siglip_webli': 'vit_base_patch16_siglip_224.webli'}),  # SigLIP's layout is DeiT's
+    'aft_conv_tiny_11_h32': _TINY, 'aft_conv_small_3': _SMALL, 'aft_conv_small_7': _SMALL,
+    'aft_conv_small_11': _SMALL, 'aft_conv_small_11_h16': _SMALL,
+    'aft_conv_small_deit3': (_cfg, {'fb_in1k': 'deit3_small_patch16_224.fb_in1k'}),
+    'aft_conv_small_patch14_dinov2': (_cfg_patch14, {'lvd142m': 'vit_small_patch14_dinov2.lvd142m',
+                                                     'reg4_lvd142m': 'vit_small_patch14_reg4_dinov2.lvd142m'}),
+    'aft_conv_small_patch14_eva02': (_cfg_patch14, {'mim_in22k': 'eva02_small_patch14_224.mim_in22k'}),
+    'aft_conv_base_clip': (_cfg_384, {'laion2b': 'vit_base_patch16_clip_224.laion2b'}),
+    'aft_conv_base_clip_quickgelu': (_cfg_384, {'openai': 'vit_base_patch16_clip_quickgelu_224.openai'}),
 }
-_PATCH14 = ('dinov2_lvd142m', 'dinov2_reg4_lvd142m', 'eva02_mim_in22k')  # backbone tags of 14-px patches
 # no test_input_size: Table 7's gain at 384 is for its trained weights
 default_cfgs = family_cfgs(
-    _INIT, {'small': 'aft_conv_small', 'base': 'aft_conv_base'},
-    tests={'aft_conv_test': _cfg(input_size=(3, 64, 64), pool_size=(8, 8), crop_pct=.95)},
-    tag_cfgs={f'aft_conv_small.{tag}': dict(pool_size=(16, 16)) for tag in _PATCH14})  # 224 px in 14-px patches
-_model = partial(create_aft, AFTConvTransformer, 'conv', checkpoint_filter_fn)
+    _WEIGHTS, tests={'aft_conv_test': _cfg(input_size=(3, 64, 64), pool_size=(8, 8), crop_pct=.95)})
+_model = partial(create_aft, AFTConvTransformer, checkpoint_filter_fn)
 
 
 @register_model
@@ -409,6 +416,41 @@ def aft_conv_small_11_h16(pretrained: bool = False, **kwargs) -> AFTConvTransfor
 
 
 @register_model
+def aft_conv_small_deit3(pretrained: bool = False, **kwargs) -> AFTConvTransformer:
+    """``aft_conv_small`` in DeiT III's layout (LayerScale), for its weights."""
+    return _model('aft_conv_small_deit3', pretrained, kwargs, embed_dim=384, depth=12, num_heads=384, kernel_size=15,
+                  init_values=1e-5)
+
+
+@register_model
+def aft_conv_small_patch14_dinov2(pretrained: bool = False, **kwargs) -> AFTConvTransformer:
+    """``aft_conv_small`` in DINOv2's layout (patch 14, LayerScale), for its weights, with or without registers."""
+    return _model('aft_conv_small_patch14_dinov2', pretrained, kwargs, patch_size=14, embed_dim=384, depth=12,
+                  num_heads=384, kernel_size=15, init_values=1e-5)
+
+
+@register_model
+def aft_conv_small_patch14_eva02(pretrained: bool = False, **kwargs) -> AFTConvTransformer:
+    """``aft_conv_small`` in EVA-02's layout (patch 14, packed SwiGLU MLP: fc1 2048 wide), for its weights."""
+    return _model('aft_conv_small_patch14_eva02', pretrained, kwargs, patch_size=14, embed_dim=384, depth=12,
+                  num_heads=384, kernel_size=15, mlp_ratio=2048 / 384, act_layer='silu', mlp_layer='swiglu_packed')
+
+
+@register_model
+def aft_conv_base_clip(pretrained: bool = False, **kwargs) -> AFTConvTransformer:
+    """``aft_conv_base`` in CLIP's layout (a norm before the blocks, LayerNorm epsilon 1e-5), for its weights."""
+    return _model('aft_conv_base_clip', pretrained, kwargs, img_size=384, embed_dim=768, depth=12, num_heads=32,
+                  kernel_size=25, pre_norm=True, norm_eps=1e-5)
+
+
+@register_model
+def aft_conv_base_clip_quickgelu(pretrained: bool = False, **kwargs) -> AFTConvTransformer:
+    """``aft_conv_base_clip`` with OpenAI CLIP's QuickGELU, for its weights."""
+    return _model('aft_conv_base_clip_quickgelu', pretrained, kwargs, img_size=384, embed_dim=768, depth=12,
+                  num_heads=32, kernel_size=25, pre_norm=True, norm_eps=1e-5, act_layer='quick_gelu')
+
+
+@register_model
 def aft_conv_test(pretrained: bool = False, **kwargs) -> AFTConvTransformer:
     """Tiny AFT-conv for tests: 64x64 input, patch 8, d=64, 8 heads, 5x5 kernel, 4 blocks."""
     return _model('aft_conv_test', pretrained, kwargs, img_size=64, patch_size=8, embed_dim=64, depth=4, num_heads=8,
@@ -420,4 +462,13 @@ register_model_deprecations(__name__, {
     'aft_conv_tiny_11': 'aft_conv_tiny',
     'aft_conv_small_15': 'aft_conv_small',
     'aft_conv_base_25_h32': 'aft_conv_base',
+})
+# the tags that built another architecture than their name's, now names of their own
+DEPRECATED_TAGS.update({
+    'aft_conv_small.deit3_in1k': 'aft_conv_small_deit3.fb_in1k',
+    'aft_conv_small.dinov2_lvd142m': 'aft_conv_small_patch14_dinov2.lvd142m',
+    'aft_conv_small.dinov2_reg4_lvd142m': 'aft_conv_small_patch14_dinov2.reg4_lvd142m',
+    'aft_conv_small.eva02_mim_in22k': 'aft_conv_small_patch14_eva02.mim_in22k',
+    'aft_conv_base.clip_laion2b': 'aft_conv_base_clip.laion2b',
+    'aft_conv_base.clip_openai': 'aft_conv_base_clip_quickgelu.openai',
 })

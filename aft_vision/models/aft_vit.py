@@ -21,7 +21,8 @@ from timm.models.vision_transformer import checkpoint_filter_fn as vit_checkpoin
 
 from aft_vision.layers import AFTFull, AFTSimple, aft_full
 from aft_vision.layers.aft_full import masked_bias
-from ._base import MLP_LAYERS, adapt_vit_checkpoint, aft_cfg, check_image, check_sizes, create_aft, family_cfgs
+from ._base import DEPRECATED_TAGS, MLP_LAYERS, adapt_vit_checkpoint, aft_cfg, check_image, check_sizes, create_aft, \
+    family_cfgs
 
 __all__ = ['AFTVisionTransformer', 'GridAFTFull', 'AFTSimpleAttention']  # register_model adds each entry point
 
@@ -364,15 +365,22 @@ def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: AFTVisionTr
 
 
 _cfg = partial(aft_cfg, pool_size=None, fixed_input_size=True)  # the grid is tied to the input size
-_TINY, _SMALL, _BASE = ((_cfg, f'deit_{size}_patch16_224.fb_in1k') for size in ('tiny', 'small', 'base'))
-_INIT = {  # each model's cfg and the DeiT weights its '.deit_in1k' tag converts
+_TINY, _SMALL, _BASE = ((_cfg, {'deit_in1k': f'deit_{size}_patch16_224.fb_in1k'}) for size in ('tiny', 'small', 'base'))
+# each model's cfg and tags: the timm source whose weights each converts on load (DeiT's: Table 8; docs/weights.md)
+_WEIGHTS = {
     'aft_full_tiny': _TINY, 'aft_full_small': _SMALL, 'aft_full_base': _BASE, 'aft_simple_tiny': _TINY,
     'aft_simple_small': _SMALL,
+    'aft_full_small_deit3': (_cfg, {'fb_in1k': 'deit3_small_patch16_224.fb_in1k'}),
+    'aft_full_small_patch14_dinov2': (_cfg, {'lvd142m': 'vit_small_patch14_dinov2.lvd142m',
+                                             'reg4_lvd142m': 'vit_small_patch14_reg4_dinov2.lvd142m'}),
+    'aft_full_small_patch14_eva02': (_cfg, {'mim_in22k': 'eva02_small_patch14_224.mim_in22k'}),
+    'aft_full_base_clip': (_cfg, {'laion2b': 'vit_base_patch16_clip_224.laion2b'}),
+    'aft_full_base_clip_quickgelu': (_cfg, {'openai': 'vit_base_patch16_clip_quickgelu_224.openai'}),
+    'aft_full_base_siglip': (_cfg, {'webli': 'vit_base_patch16_siglip_224.webli'}),
 }
 default_cfgs = family_cfgs(
-    _INIT, {'small': 'aft_full_small', 'base': 'aft_full_base'},
-    tests={name: _cfg(input_size=(3, 64, 64), crop_pct=.95) for name in ('aft_full_test', 'aft_simple_test')})
-_model = partial(create_aft, AFTVisionTransformer, 'vit', checkpoint_filter_fn)
+    _WEIGHTS, tests={name: _cfg(input_size=(3, 64, 64), crop_pct=.95) for name in ('aft_full_test', 'aft_simple_test')})
+_model = partial(create_aft, AFTVisionTransformer, checkpoint_filter_fn)
 
 
 @register_model
@@ -406,6 +414,48 @@ def aft_simple_small(pretrained: bool = False, **kwargs) -> AFTVisionTransformer
 
 
 @register_model
+def aft_full_small_deit3(pretrained: bool = False, **kwargs) -> AFTVisionTransformer:
+    """``aft_full_small`` in DeiT III's layout (LayerScale), for its weights."""
+    return _model('aft_full_small_deit3', pretrained, kwargs, embed_dim=384, depth=12, attn_layer='full', pos_dim=128,
+                  init_values=1e-5)
+
+
+@register_model
+def aft_full_small_patch14_dinov2(pretrained: bool = False, **kwargs) -> AFTVisionTransformer:
+    """``aft_full_small`` in DINOv2's layout (patch 14, LayerScale), for its weights, with or without registers."""
+    return _model('aft_full_small_patch14_dinov2', pretrained, kwargs, patch_size=14, embed_dim=384, depth=12,
+                  attn_layer='full', pos_dim=128, init_values=1e-5)
+
+
+@register_model
+def aft_full_small_patch14_eva02(pretrained: bool = False, **kwargs) -> AFTVisionTransformer:
+    """``aft_full_small`` in EVA-02's layout (patch 14, packed SwiGLU MLP: fc1 2048 wide), for its weights."""
+    return _model('aft_full_small_patch14_eva02', pretrained, kwargs, patch_size=14, embed_dim=384, depth=12,
+                  attn_layer='full', pos_dim=128, mlp_ratio=2048 / 384, act_layer='silu', mlp_layer='swiglu_packed')
+
+
+@register_model
+def aft_full_base_clip(pretrained: bool = False, **kwargs) -> AFTVisionTransformer:
+    """``aft_full_base`` in CLIP's layout (a norm before the blocks, LayerNorm epsilon 1e-5), for its weights."""
+    return _model('aft_full_base_clip', pretrained, kwargs, embed_dim=768, depth=12, attn_layer='full', pos_dim=128,
+                  pre_norm=True, norm_eps=1e-5)
+
+
+@register_model
+def aft_full_base_clip_quickgelu(pretrained: bool = False, **kwargs) -> AFTVisionTransformer:
+    """``aft_full_base_clip`` with OpenAI CLIP's QuickGELU, for its weights."""
+    return _model('aft_full_base_clip_quickgelu', pretrained, kwargs, embed_dim=768, depth=12, attn_layer='full',
+                  pos_dim=128, pre_norm=True, norm_eps=1e-5, act_layer='quick_gelu')
+
+
+@register_model
+def aft_full_base_siglip(pretrained: bool = False, **kwargs) -> AFTVisionTransformer:
+    """``aft_full_base`` in SigLIP's layout (no class token: average pooling), for its weights."""
+    return _model('aft_full_base_siglip', pretrained, kwargs, embed_dim=768, depth=12, attn_layer='full', pos_dim=128,
+                  class_token=False, global_pool='avg')
+
+
+@register_model
 def aft_full_test(pretrained: bool = False, **kwargs) -> AFTVisionTransformer:
     """Tiny AFT-full for tests: 64x64 input, patch 8, d=64, 4 blocks."""
     return _model('aft_full_test', pretrained, kwargs, img_size=64, patch_size=8, embed_dim=64, depth=4,
@@ -417,3 +467,15 @@ def aft_simple_test(pretrained: bool = False, **kwargs) -> AFTVisionTransformer:
     """Tiny AFT-simple for tests: 64x64 input, patch 8, d=64, 4 blocks."""
     return _model('aft_simple_test', pretrained, kwargs, img_size=64, patch_size=8, embed_dim=64, depth=4,
                   attn_layer='simple', mlp_ratio=2.)
+
+
+# the tags that built another architecture than their name's, now names of their own
+DEPRECATED_TAGS.update({
+    'aft_full_small.deit3_in1k': 'aft_full_small_deit3.fb_in1k',
+    'aft_full_small.dinov2_lvd142m': 'aft_full_small_patch14_dinov2.lvd142m',
+    'aft_full_small.dinov2_reg4_lvd142m': 'aft_full_small_patch14_dinov2.reg4_lvd142m',
+    'aft_full_small.eva02_mim_in22k': 'aft_full_small_patch14_eva02.mim_in22k',
+    'aft_full_base.clip_laion2b': 'aft_full_base_clip.laion2b',
+    'aft_full_base.clip_openai': 'aft_full_base_clip_quickgelu.openai',
+    'aft_full_base.siglip_webli': 'aft_full_base_siglip.webli',
+})

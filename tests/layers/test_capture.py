@@ -23,14 +23,16 @@ def small_model(name, device=None):
 
 
 def _one_model_per_structure():
-    """Of the registered models, the smallest of each structure: its module classes and, per AFT-conv layer, whether
-    its heads are one per channel and whether the token map cuts its window (at the tests' 64 px). What the graphs
-    below hold besides sizes, so every code path of the zoo once."""
+    """Of the registered models, the smallest of each structure: its module classes of aft_vision and, per AFT-conv
+    layer, whether its heads are one per channel and whether the token map cuts its window (at the tests' 64 px). What
+    the graphs below hold besides sizes and timm's layers (a source's LayerScale, activation, MLP), so every AFT code
+    path of the zoo once."""
     chosen = {}
     for name in timm.list_models('aft_*'):
         model, _ = small_model(name, 'meta')
         grid = 64 // model.patch_embed.patch_size[0]
-        structure = repr((sorted({type(module).__name__ for module in model.modules()}),
+        classes = {type(module) for module in model.modules()}
+        structure = repr((sorted(c.__name__ for c in classes if c.__module__.startswith('aft_vision')),
                           sorted({(layer.num_heads == layer.dim, layer.kernel_size >= 2 * grid - 1)
                                   for layer in model.modules() if isinstance(layer, AFTConv2d)})))
         size = sum(p.numel() for p in model.parameters())

@@ -26,6 +26,9 @@ EXPECTED_NAMES = [
     'aft_full_tiny', 'aft_full_small', 'aft_full_base', 'aft_simple_tiny', 'aft_simple_small',
     'aft_conv_tiny_11_h32', 'aft_conv_small_3', 'aft_conv_small_7', 'aft_conv_small_11', 'aft_conv_small_11_h16',
     'aft_conv_tiny', 'aft_conv_small', 'aft_conv_base',
+    'aft_conv_small_deit3', 'aft_conv_small_patch14_dinov2', 'aft_conv_small_patch14_eva02', 'aft_conv_base_clip',
+    'aft_conv_base_clip_quickgelu', 'aft_full_small_deit3', 'aft_full_small_patch14_dinov2',
+    'aft_full_small_patch14_eva02', 'aft_full_base_clip', 'aft_full_base_clip_quickgelu', 'aft_full_base_siglip',
 ]
 # the crop of timm's own test-size models (160 px), which the 64 px aft_*_test models follow
 TIMM_TEST_CROP = timm.models.get_pretrained_cfg('test_vit').crop_pct
@@ -63,8 +66,8 @@ def test_default_cfg(name):
     size = cfg['input_size'][-1]
     assert cfg['crop_pct'] == {384: 1.0, 224: 0.9, 64: TIMM_TEST_CROP}[size]  # DeiT's at 224 and 384
     if name.startswith('aft_conv_'):
-        # fully convolutional: not fixed, and the unpooled map is input / 16 (8 for the test model)
-        patch = 8 if name.endswith('_test') else 16
+        # fully convolutional: not fixed, the unpooled map input / 16 (8 for the test model, 14 in a _patch14 name)
+        patch = 8 if name.endswith('_test') else 14 if '_patch14_' in name else 16
         assert not cfg.get('fixed_input_size', False)
         assert cfg['pool_size'] == (size // patch, size // patch)
         if 'test_input_size' in cfg:
@@ -98,7 +101,7 @@ def test_model_contract_meta(name):
         assert features.shape[channel] == model.num_features
     else:
         grid = cfg['input_size'][-1] // model.patch_embed.patch_size[0]
-        assert features.shape == (1, 1 + grid * grid, model.num_features)
+        assert features.shape == (1, model.num_prefix_tokens + grid * grid, model.num_features)
 
     model.reset_classifier(0)
     assert model.num_classes == 0 and model(x).shape == pre_logits.shape

@@ -46,11 +46,15 @@ def test_a_checkpoint_saved_by_main_loads_through_the_filter_and_answers_the_sam
         assert_same_answer(model(io['images']), io['logits'])
 
 
-@pytest.mark.parametrize('tag', ['aft_full_small.dinov2_lvd142m', 'aft_full_base.clip_openai'])
-def test_a_backbone_config_saved_by_main_rebuilds_its_architecture(tag):
+@pytest.mark.parametrize('tag, name', [('aft_full_small.dinov2_lvd142m', 'aft_full_small_patch14_dinov2'),
+                                       ('aft_full_base.clip_openai', 'aft_full_base_clip_quickgelu')])
+def test_a_backbone_config_saved_by_main_rebuilds_its_architecture(tag, name):
     """config.json of a backbone tag (patch 14 and LayerScale; CLIP's pre-norm, epsilon and quick GELU) rebuilds the
-    model main built: every state-dict key and shape."""
+    model main built: every state-dict key and shape; the name that holds that layout now builds the same."""
     folder = SAVED / tag
     model = timm.create_model(f'local-dir:{folder}', device='meta')
     shapes = json.loads((folder / 'shapes.json').read_text())
     assert {k: list(v.shape) for k, v in model.state_dict().items()} == shapes
+    named = timm.create_model(name, device='meta', num_classes=0)
+    assert {k: list(v.shape) for k, v in named.state_dict().items()} == shapes
+    assert repr(named) == repr(model)
