@@ -20,13 +20,15 @@ __all__ = ['AFTConv2d', 'resize_window_bias', 'scaled_kernel_size']
 class AFTConv2d(nn.Module):
     """AFT-conv on a (B, H, W, C) token grid of any size; ``qkv`` stacks q (C), k (one per head) and v (C). The raw
     (h, s, s) bias is reparameterised per head (Eq. 8), ``w_i = gamma_i * (raw_i - mean) / std + beta_i``, with
-    gamma = beta = 0 at initialisation: a fresh layer computes AFT-simple.
+    gamma = beta = 0 at initialisation: a fresh layer computes AFT-simple. Called as timm's ``Block`` calls its
+    ``attn``; a call's window is the layer's own, or with ``follow_grid`` the one its grid takes.
 
     Args:
         eps: Added to the variance in Eq. 8, so a constant raw bias stays well defined.
         method: How ``aft_conv2d`` evaluates Eq. 6 ('auto', 'dense', 'conv', 'tuned'), fixed here; None takes
             ``get_conv_method()``. A model takes it as ``mixer_kwargs={'method': ...}``.
     """
+    window_grid: Optional[Tuple[float, float, int]]  # ``follow_grid``'s grid and window; None: the layer's window
 
     def __init__(self, dim: int, num_heads: int, kernel_size: int, qkv_bias: bool = True, proj_drop: float = 0.0,
                  eps: float = 1e-5, method: Optional[str] = None, device=None, dtype=None):
@@ -44,6 +46,7 @@ class AFTConv2d(nn.Module):
         self.pos_beta = nn.Parameter(torch.zeros(num_heads, **dd))
         self.proj = nn.Linear(dim, dim, **dd)
         self.proj_drop = nn.Dropout(proj_drop)
+        self.window_grid = None
         self.init_weights()
 
     def init_weights(self) -> None:
@@ -79,10 +82,32 @@ class AFTConv2d(nn.Module):
         self.pos_beta.copy_(beta)
         self.kernel_size = kernel_size
 
-    def forward(self, x: torch.Tensor, kernel_size: Optional[int] = None) -> torch.Tensor:
-        """Mix tokens x (B, H, W, C); ``kernel_size``: this call's window (``position_bias``), None the layer's own."""
+    def follow_grid(self, grid: Optional[Tuple[float, float]], kernel_size: Optional[int] = None) -> None:
+        """From now on each call's window follows its token grid: ``kernel_size`` (None: the layer's) on a grid of
+        ``grid`` tokens, stretched for a call's (H, W) by the geometric mean of the side ratios (``call_window``, as
+        ``resize_window`` for a resized model) and resampled for that call alone; None: the layer's window always."""
+        self.window_grid = None if grid is None else (float(grid[0]), float(grid[1]), kernel_size or self.kernel_size)
+
+    @torch.jit.unused
+    def call_window(self, height: int, width: int) -> Optional[int]:
+        """The window of a call on a (height, width) token grid under ``follow_grid``; None: the layer's own."""
+        if self.window_grid is None:
+            return None
+        grid_h, grid_w, kernel_size = self.window_grid
+        return scaled_kernel_size(kernel_size, math.sqrt((height / grid_h) * (width / grid_w)))
+
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                is_causal: bool = False) -> torch.Tensor:
+        """Mix tokens x (B, H, W, C) with the layer's window or the one their grid takes (``follow_grid``; not in
+        TorchScript); a mask is refused."""
         if x.dim() != 4 or x.shape[-1] != self.dim:
             raise ValueError(f'expected tokens (B, H, W, {self.dim}), got shape {list(x.shape)}')
+        if attn_mask is not None or is_causal:
+            raise ValueError('AFT-conv mixes every position by its window bias, with no attention matrix: it takes '
+                             'no attn_mask and no is_causal')
+        kernel_size: Optional[int] = None
+        if not torch.jit.is_scripting() and self.window_grid is not None:
+            kernel_size = self.call_window(x.shape[1], x.shape[2])
         q, k, v = self.qkv(x).split([self.dim, self.num_heads, self.dim], dim=-1)  # (B, H, W, C / h / C)
         x = aft_conv2d(q, k, v, self.position_bias(kernel_size), method=self.method)  # (B, H, W, C)
         return self.proj_drop(self.proj(x))

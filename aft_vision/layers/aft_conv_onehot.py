@@ -127,11 +127,18 @@ class AFTConv2dOneHot(AFTConv2d):
             return w * sample.view_as(w)
         return onehot_bias(w, w.flatten(1).argmax(dim=1))
 
-    def forward(self, x: torch.Tensor, kernel_size: Optional[int] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                is_causal: bool = False) -> torch.Tensor:
         """``AFTConv2d.forward`` with the selected bias: in training Eq. 6 with the sampled bias (gradients reach every
         offset's logit), in eval global pooling plus indexing."""
         if x.dim() != 4 or x.shape[-1] != self.dim:
             raise ValueError(f'expected tokens (B, H, W, {self.dim}), got shape {list(x.shape)}')
+        if attn_mask is not None or is_causal:
+            raise ValueError('AFT-conv mixes every position by its window bias, with no attention matrix: it takes '
+                             'no attn_mask and no is_causal')
+        kernel_size: Optional[int] = None
+        if not torch.jit.is_scripting() and self.window_grid is not None:
+            kernel_size = self.call_window(x.shape[1], x.shape[2])
         q, k, v = self.qkv(x).split([self.dim, self.num_heads, self.dim], dim=-1)  # (B, H, W, C / h / C)
         if self.training:
             x = aft_conv2d(q, k, v, self.selected_bias(kernel_size), method=self.method)

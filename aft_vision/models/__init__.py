@@ -2,9 +2,9 @@
 and ``checkpoints``.
 
 * ``aft_vit``: AFT-full and AFT-simple: timm's ``VisionTransformer`` with an AFT ``attn_layer``.
-* ``aft_conv``: AFT-conv, fully convolutional (no class token or position embedding, global average pooling).
-* ``_base``: AFT-conv's ``Block`` and ``AFTTransformerBase`` (its trunk and timm interface); the input check, cfgs
-  and checkpoint adapter both families use.
+* ``aft_conv``: AFT-conv: timm's ``VisionTransformer`` on a (B, H, W, C) map (no class token or position embedding,
+  global average pooling).
+* ``_base``: the checks, cfgs and checkpoint adapter both families use.
 * ``fit_checkpoint`` (here): which weights a model starts from, decided once; ``count_macs``: its multiply-adds.
 * ``pyramid``: ViTDet's simple feature pyramid on an AFT-conv backbone (``SimpleFeaturePyramid``), for dense heads.
 """
@@ -15,7 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..layers import AFTConv2d
 from ..checkpoints.transfer import unwrap_state_dict
-from ._base import DEPRECATED_TAGS, AFTTransformerBase, Block, adapt_vit_checkpoint
+from ._base import DEPRECATED_TAGS, adapt_vit_checkpoint
 from .aft_vit import *
 from .aft_conv import *
 from .aft_conv import AFTConvTransformer, checkpoint_filter_fn as _aft_conv_filter

@@ -1,241 +1,28 @@
-"""What the AFT model families share: the input check, the ViT weight transfer and the DeiT-initialised cfgs; and
-AFT-conv's pre-norm ``Block`` and ``AFTTransformerBase`` (the trunk of blocks, norm and head with the timm model
-interface on it), which ``aft_conv`` completes with its patch embedding, features and intermediates (``aft_vit``'s
-families are timm's ``VisionTransformer``)."""
+"""What the AFT model families (timm's ``VisionTransformer`` with an AFT ``attn_layer``) share: the size and input
+checks, the MLPs by name, the ViT weight transfer and the DeiT-initialised cfgs."""
 import logging
 import warnings
-from functools import partial
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Type, Union
+from typing import Any, Callable, Dict, Optional, Tuple, Type
 
 import torch
 from torch import nn
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, LayerNorm, LayerScale, LayerType, Mlp, SwiGLUPacked, calculate_drop_path_rates, \
-    get_act_layer, get_device_dtype, get_norm_layer, to_2tuple
-from timm.models import build_model_with_cfg, checkpoint, generate_default_cfgs, get_pretrained_cfg, model_entrypoint, \
-    named_apply, register_notrace_function
-from timm.models._features import feature_take_indices  # as timm's own models import it (not re-exported)
+from timm.layers import Mlp, SwiGLUPacked, to_2tuple
+from timm.models import build_model_with_cfg, generate_default_cfgs, get_pretrained_cfg, model_entrypoint, \
+    register_notrace_function
 from timm.models._input import _spatial_size  # timm's size check
-from timm.models.vision_transformer import init_weights_vit_timm
 
-from ..layers import layer_norm_nchw, linear_nchw
 from ..checkpoints.sources import source_layout
 from ..checkpoints.transfer import is_vit_state_dict, transfer_vit_weights, unwrap_state_dict
 
 _logger = logging.getLogger(__name__)
 
-__all__ = ['AFTTransformerBase', 'Block', 'MLP_LAYERS', 'norm_nchw']
+__all__ = ['MLP_LAYERS', 'check_image', 'check_sizes']
 
-# position parameters, kept out of weight decay like timm's position embeddings and relative position tables
-NO_DECAY_NAMES = ('pos_embed', 'cls_token')
-NO_DECAY_SUFFIXES = ('.attn.pos_u', '.attn.pos_v', '.attn.pos_weight')
 # MLPs by name (names travel in config.json): timm's ViT MLP, and the packed SwiGLU of EVA-02 (fc1 holds gate and
 # value, ``mlp_ratio`` gives fc1's width; the gate's activation is the model's ``act_layer``, 'silu' for SwiGLU)
 MLP_LAYERS: Dict[str, Type[nn.Module]] = {'mlp': Mlp, 'swiglu_packed': SwiGLUPacked}
-
-
-class Block(nn.Module):
-    """Pre-norm block with an AFT token mixer as ``attn``: ``x + attn(norm1(x))``, then ``x + mlp(norm2(x))``.
-
-    Takes the mixer's layout, (B, T, C) or (B, H, W, C); norms, MLP and residual sums run on (B, T, C) rows, a view
-    (exported graphs then hand CPU runtimes 3-D tensors). An AFT-conv mixer also receives the call's window
-    ``kernel_size`` where one is given (not in TorchScript).
-    ``mixer_layer(dim, qkv_bias=..., proj_drop=..., device=..., dtype=...)`` builds the mixer; the other arguments are
-    those of timm's ViT block.
-    """
-    def __init__(self, dim: int, mixer_layer: Callable[..., nn.Module], mlp_ratio: float = 4., qkv_bias: bool = True,
-                 proj_drop: float = 0., init_values: Optional[float] = None, drop_path: float = 0.,
-                 act_layer: Type[nn.Module] = nn.GELU, norm_layer: Type[nn.Module] = LayerNorm,
-                 mlp_layer: Type[nn.Module] = Mlp, device=None, dtype=None):
-        super().__init__()
-        dd = {'device': device, 'dtype': dtype}
-        self.norm1 = norm_layer(dim, **dd)
-        self.attn = mixer_layer(dim, qkv_bias=qkv_bias, proj_drop=proj_drop, **dd)
-        self.ls1 = LayerScale(dim, init_values=init_values, **dd) if init_values else nn.Identity()
-        self.drop_path1 = DropPath(drop_path) if drop_path > 0. else nn.Identity()
-
-        self.norm2 = norm_layer(dim, **dd)
-        self.mlp = mlp_layer(in_features=dim, hidden_features=int(dim * mlp_ratio), act_layer=act_layer, drop=proj_drop,
-                             **dd)
-        self.ls2 = LayerScale(dim, init_values=init_values, **dd) if init_values else nn.Identity()
-        self.drop_path2 = DropPath(drop_path) if drop_path > 0. else nn.Identity()
-
-    def forward(self, x: torch.Tensor, kernel_size: Optional[int] = None) -> torch.Tensor:
-        shape = x.shape
-        tokens = x.flatten(1, -2)  # (B, T, C)
-        if kernel_size is not None and not torch.jit.is_scripting():
-            y = self.attn(self.norm1(tokens).view(shape), kernel_size)
-        else:
-            y = self.attn(self.norm1(tokens).view(shape))
-        tokens = tokens + self.drop_path1(self.ls1(y.flatten(1, -2)))
-        tokens = tokens + self.drop_path2(self.ls2(self.mlp(self.norm2(tokens))))
-        return tokens.view(shape)
-
-    def forward_nchw(self, x: torch.Tensor) -> torch.Tensor:
-        """The block on a channel-first map (B, C, H, W), for exported graphs (``aft_conv.export_layout``): norms over
-        the channels, linear layers as 1 x 1 convolutions; another MLP than timm's runs ``forward`` between permutes."""
-        if not self._runs_nchw():
-            return self(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
-        x = x + self.drop_path1(_scale_channels(self.ls1, self.attn.forward_nchw(norm_nchw(self.norm1, x))))
-        mlp = self.mlp
-        hidden = mlp.drop1(mlp.act(linear_nchw(norm_nchw(self.norm2, x), mlp.fc1)))  # (B, hidden, H, W)
-        return x + self.drop_path2(_scale_channels(self.ls2, mlp.drop2(linear_nchw(hidden, mlp.fc2))))
-
-    @torch.jit.ignore
-    def _runs_nchw(self) -> bool:
-        mlp = self.mlp
-        return (hasattr(self.attn, 'forward_nchw') and type(mlp) is Mlp and isinstance(mlp.fc1, nn.Linear)
-                and isinstance(mlp.norm, nn.Identity))
-
-
-def norm_nchw(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """A norm over the channels of x (B, C, H, W): LayerNorm by ``layer_norm_nchw``, any other between permutes."""
-    if isinstance(norm, nn.LayerNorm):
-        return layer_norm_nchw(x, norm)
-    return norm(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
-
-
-def _scale_channels(layer_scale: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``layer_scale`` (timm's ``LayerScale`` or Identity) on the channels of x (B, C, H, W)."""
-    if isinstance(layer_scale, LayerScale):
-        return x * layer_scale.gamma.view(1, -1, 1, 1)
-    return layer_scale(x)
-
-
-class AFTTransformerBase(nn.Module):
-    """An isotropic AFT transformer's trunk (``blocks``, ``norm``, ``head_drop``, ``head``) and the timm interface on
-    it: init, optimizer groups, gradient checkpointing, classifier reset, pruning, ``forward_head``, ``forward``.
-
-    Subclasses build ``patch_embed`` and their positions, call ``_build_trunk``, and provide ``pool``,
-    ``_set_global_pool``, the features, intermediates and ``set_input_size`` (and ``_fixed_img_size``). ``forward``
-    lives here so that fx, which wraps the notrace functions of the traced module, keeps ``check_image`` a leaf.
-    The size arguments a subclass passes on (``sizes``: None or positive) are checked here, ``img_size`` by timm.
-    """
-
-    def __init__(self, num_classes: int, in_chans: int, embed_dim: int, weight_init: str, **sizes: Any):
-        super().__init__()
-        if weight_init not in ('', 'skip'):
-            raise ValueError(f"unknown weight_init {weight_init!r}: choose '' or 'skip'")
-        check_sizes(**sizes, in_chans=in_chans, embed_dim=embed_dim)
-        self.num_classes, self.in_chans = num_classes, in_chans
-        self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
-        self.grad_checkpointing = False
-
-    def _build_trunk(self, depth: int, mixer_layer: Callable[..., nn.Module], block_fn: Type[nn.Module],
-                     norm_layer: Optional[LayerType], act_layer: Optional[LayerType], drop_rate: float,
-                     drop_path_rate: float, weight_init: str, dd: Dict[str, Any], pre_norm: bool = False,
-                     mlp_layer: Union[str, Type[nn.Module]] = Mlp, norm_eps: Optional[float] = None,
-                     **block_kwargs) -> None:
-        """The norm before the blocks (``pre_norm``, CLIP's ``norm_pre``), ``depth`` blocks (stochastic depth linear
-        over them), their ``feature_info``, final norm and head (norm, activation and MLP by name or class, None:
-        LayerNorm, GELU; ``norm_eps`` sets the norms' epsilon), then timm's ViT init unless ``weight_init='skip'``."""
-        norm_layer = get_norm_layer(norm_layer) or LayerNorm
-        if norm_eps is not None:
-            norm_layer = partial(norm_layer, eps=norm_eps)
-        act_layer = get_act_layer(act_layer) or nn.GELU
-        if isinstance(mlp_layer, str):
-            if mlp_layer not in MLP_LAYERS:
-                raise ValueError(f'unknown mlp_layer {mlp_layer!r}: choose one of {sorted(MLP_LAYERS)} or pass a class')
-            mlp_layer = MLP_LAYERS[mlp_layer]
-        self.norm_pre = norm_layer(self.embed_dim, **dd) if pre_norm else nn.Identity()
-        dpr = calculate_drop_path_rates(drop_path_rate, depth)
-        self.blocks = nn.Sequential(*[
-            block_fn(dim=self.embed_dim, mixer_layer=mixer_layer, drop_path=dpr[i], norm_layer=norm_layer,
-                     act_layer=act_layer, mlp_layer=mlp_layer, **block_kwargs, **dd)
-            for i in range(depth)])
-        reduction = self.patch_embed.feat_ratio()
-        self.feature_info = [
-            dict(module=f'blocks.{i}', num_chs=self.embed_dim, reduction=reduction) for i in range(depth)]
-        self.norm = norm_layer(self.embed_dim, **dd)
-        self.head_drop = nn.Dropout(drop_rate)
-        self.head = nn.Linear(self.embed_dim, self.num_classes, **dd) if self.num_classes > 0 else nn.Identity()
-        if weight_init != 'skip':
-            self.init_weights()
-
-    def init_weights(self, mode: str = '') -> None:
-        """timm's ViT init (only ``mode=''``)."""
-        if mode:
-            raise ValueError(f"unknown init mode {mode!r}: only '' is supported")
-        # needs_reset=False as timm's VisionTransformer builds: the modules initialised themselves, and a reset would
-        # redraw the patch embedding's convolution (other random weights than the ones this model always had)
-        named_apply(partial(init_weights_vit_timm, needs_reset=False), self)
-
-    @torch.jit.ignore
-    def no_weight_decay(self) -> Set[str]:
-        """Position parameters (position embedding, class token, AFT-full's u, v, AFT-conv's raw bias) are not
-        decayed, like Swin's relative position tables."""
-        return {n for n, _ in self.named_parameters() if n in NO_DECAY_NAMES or n.endswith(NO_DECAY_SUFFIXES)}
-
-    @torch.jit.ignore
-    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
-        """Layer-decay groups: stem, one per block, the final norm with the last block."""
-        return dict(stem=r'^cls_token|pos_embed|patch_embed|norm_pre',
-                    blocks=[(r'^blocks\.(\d+)', None), (r'^norm', (99999,))])
-
-    @torch.jit.ignore
-    def set_grad_checkpointing(self, enable: bool = True) -> None:
-        self.grad_checkpointing = enable
-
-    @torch.jit.ignore
-    def get_classifier(self) -> nn.Module:
-        return self.head
-
-    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
-        """Replace the classifier (``num_classes=0`` removes it); ``global_pool`` None keeps the current pooling."""
-        dd = get_device_dtype(self)
-        self.num_classes = num_classes
-        if global_pool is not None:
-            self._set_global_pool(global_pool)
-        self.head = nn.Linear(self.embed_dim, num_classes, **dd) if num_classes > 0 else nn.Identity()
-        self.head.train(self.training)
-
-    def prune_intermediate_layers(self, indices: Union[int, List[int]] = 1, prune_norm: bool = False,
-                                  prune_head: bool = True) -> List[int]:
-        """Drop the blocks after the last requested intermediate (and the norm / head if asked)."""
-        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
-        self.blocks = self.blocks[:max_index + 1]
-        if prune_norm:
-            self.norm = nn.Identity()
-        if prune_head:
-            self.reset_classifier(0, '')
-        return take_indices
-
-    def _fixed_img_size(self) -> Optional[Tuple[int, int]]:
-        """The one input size the model takes, or None when any multiple of the patch size runs."""
-        return None
-
-    def _run_blocks(self, x: torch.Tensor, take_indices: Optional[List[int]] = None, norm: bool = False,
-                    last: Optional[int] = None, kernel_size: Optional[int] = None
-                    ) -> Tuple[torch.Tensor, List[torch.Tensor]]:
-        """``norm_pre`` and the blocks (through block ``last`` only, outside TorchScript, which cannot slice them) on
-        x, and the outputs of the blocks in ``take_indices`` (through ``norm`` if asked).
-        ``kernel_size``: AFT-conv's window for this call, passed down (the modules are left as they are)."""
-        intermediates: List[torch.Tensor] = []
-        x = self.norm_pre(x)
-        if torch.jit.is_scripting() or last is None:
-            blocks = self.blocks
-        else:
-            blocks = self.blocks[:last + 1]
-        for i, blk in enumerate(blocks):
-            if self.grad_checkpointing and not torch.jit.is_scripting():
-                x = checkpoint(blk, x, kernel_size)
-            else:
-                x = blk(x, kernel_size)
-            if take_indices is not None and i in take_indices:
-                intermediates.append(self.norm(x) if norm else x)
-        return x, intermediates
-
-    def _check_input(self, x: torch.Tensor) -> None:
-        check_image(x, self.in_chans, self.patch_embed.patch_size, self._fixed_img_size(),
-                    self.patch_embed.dynamic_img_pad, self.patch_embed.proj.weight.dtype)
-
-    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        x = self.head_drop(self.pool(x))
-        return x if pre_logits else self.head(x)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))
 
 
 def check_sizes(**sizes: Any) -> None:

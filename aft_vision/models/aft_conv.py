@@ -1,49 +1,122 @@
 """AFT-conv (Sec. 5.3, Tables 7 and 8 of `An Attention Free Transformer`, https://arxiv.org/abs/2105.14103): DeiT's
 backbone with AFT-conv (Eq. 6 in 2-D, bias reparameterised by Eq. 8) as token mixer, no class token and no position
-embedding. Blocks run on a (B, H, W, C) map of any size; ``forward_features`` returns it unpooled (timm's
-``output_fmt='NHWC'``, as Swin), and timm's NHWC pooling feeds the classifier. Names follow timm's ViT, so DeiT weights
-map by name. Model names and sizes: docs/models.md.
+embedding: timm's ``VisionTransformer`` whose blocks run on a (B, H, W, C) map of any size, ``forward_features``
+returning it unpooled (timm's ``output_fmt='NHWC'``, as Swin) and the pooling taking its rows. Names are timm's ViT
+names, so DeiT weights map by name. Model names and sizes: docs/models.md.
 """
 import contextlib
-import inspect
 import math
 import warnings
 from functools import partial
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Type, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple, Type, Union
 
 import torch
 from torch import nn
-from torch.jit import Final
 
-from timm.layers import LayerType, PatchEmbed, SelectAdaptivePool2d, resample_patch_embed, to_2tuple
-from timm.models import register_model, register_model_deprecations
+from timm.layers import LayerNorm, LayerScale, LayerType, Mlp, get_norm_layer, resample_patch_embed, to_2tuple
+from timm.models import checkpoint, register_model, register_model_deprecations
 from timm.models._features import feature_take_indices
 from timm.models._input import update_model_args, update_model_input_size  # what timm's ViT records on a resize
+from timm.models.vision_transformer import Block, VisionTransformer
 
-from aft_vision.layers import AFTConv2d, AFTConv2dOneHot, exporting, resize_window_bias, scaled_kernel_size
-from ._base import DEPRECATED_TAGS, AFTTransformerBase, Block, adapt_vit_checkpoint, aft_cfg, create_aft, family_cfgs, \
-    norm_nchw
+from ..layers import AFTConv2d, AFTConv2dOneHot, exporting, layer_norm_nchw, linear_nchw, \
+    resize_window_bias, scaled_kernel_size
+from ._base import DEPRECATED_TAGS, MLP_LAYERS, adapt_vit_checkpoint, aft_cfg, check_sizes, \
+    create_aft, family_cfgs
+from .aft_vit import AFTPatchEmbed
 
 # register_model adds each entry point
-__all__ = ['AFTConvTransformer', 'EXPORT_LAYOUTS', 'export_layout', 'forward_at_size']
+__all__ = ['AFTConvTransformer', 'AFTConvBlock', 'EXPORT_LAYOUTS', 'export_layout', 'forward_at_size']
 
-GLOBAL_POOLS = ('', 'avg', 'max', 'avgmax')  # timm's SelectAdaptivePool2d on the NHWC map ('' keeps the map)
+GLOBAL_POOLS = ('', 'avg', 'max', 'avgmax')  # timm's pools of a map ('' keeps it)
 RESIZE_MODES = ('keep', 'window', 'patch')  # how the model follows another input size (``resize_mode``)
 EXPORT_LAYOUTS = ('NHWC', 'NCHW')  # the map's layout in a recorded graph (``export_layout``)
 # token mixers by name (names travel in config.json): the dense bias of Eq. 6 / 8, or Sec. 8's one-hot bias (Eq. 10)
 MIXER_LAYERS: Dict[str, Type[AFTConv2d]] = {'aft_conv': AFTConv2d, 'aft_conv_onehot': AFTConv2dOneHot}
 
 
-class AFTConvTransformer(AFTTransformerBase):
-    """Isotropic AFT-conv transformer: patch embedding, AFT-conv blocks on a (B, H, W, C) map, norm, pool, head.
+class AFTConvBlock(Block):
+    """timm's ``Block`` on a (B, H, W, C) map, its norms, MLP and residual sums on the map's (B, T, C) rows (a view):
+    OpenVINO takes a 4-D tensor's second axis for its channels, so a recorded graph runs them in their own layout
+    (docs/deployment.md). ``attn_layer`` is the mixer class with its window bound, built here as timm builds a class
+    (``num_heads``, ``qkv_bias``, ``proj_drop``); ``forward_nchw`` runs the block on a channel-first map."""
+
+    def __init__(self, dim: int, num_heads: int, attn_layer: Callable[..., nn.Module], qkv_bias: bool = True,
+                 proj_drop: float = 0., device=None, dtype=None, **kwargs: Any):
+        super().__init__(dim, num_heads, qkv_bias=qkv_bias, proj_drop=proj_drop, attn_layer=nn.Identity,
+                         device=device, dtype=dtype, **kwargs)  # timm's _create_attn takes a class, not a partial
+        self.attn = attn_layer(dim, num_heads=num_heads, qkv_bias=qkv_bias, proj_drop=proj_drop, device=device,
+                               dtype=dtype)
+
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                is_causal: bool = False) -> torch.Tensor:
+        shape = x.shape
+        rows = x.flatten(1, -2)  # (B, T, C)
+        y = self.attn(self.norm1(rows).view(shape), attn_mask=attn_mask, is_causal=is_causal)  # (B, H, W, C)
+        rows = rows + self.drop_path1(self.ls1(y.flatten(1, -2)))
+        rows = rows + self.drop_path2(self.ls2(self.mlp(self.norm2(rows))))
+        return rows.view(shape)
+
+    def forward_nchw(self, x: torch.Tensor) -> torch.Tensor:
+        """The block on a channel-first map (B, C, H, W), for exported graphs (``export_layout``): norms over the
+        channels, linear layers as 1 x 1 convolutions; another MLP than timm's runs ``forward`` between permutes."""
+        mlp = self.mlp
+        if not (hasattr(self.attn, 'forward_nchw') and type(mlp) is Mlp and isinstance(mlp.norm, nn.Identity)):
+            return self(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        x = x + self.drop_path1(per_channel(self.ls1, self.attn.forward_nchw(per_channel(self.norm1, x))))
+        hidden = mlp.drop1(mlp.act(linear_nchw(per_channel(self.norm2, x), mlp.fc1)))  # (B, hidden, H, W)
+        return x + self.drop_path2(per_channel(self.ls2, mlp.drop2(linear_nchw(hidden, mlp.fc2))))
+
+
+def per_channel(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A module over the channels (a norm, timm's ``LayerScale``) on x (B, C, H, W): LayerNorm by
+    ``layer_norm_nchw``, LayerScale by its gains, another between permutes."""
+    if isinstance(module, nn.Identity):
+        return x
+    if isinstance(module, nn.LayerNorm):
+        return layer_norm_nchw(x, module)
+    if isinstance(module, LayerScale):
+        return x * module.gamma.view(1, -1, 1, 1)
+    return module(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+def size_plan(img_size: Tuple[int, int], base_img_size: Tuple[int, int], base_patch: Tuple[int, int],
+              kernel_size: int, mode: str) -> Tuple[Tuple[int, int], int]:
+    """(patch, window) at ``img_size`` under resize ``mode`` from ``base_patch`` and ``kernel_size`` at
+    ``base_img_size``."""
+    if mode not in RESIZE_MODES:
+        raise ValueError(f'unknown resize_mode {mode!r}: choose one of {", ".join(RESIZE_MODES)}')
+    ratio_h, ratio_w = (size / base for size, base in zip(img_size, base_img_size))
+    if mode == 'window':
+        return base_patch, scaled_kernel_size(kernel_size, math.sqrt(ratio_h * ratio_w))
+    if mode == 'keep':
+        return base_patch, kernel_size
+    patch = (base_patch[0] * ratio_h, base_patch[1] * ratio_w)
+    if any(p != round(p) or p < 1 for p in patch):
+        raise ValueError(
+            f"resize_mode='patch': {img_size[0]}x{img_size[1]} px would need a {patch[0]:g}x{patch[1]:g} px patch "
+            f'to keep the token grid of {base_img_size[0]}x{base_img_size[1]} px: not whole pixels')
+    return (round(patch[0]), round(patch[1])), kernel_size
+
+
+def _check_pool(global_pool: str) -> str:
+    if global_pool not in GLOBAL_POOLS:
+        raise ValueError(f'unknown global_pool {global_pool!r}: choose one of {GLOBAL_POOLS} ("" for no pooling)')
+    return global_pool
+
+
+class AFTConvTransformer(VisionTransformer):
+    """timm's ``VisionTransformer`` with AFT-conv blocks on a (B, H, W, C) map: no class token, no position embedding
+    (the windows are the positions), the final norm before timm's pooling of the map's rows.
 
     Args:
         img_size: Nominal input size (``pool_size`` metadata; any multiple of the patch size runs).
         global_pool: 'avg' (the paper's), 'max', 'avgmax' or '' (no pooling).
         num_heads: AFT-conv heads h (dividing ``embed_dim``).
         kernel_size: Odd AFT-conv window s.
-        mixer_layer: 'aft_conv' (dense bias), 'aft_conv_onehot' (Sec. 8's one-hot bias; the same parameters), or a
+        attn_layer: 'aft_conv' (dense bias), 'aft_conv_onehot' (Sec. 8's one-hot bias; the same parameters), or a
             class taking ``AFTConv2d``'s arguments; ``mixer_kwargs`` go to it (e.g. ``{'tau': 0.5}``).
+        mixer_layer: The name ``attn_layer`` had before (config.json files written with it still rebuild).
         dynamic_img_pad: Zero-pad images to a multiple of the patch size instead of rejecting them.
         pre_norm: A norm between the patch embedding and the blocks (``norm_pre``, CLIP's), the patch embedding then
             without bias, as in timm's ``VisionTransformer``.
@@ -56,76 +129,89 @@ class AFTConvTransformer(AFTTransformerBase):
             docs/results.md), 'keep' keeps it ``kernel_size`` tokens wide, 'patch' resizes the patch (FlexiViT).
         base_img_size: The size ``kernel_size`` and ``patch_size`` are given for (the training size; None:
             ``img_size``).
-        dynamic_img_size: Each call's windows follow its input size as ``resize_mode='window'`` follows ``img_size``
-            (differentiably; other modes: the built ones). Exports record their example's windows, scripts the built.
+        dynamic_img_size: Each call's windows follow its token grid as ``resize_mode='window'`` follows ``img_size``
+            (differentiably; other modes: the built ones; ``AFTConv2d.follow_grid``). Exports record their example's
+            windows, scripts the built.
 
     The other arguments are those of timm's ``VisionTransformer``.
     """
-    dynamic_img_size: Final[bool]
 
     def __init__(
             self, img_size: Union[int, Tuple[int, int]] = 224, patch_size: Union[int, Tuple[int, int]] = 16,
             in_chans: int = 3, num_classes: int = 1000, global_pool: str = 'avg', embed_dim: int = 768,
             depth: int = 12, num_heads: int = 32, kernel_size: int = 11,
-            mixer_layer: Union[str, Callable[..., nn.Module]] = 'aft_conv',
+            attn_layer: Union[str, Callable[..., nn.Module]] = 'aft_conv',
             mixer_kwargs: Optional[Dict[str, Any]] = None, mlp_ratio: float = 4., qkv_bias: bool = True,
             init_values: Optional[float] = None, pre_norm: bool = False, dynamic_img_pad: bool = False,
             drop_rate: float = 0., proj_drop_rate: float = 0., drop_path_rate: float = 0., weight_init: str = '',
             norm_layer: Optional[LayerType] = None, act_layer: Optional[LayerType] = None,
-            block_fn: Type[nn.Module] = Block, mlp_layer: Union[str, Type[nn.Module]] = 'mlp',
-            norm_eps: Optional[float] = None,
-            resize_mode: str = 'window', base_img_size: Optional[Union[int, Tuple[int, int]]] = None,
-            dynamic_img_size: bool = False, device=None, dtype=None,
+            block_fn: Type[nn.Module] = AFTConvBlock, mlp_layer: Union[str, Type[nn.Module]] = 'mlp',
+            norm_eps: Optional[float] = None, resize_mode: str = 'window',
+            base_img_size: Optional[Union[int, Tuple[int, int]]] = None, dynamic_img_size: bool = False,
+            mixer_layer: Optional[Union[str, Callable[..., nn.Module]]] = None, device=None, dtype=None,
     ):
-        super().__init__(num_classes, in_chans, embed_dim, weight_init, img_size=img_size,
-                         base_img_size=base_img_size, patch_size=patch_size, depth=depth, mlp_ratio=mlp_ratio)
-        dd = {'device': device, 'dtype': dtype}
-        self.dynamic_img_size = dynamic_img_size
-        self._set_global_pool(global_pool)
-        self.resize_mode = resize_mode
-        self.export_layout = 'NHWC'  # what a recorded graph takes (``export_layout``); eager always runs rows
-        self.kernel_size = kernel_size
-        self.base_img_size = to_2tuple(base_img_size or img_size)
-        self.base_patch_size = to_2tuple(patch_size)
-        patch_size, kernel_size = self._size_plan(to_2tuple(img_size))
+        check_sizes(img_size=img_size, base_img_size=base_img_size, patch_size=patch_size, depth=depth,
+                    mlp_ratio=mlp_ratio, in_chans=in_chans, embed_dim=embed_dim)
+        if weight_init not in ('', 'skip'):
+            raise ValueError(f"unknown weight_init {weight_init!r}: choose '' or 'skip'")
+        arg, attn_layer = ('mixer_layer', mixer_layer) if mixer_layer is not None else ('attn_layer', attn_layer)
+        if isinstance(attn_layer, str):
+            if attn_layer not in MIXER_LAYERS:
+                raise ValueError(f'unknown {arg} {attn_layer!r}: choose one of {sorted(MIXER_LAYERS)} or pass a class')
+            attn_layer = MIXER_LAYERS[attn_layer]
+        if isinstance(mlp_layer, str):
+            if mlp_layer not in MLP_LAYERS:
+                raise ValueError(f'unknown mlp_layer {mlp_layer!r}: choose one of {sorted(MLP_LAYERS)} or pass a class')
+            mlp_layer = MLP_LAYERS[mlp_layer]
+        norm_layer = get_norm_layer(norm_layer) or LayerNorm
+        if norm_eps is not None:
+            norm_layer = partial(norm_layer, eps=norm_eps)
+        base_img_size = to_2tuple(base_img_size or img_size)
+        patch, kernel = size_plan(to_2tuple(img_size), base_img_size, to_2tuple(patch_size), kernel_size, resize_mode)
+        super().__init__(
+            img_size=img_size, patch_size=patch, in_chans=in_chans, num_classes=num_classes,
+            global_pool=_check_pool(global_pool), embed_dim=embed_dim, depth=depth, num_heads=num_heads,
+            mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, init_values=init_values, class_token=False, pos_embed='none',
+            pre_norm=pre_norm, fc_norm=False, dynamic_img_size=dynamic_img_size, dynamic_img_pad=dynamic_img_pad,
+            drop_rate=drop_rate, proj_drop_rate=proj_drop_rate, drop_path_rate=drop_path_rate,
+            weight_init=weight_init, embed_layer=partial(AFTPatchEmbed, output_fmt='NHWC', strict_img_size=False),
+            norm_layer=norm_layer, act_layer=act_layer, block_fn=block_fn, mlp_layer=mlp_layer,
+            attn_layer=partial(attn_layer, kernel_size=kernel, **(mixer_kwargs or {})), device=device, dtype=dtype)
         self.output_fmt = 'NHWC'
+        self.export_layout = 'NHWC'  # what a recorded graph takes (``export_layout``); eager always runs rows
+        self.kernel_size, self.resize_mode = kernel_size, resize_mode
+        self.base_img_size, self.base_patch_size = base_img_size, to_2tuple(patch_size)
+        self._set_call_windows()
 
-        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, output_fmt='NHWC', bias=not pre_norm,
-                                      strict_img_size=False, dynamic_img_pad=dynamic_img_pad, **dd)
-        if isinstance(mixer_layer, str):
-            if mixer_layer not in MIXER_LAYERS:
-                raise ValueError(
-                    f'unknown mixer_layer {mixer_layer!r}: choose one of {sorted(MIXER_LAYERS)} or pass a class')
-            mixer_layer = MIXER_LAYERS[mixer_layer]
-        mixer_layer = partial(mixer_layer, num_heads=num_heads, kernel_size=kernel_size, **(mixer_kwargs or {}))
-        self._build_trunk(
-            depth, mixer_layer, block_fn, norm_layer, act_layer, drop_rate, drop_path_rate, weight_init, dd,
-            pre_norm=pre_norm, mlp_layer=mlp_layer, norm_eps=norm_eps, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias,
-            proj_drop=proj_drop_rate, init_values=init_values)
+    def _set_call_windows(self) -> None:
+        """With ``dynamic_img_size`` and ``resize_mode='window'``, each mixer's window follows its call's grid from
+        ``kernel_size`` on the grid of ``base_img_size`` (``follow_grid``); else each keeps the built one."""
+        follow = self.dynamic_img_size and self.resize_mode == 'window'
+        grid = tuple(size / patch for size, patch in zip(self.base_img_size, self.base_patch_size)) if follow else None
+        for block in self.blocks:
+            if not hasattr(block.attn, 'follow_grid'):
+                if follow:
+                    raise ValueError(f"{type(block.attn).__name__} takes no per-call window (no follow_grid): build "
+                                     f"the model with resize_mode='keep' or without dynamic_img_size")
+                continue
+            block.attn.follow_grid(grid, self.kernel_size)
 
-    def _set_global_pool(self, global_pool: str) -> None:
-        if global_pool not in GLOBAL_POOLS:
-            raise ValueError(f'unknown global_pool {global_pool!r}: choose one of {GLOBAL_POOLS} ("" for no pooling)')
-        self.global_pool = global_pool
-        self.pool = SelectAdaptivePool2d(pool_type=global_pool, flatten=bool(global_pool), input_fmt='NHWC')
+    def _fixed_img_size(self) -> Optional[Tuple[int, int]]:
+        """None: any multiple of the patch size runs."""
+        return None
 
-    def _size_plan(self, img_size: Tuple[int, int], mode: Optional[str] = None,
-                   base_patch: Optional[Tuple[int, int]] = None) -> Tuple[Tuple[int, int], int]:
-        """(patch, window) at ``img_size`` under ``mode`` from those at ``base_img_size``; changes nothing."""
-        mode, base_patch = mode or self.resize_mode, base_patch or self.base_patch_size
-        if mode not in RESIZE_MODES:
-            raise ValueError(f'unknown resize_mode {mode!r}: choose one of {", ".join(RESIZE_MODES)}')
-        ratio_h, ratio_w = (size / base for size, base in zip(img_size, self.base_img_size))
-        if mode == 'window':
-            return base_patch, scaled_kernel_size(self.kernel_size, math.sqrt(ratio_h * ratio_w))
-        if mode == 'keep':
-            return base_patch, self.kernel_size
-        patch = (base_patch[0] * ratio_h, base_patch[1] * ratio_w)
-        if any(p != round(p) or p < 1 for p in patch):
-            raise ValueError(
-                f"resize_mode='patch': {img_size[0]}x{img_size[1]} px would need a {patch[0]:g}x{patch[1]:g} px patch "
-                f'to keep the token grid of {self.base_img_size[0]}x{self.base_img_size[1]} px: not whole pixels')
-        return (round(patch[0]), round(patch[1])), self.kernel_size
+    @torch.jit.ignore
+    def no_weight_decay(self) -> Set[str]:
+        """AFT-conv's window parameters (raw bias, gamma and beta of Eq. 8), kept out of weight decay as timm keeps
+        position embeddings and relative position tables."""
+        window = ('.attn.pos_weight', '.attn.pos_gamma', '.attn.pos_beta')
+        return {n for n, _ in self.named_parameters() if n.endswith(window)}
+
+    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
+        """timm's; ``global_pool`` one of ``GLOBAL_POOLS`` (None keeps the current one)."""
+        if global_pool is not None:
+            self.global_pool = _check_pool(global_pool)
+        super().reset_classifier(num_classes)
 
     @torch.jit.ignore
     def set_input_size(self, img_size: Optional[Union[int, Tuple[int, int]]] = None,
@@ -145,12 +231,13 @@ class AFTConvTransformer(AFTTransformerBase):
             raise ValueError("give either patch_size or resize_mode='patch' (which sets the patch), not both")
         img_size = to_2tuple(img_size) if img_size is not None else tuple(self.patch_embed.img_size)
         base_patch = to_2tuple(patch_size) if patch_size is not None else self.base_patch_size
-        patch, kernel = self._size_plan(img_size, mode, base_patch)  # raises before anything changes
+        patch, kernel = size_plan(img_size, self.base_img_size, base_patch, self.kernel_size, mode)  # raises first
         self.resize_mode, self.base_patch_size = mode, base_patch
         self.patch_embed.set_input_size(
             img_size=img_size, patch_size=None if patch == tuple(self.patch_embed.patch_size) else patch)
         for block in self.blocks:
             block.attn.resize_window(kernel)
+        self._set_call_windows()
         for info in self.feature_info:
             info['reduction'] = self.patch_embed.feat_ratio()
         update_model_input_size(self, img_size, patch_size=patch_size)
@@ -162,7 +249,7 @@ class AFTConvTransformer(AFTTransformerBase):
         resampled from). Empty in the other modes and where the window would not change."""
         if self.resize_mode != 'window':
             return {}
-        _, kernel = self._size_plan(to_2tuple(img_size))
+        _, kernel = size_plan(to_2tuple(img_size), self.base_img_size, self.base_patch_size, self.kernel_size, 'window')
         windows = {}
         for i, block in enumerate(self.blocks):
             attn = block.attn
@@ -172,85 +259,89 @@ class AFTConvTransformer(AFTTransformerBase):
                     attn.pos_weight, attn.pos_gamma, attn.pos_beta, kernel, attn.eps)))
         return windows
 
-    def _embed(self, x: torch.Tensor) -> torch.Tensor:
-        # (B, C, H, W) -> (B, H/p, W/p, C), contiguous: PatchEmbed's NHWC output is a permuted view, which every block's
-        # residual sum would keep and every LayerNorm copy, forward and backward
-        return self.patch_embed(x).contiguous()
+    def _pos_embed(self, x: torch.Tensor) -> torch.Tensor:
+        """The patch map (B, H, W, C) as the blocks take it, contiguous: no positions here (AFT-conv's are its
+        windows), and PatchEmbed's NHWC output is a permuted view, which every block's residual sum would keep and
+        every LayerNorm copy, forward and backward."""
+        return x.contiguous()
+
+    def pool(self, x: torch.Tensor, pool_type: Optional[str] = None) -> torch.Tensor:
+        """timm's global pooling (``global_pool``, '' keeps it) of the map (B, H, W, C) over its grid, as timm's
+        ``SelectAdaptivePool2d`` pools NHWC maps (the channel-first graph folds its permute into the reduction)."""
+        pool_type = self.global_pool if pool_type is None else pool_type
+        if not pool_type:
+            return x
+        if pool_type == 'avgmax':
+            return 0.5 * x.mean((1, 2)) + 0.5 * x.amax((1, 2))
+        return x.mean((1, 2)) if pool_type == 'avg' else x.amax((1, 2))
+
+    def forward_features(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                         is_causal: bool = False) -> torch.Tensor:
+        """timm's: images (B, C, H, W) -> normalised token map (B, H/p, W/p, C)."""
+        return self._trunk(x, [], False, None, 'NHWC', True, attn_mask, is_causal)[0]
 
     def forward_intermediates(self, x: torch.Tensor, indices: Optional[Union[int, List[int]]] = None,
-                              norm: bool = False, stop_early: bool = False, output_fmt: str = 'NCHW',
-                              intermediates_only: bool = False, return_prefix_tokens: bool = False,
-                              output_dict: bool = False, attn_mask: Optional[torch.Tensor] = None,
-                              is_causal: bool = False
+                              return_prefix_tokens: bool = False, norm: bool = False, stop_early: bool = False,
+                              output_fmt: str = 'NCHW', intermediates_only: bool = False, output_dict: bool = False,
+                              attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False
                               ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
-        """timm's ``forward_intermediates``: ``indices`` (None: all blocks, n: the last n, a list), ``norm`` each,
-        ``output_fmt`` 'NCHW' or 'NHWC'. Returns the intermediates, or (features (B, H, W, C), intermediates), or with
-        ``output_dict`` (not in TorchScript) timm's dict {'image_intermediates', 'image_features'}. As timm's ViT
-        without prefix tokens, ``return_prefix_tokens`` changes nothing; AFT-conv has no attention to mask:
-        ``attn_mask`` and ``is_causal=True`` are refused."""
+        """timm's, the intermediates in ``output_fmt`` 'NCHW' or 'NHWC', the features (B, H, W, C); ``output_dict``
+        (not in TorchScript) as timm's. Without prefix tokens ``return_prefix_tokens`` changes nothing, as in timm's
+        ViT."""
         if output_fmt not in ('NCHW', 'NHWC'):
             raise ValueError(f"output_fmt must be 'NCHW' or 'NHWC', got '{output_fmt}'")
-        if attn_mask is not None or is_causal:
-            raise ValueError('AFTConvTransformer mixes every position of the map by its window bias, with no attention '
-                             'matrix: it takes no attn_mask and no is_causal')
         take_indices, max_index = feature_take_indices(len(self.blocks), indices)
-        self._check_input(x)
-        x = self._guard_recorded_size(x)
-        channels_first = self._records_nchw()
-        if channels_first:
-            num_blocks = max_index + 1 if stop_early else len(self.blocks)
-            x, intermediates = self._intermediates_nchw(x, num_blocks, take_indices, norm, output_fmt)
-        else:
-            x, intermediates = self._run_blocks(self._embed(x), take_indices, norm, max_index if stop_early else None,
-                                                self._input_window(x))
-            if output_fmt == 'NCHW':  # (B, H, W, C) -> (B, C, H, W)
-                intermediates = [y.permute(0, 3, 1, 2).contiguous() for y in intermediates]
+        x, intermediates = self._trunk(x, take_indices, norm, max_index if stop_early else None, output_fmt,
+                                       not intermediates_only, attn_mask, is_causal)
         if intermediates_only:
-            if not torch.jit.is_scripting() and output_dict:
-                return {'image_intermediates': intermediates}
-            return intermediates
-        x = self._norm_nchw(x) if channels_first else self.norm(x)  # (B, H, W, C)
-        if not torch.jit.is_scripting() and output_dict:
+            return {'image_intermediates': intermediates} if output_dict and not torch.jit.is_scripting() \
+                else intermediates
+        if output_dict and not torch.jit.is_scripting():
             return {'image_intermediates': intermediates, 'image_features': x}
         return x, intermediates
 
-    def _records_nchw(self) -> bool:
-        """A tracer or exporter records this model with ``export_layout == 'NCHW'`` (``exporting``: never scripted)."""
-        return self.export_layout == 'NCHW' and exporting()
-
-    @torch.jit.unused
-    def _features_nchw(self, x: torch.Tensor) -> torch.Tensor:
-        """``forward_features`` in the channel-first layout (``export_layout``)."""
-        return self._norm_nchw(self._intermediates_nchw(x, len(self.blocks), [], False, 'NHWC')[0])
-
-    @torch.jit.unused
-    def _norm_nchw(self, x: torch.Tensor) -> torch.Tensor:
-        """The final norm of a channel-first map (B, C, H, W), as the features (B, H, W, C)."""
-        return norm_nchw(self.norm, x).permute(0, 2, 3, 1)
-
-    @torch.jit.unused
-    def _intermediates_nchw(self, x: torch.Tensor, num_blocks: int, take_indices: List[int], norm: bool,
-                            output_fmt: str) -> Tuple[torch.Tensor, List[torch.Tensor]]:
-        """The last block's map (B, C, H, W), unnormalised, and the intermediates through ``num_blocks`` blocks in the
-        channel-first layout: ``forward_intermediates``' values."""
-        x = self.patch_embed(x).permute(0, 3, 1, 2)  # (B, C, H, W): this permute cancels PatchEmbed's own
-        if not isinstance(self.norm_pre, nn.Identity):
-            x = norm_nchw(self.norm_pre, x)
+    def _trunk(self, x: torch.Tensor, take_indices: List[int], norm: bool, last: Optional[int], output_fmt: str,
+               final_norm: bool, attn_mask: Optional[torch.Tensor], is_causal: bool
+               ) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+        """Images x (B, C, H, W) through the blocks (through block ``last``, None: all): the map (B, H, W, C) through
+        the final norm if ``final_norm`` (else as the blocks leave it), and the outputs of the blocks in
+        ``take_indices`` in ``output_fmt`` (through the final norm if ``norm``); channel-first where a tracer records
+        with ``export_layout`` 'NCHW' (``exporting``: never in TorchScript)."""
+        x = self._guard_recorded_size(x)
+        if attn_mask is None and not is_causal and self.export_layout == 'NCHW' and exporting():
+            return self._trunk_nchw(x, take_indices, norm, last, output_fmt, final_norm)
+        x = self.norm_pre(self._pos_embed(self.patch_embed(x)))
+        if torch.jit.is_scripting() or last is None:  # TorchScript cannot slice the blocks
+            blocks = self.blocks
+        else:
+            blocks = self.blocks[:last + 1]
         intermediates = []
-        for i, blk in enumerate(self.blocks[:num_blocks]):
+        for i, blk in enumerate(blocks):
+            if attn_mask is not None or is_causal:  # which AFT-conv refuses: it has no attention matrix
+                x = blk(x, attn_mask=attn_mask, is_causal=is_causal)
+            elif self.grad_checkpointing and not torch.jit.is_scripting():
+                x = checkpoint(blk, x)
+            else:
+                x = blk(x)
+            if i in take_indices:
+                y = self.norm(x) if norm else x
+                intermediates.append(y.permute(0, 3, 1, 2).contiguous() if output_fmt == 'NCHW' else y)
+        return self.norm(x) if final_norm else x, intermediates
+
+    @torch.jit.unused
+    def _trunk_nchw(self, x: torch.Tensor, take_indices: List[int], norm: bool, last: Optional[int],
+                    output_fmt: str, final_norm: bool) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+        """``_trunk`` on a channel-first map (B, C, H, W) from the patch embedding to the final norm."""
+        x = per_channel(self.norm_pre, self.patch_embed(x).permute(0, 3, 1, 2))  # cancels PatchEmbed's permute
+        intermediates = []
+        for i, blk in enumerate(self.blocks[:None if last is None else last + 1]):
             x = blk.forward_nchw(x)
             if i in take_indices:
-                y = norm_nchw(self.norm, x) if norm else x
+                y = per_channel(self.norm, x) if norm else x
                 intermediates.append(y if output_fmt == 'NCHW' else y.permute(0, 2, 3, 1))
+        if final_norm:
+            x = per_channel(self.norm, x).permute(0, 2, 3, 1)  # (B, H, W, C)
         return x, intermediates
-
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """Images (B, C, H, W) -> normalised token map (B, H/p, W/p, C)."""
-        self._check_input(x)
-        x = self._guard_recorded_size(x)
-        if self._records_nchw():
-            return self._features_nchw(x)
-        return self.norm(self._run_blocks(self._embed(x), kernel_size=self._input_window(x))[0])  # (B, H, W, C)
 
     def _guard_recorded_size(self, x: torch.Tensor) -> torch.Tensor:
         """Images x (B, C, H, W), unchanged; while a tracer or exporter records a model whose windows follow the input
@@ -258,7 +349,8 @@ class AFTConvTransformer(AFTTransformerBase):
         (B, C, H * W) of this size, so that the recorded graph, whose windows are this size's, refuses an image of
         another area ("shape [B, C, H * W] is invalid") instead of answering with the wrong windows. An image of the
         same area (a transposed one) takes the same windows and runs."""
-        if not self.dynamic_img_size or self.resize_mode != 'window' or torch.jit.is_scripting() or not exporting():
+        if not self.dynamic_img_size or self.resize_mode != 'window' or torch.jit.is_scripting() or not exporting() \
+                or x.dim() != 4:
             return x
         height, width = int(x.shape[-2]), int(x.shape[-1])  # constants of the recorded graph
         warnings.warn(f'{type(self).__name__} with dynamic_img_size=True and resize_mode=\'window\' is recorded with '
@@ -266,19 +358,6 @@ class AFTConvTransformer(AFTTransformerBase):
                       f'with resize_mode=\'keep\' for one graph at every size, or record one graph per size')
         zero = x.reshape(x.shape[0], x.shape[1], height * width)[:, :1, :1] * 0  # (B, 1, 1)
         return x + zero.unsqueeze(-1)
-
-    def _input_window(self, x: torch.Tensor) -> Optional[int]:
-        """With ``dynamic_img_size`` and ``resize_mode='window'``, the window for the size of images x where it is not
-        the built one (each block resamples its own for the call); else None."""
-        if not self.dynamic_img_size or self.resize_mode != 'window' or torch.jit.is_scripting():
-            return None
-        size, attn = (x.shape[-2], x.shape[-1]), self.blocks[0].attn
-        kernel = self._size_plan(size)[1]
-        if kernel != attn.kernel_size and not all(
-                'kernel_size' in inspect.signature(f).parameters for f in (attn.forward, attn.position_bias)):
-            raise ValueError(f"{type(attn).__name__} takes no per-call window ({kernel}x{kernel} at {size[0]}x{size[1]}"
-                             f" px): build the model with resize_mode='keep', or call set_input_size(img_size={size})")
-        return None if kernel == attn.kernel_size else kernel
 
 
 @contextlib.contextmanager

@@ -79,6 +79,33 @@ def test_constant_raw_bias_stays_finite():
     assert all(torch.isfinite(p.grad).all() for p in module.parameters())
 
 
+@pytest.mark.parametrize('layer_cls', [AFTConv2d, AFTConv2dOneHot])
+def test_conv_layer_reads_each_calls_window_from_its_grid(layer_cls):
+    """``follow_grid``: a window given for an 8 x 8 grid is resampled for a 12 x 12 call as ``resize_window`` would
+    resample the layer (5 -> 7), and for an 8 x 8 call left as built; the layer's parameters stay; None undoes it.
+    As timm's ``Block`` calls its ``attn``, with a mask refused in one line."""
+    torch.manual_seed(0)
+    layer = layer_cls(16, num_heads=4, kernel_size=5).eval()
+    with torch.no_grad():
+        layer.pos_gamma.normal_()
+        layer.pos_beta.normal_()
+    resized = copy.deepcopy(layer)
+    resized.resize_window(7)
+    big, small = torch.randn(2, 12, 12, 16), torch.randn(2, 8, 8, 16)
+    with torch.no_grad():
+        built, built_small = layer(big), layer(small)
+        layer.follow_grid((8, 8))
+        torch.testing.assert_close(layer(big), resized(big), rtol=0, atol=1e-6)
+        assert not torch.allclose(layer(big), built, atol=1e-3)
+        assert torch.equal(layer(small), built_small)
+        layer.follow_grid(None)
+        assert torch.equal(layer(big), built) and layer.pos_weight.shape == (4, 5, 5)
+    for kwargs in (dict(attn_mask=torch.ones(64, 64, dtype=torch.bool)), dict(is_causal=True)):
+        with pytest.raises(ValueError, match='no attn_mask and no is_causal') as refused:
+            layer(small, **kwargs)
+        assert '\n' not in str(refused.value)
+
+
 @pytest.mark.parametrize('module, x', [
     (AFTFull(16, seq_len=10), torch.randn(2, 10, 16)),
     (AFTLocal(16, seq_len=10, window=3, causal=True), torch.randn(2, 10, 16)),

@@ -199,9 +199,9 @@ def test_tuned_is_a_method_everywhere(monkeypatch):
 def test_tuned_trains_under_gradient_checkpointing(reentrant, monkeypatch):
     from timm.models import checkpoint as timm_checkpoint
 
-    import aft_vision.models._base as base
+    import aft_vision.models.aft_conv as aft_conv
     monkeypatch.setattr(tuning, 'REPEATS', 1)
-    monkeypatch.setattr(base, 'checkpoint', lambda *args: timm_checkpoint(*args, use_reentrant=reentrant))
+    monkeypatch.setattr(aft_conv, 'checkpoint', lambda *args: timm_checkpoint(*args, use_reentrant=reentrant))
     torch.manual_seed(0)
     model = timm.create_model('aft_conv_test', num_classes=3, mixer_kwargs={'method': 'tuned'})
     model.set_grad_checkpointing(True)

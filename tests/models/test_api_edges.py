@@ -145,6 +145,22 @@ def test_aft_conv_windows_follow_each_input_as_window_mode_at_build(size):
     assert dynamic.blocks[0].attn.kernel_size == 5  # the built model is left as it was
 
 
+def test_aft_conv_dynamic_windows_follow_the_padded_token_grid():
+    """With ``dynamic_img_pad`` a call's windows follow its token grid, the padded image: 50 px run as 56 px (7 x 7
+    tokens of 8 px), as a model rebuilt for 56 px runs them."""
+    dynamic = build('aft_conv_test', dynamic_img_size=True, dynamic_img_pad=True)
+    with torch.no_grad():
+        for block in dynamic.blocks:  # trained-like biases: Eq. 8's gamma, beta away from 0
+            block.attn.pos_gamma.normal_()
+            block.attn.pos_beta.normal_()
+    rebuilt = build('aft_conv_test', dynamic_img_pad=True)
+    rebuilt.load_state_dict(dynamic.state_dict())
+    rebuilt.set_input_size(img_size=56)
+    images = torch.randn(2, 3, 50, 50)
+    with torch.no_grad():
+        assert torch.allclose(dynamic(images), rebuilt(images), atol=1e-6)
+
+
 def test_aft_conv_dynamic_trains_the_one_window():
     model = build('aft_conv_test', dynamic_img_size=True).train()
     model(torch.randn(2, 3, 96, 96)).sum().backward()

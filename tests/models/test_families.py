@@ -391,3 +391,10 @@ def test_onehot_is_a_model_option_that_takes_dense_weights_and_publishes(tmp_pat
         assert torch.equal(reloaded(x), out)
     with pytest.raises(ValueError, match="unknown mixer_layer 'sparse'.*aft_conv_onehot"):
         timm.create_model('aft_conv_test', mixer_layer='sparse')
+    with pytest.raises(ValueError, match="unknown attn_layer 'sparse'.*aft_conv_onehot"):
+        timm.create_model('aft_conv_test', attn_layer='sparse')
+    by_new_name = timm.create_model('aft_conv_test', num_classes=5, attn_layer='aft_conv_onehot',
+                                    mixer_kwargs={'tau': 0.7}).eval()  # timm's argument, mixer_layer its old name
+    by_new_name.load_state_dict(dense.state_dict())
+    with torch.no_grad():
+        assert torch.equal(by_new_name(x), out)

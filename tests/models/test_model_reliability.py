@@ -66,6 +66,17 @@ def test_bad_constructor_arguments():
     with pytest.raises(ValueError, match='odd'):
         AFTConvTransformer(depth=1, embed_dim=32, num_heads=4, kernel_size=4)
 
+    class FixedWindow(torch.nn.Module):  # a mixer that cannot read a call's window from its grid
+        def __init__(self, dim, num_heads, kernel_size, **kwargs):
+            super().__init__()
+
+        def forward(self, x, attn_mask=None, is_causal=False):
+            return x
+    AFTConvTransformer(depth=1, embed_dim=32, num_heads=4, attn_layer=FixedWindow, dynamic_img_size=True,
+                       resize_mode='keep')
+    with pytest.raises(ValueError, match="FixedWindow takes no per-call window.*resize_mode='keep'"):
+        AFTConvTransformer(depth=1, embed_dim=32, num_heads=4, attn_layer=FixedWindow, dynamic_img_size=True)
+
 
 # ---------------------------------------------------------------------------------------------------------------------
 # stable training, batch- and thread-independent results, hostile inputs

@@ -1,6 +1,6 @@
 """What users hold keeps loading and answering the same: Hub folders (timm's ``save_for_hf``), checkpoints and the
-config.json of backbone tags, written by main at 9faf505 before the ViT families became timm's ``VisionTransformer``
-(``tests/fixtures/saved_by_main``, made by its ``make.py``)."""
+config.json of backbone tags, written by main before each family became timm's ``VisionTransformer`` (9faf505 for the
+ViT families, a091e03 for AFT-conv; ``tests/fixtures/saved_by_main``, made by its ``make.py``)."""
 import json
 from pathlib import Path
 
@@ -12,8 +12,14 @@ from safetensors.torch import load_file
 import aft_vision  # noqa: F401  registers the models
 
 SAVED = Path(__file__).parents[1] / 'fixtures' / 'saved_by_main'
-FAMILIES = ['aft_full_test', 'aft_simple_test']
 BUILT_AS = dict(num_classes=10, depth=2, embed_dim=32)  # what make.py built
+# Hub folder -> (model name, its arguments as make.py built and resized it)
+FOLDERS = {
+    'aft_full_test': ('aft_full_test', BUILT_AS), 'aft_simple_test': ('aft_simple_test', BUILT_AS),
+    'aft_conv_test': ('aft_conv_test', BUILT_AS),
+    'aft_conv_test_onehot_96': ('aft_conv_test', dict(
+        BUILT_AS, mixer_layer='aft_conv_onehot', mixer_kwargs={'tau': 0.7}, img_size=96, base_img_size=64)),
+}
 
 
 def assert_same_answer(got: torch.Tensor, saved: torch.Tensor):
@@ -22,7 +28,7 @@ def assert_same_answer(got: torch.Tensor, saved: torch.Tensor):
     torch.testing.assert_close(got, saved, rtol=0, atol=1e-5 * float(saved.abs().max()))
 
 
-@pytest.mark.parametrize('name', FAMILIES)
+@pytest.mark.parametrize('name', FOLDERS)
 def test_a_hub_folder_saved_by_main_loads_and_answers_the_same(name):
     folder = SAVED / name
     saved, io = load_file(folder / 'model.safetensors'), load_file(folder / 'io.safetensors')
@@ -34,14 +40,16 @@ def test_a_hub_folder_saved_by_main_loads_and_answers_the_same(name):
     dynamic = timm.create_model(f'local-dir:{folder}', pretrained=True, dynamic_img_size=True).eval()
     with torch.no_grad():  # position embedding and AFT-full's u, v resampled to an 10 x 6 grid per call
         assert_same_answer(dynamic(io['images_80x48']), io['logits_80x48_dynamic'])
+        if 'images_112x72' in io:  # AFT-conv's windows resampled for a 14 x 9 grid per call
+            assert_same_answer(dynamic(io['images_112x72']), io['logits_112x72_dynamic'])
 
 
-@pytest.mark.parametrize('name', FAMILIES)
-def test_a_checkpoint_saved_by_main_loads_through_the_filter_and_answers_the_same(name):
-    folder = SAVED / name
+@pytest.mark.parametrize('folder_name', FOLDERS)
+def test_a_checkpoint_saved_by_main_loads_through_the_filter_and_answers_the_same(folder_name):
+    folder, (name, args) = SAVED / folder_name, FOLDERS[folder_name]
     io = load_file(folder / 'io.safetensors')
     overlay = dict(file=str(folder / 'model.safetensors'), num_classes=10)
-    model = timm.create_model(name, pretrained=True, **BUILT_AS, pretrained_cfg_overlay=overlay).eval()
+    model = timm.create_model(name, pretrained=True, **args, pretrained_cfg_overlay=overlay).eval()
     with torch.no_grad():
         assert_same_answer(model(io['images']), io['logits'])
 
