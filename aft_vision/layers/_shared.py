@@ -6,8 +6,9 @@
   (``DISPATCH_TABLES``, docs/operators.md), 'tuned' by timing (``tuning.py``).
 * Policy (``device_policy``, else ``AFT_DEVICE_POLICY``, else the tensors' device): 'cpu' repairs underflowed or
   cancelled entries on the host, exact for any finite input; 'cuda' never syncs and floors denominators, exact within
-  the bounds of docs/operators.md. Each variable is read the first time it is needed (a bad value is an error of that
-  call, naming the variable, never of an import) and never again, as timm reads ``TIMM_FUSED_ATTN``.
+  the bounds of docs/operators.md. Each variable is read once, as the package is imported (as timm reads
+  ``TIMM_FUSED_ATTN``; a graph compiled on the first call then guards on nothing that call changes), and checked where
+  it is used: a bad value is the error of each call that needs it, naming the variable, never of the import.
 * Capture (export, jit tracing, compiling, torch.func transforms): every operator takes its plain-autograd form and
   repairs nothing; export also sends 'auto' and 'tuned' to 'conv', which runs at any size on any runtime.
   ``plain_autograd()`` (per thread): the plain forms, derivatives of any order, repaired as the policy says.
@@ -32,7 +33,6 @@ DISPATCH_TABLES: Dict[str, Tuple[float, float, float, int]] = {
 _EXPORT_FLAG_TRUSTED = torch.__version__ >= (2, 14)
 _COMPILED_BATCH = 64  # the batch 'auto' assumes in a compiled graph, whose batch size may change between calls
 
-_environment: Dict[str, Optional[str]] = {}  # AFT_CONV_METHOD, AFT_DEVICE_POLICY: read once each, checked
 _default_method: Optional[str] = None  # set_conv_method's
 _override: Optional[str] = None  # device_policy's
 _plain = threading.local()  # plain_autograd's switch, per thread
@@ -45,13 +45,18 @@ def check_choice(value: str, allowed: Tuple[str, ...] = METHODS, origin: str = '
     return value
 
 
+def read_environment() -> Dict[str, Optional[str]]:
+    """AFT_CONV_METHOD and AFT_DEVICE_POLICY as set (any case), None where unset or empty; not checked yet."""
+    return {name: os.environ.get(name, '').strip().lower() or None for name in ('AFT_CONV_METHOD', 'AFT_DEVICE_POLICY')}
+
+
+_environment = read_environment()  # read once, at import
+
+
 def _from_environment(name: str, allowed: Tuple[str, ...]) -> Optional[str]:
-    """The environment variable ``name`` (any case), read the first time, checked against ``allowed``; None where
-    unset or empty. A bad value is not kept: each call that needs it raises."""
-    if name not in _environment:
-        value = os.environ.get(name, '').strip().lower() or None
-        _environment[name] = value if value is None else check_choice(value, allowed, name)
-    return _environment[name]
+    """The environment variable ``name`` as read at import, checked against ``allowed`` (ValueError naming it)."""
+    value = _environment[name]
+    return value if value is None else check_choice(value, allowed, name)
 
 
 def set_conv_method(method: str) -> None:

@@ -156,12 +156,13 @@ def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: Optional[torch.T
         recording = ((_EXPORT_FLAG_TRUSTED and is_exporting is not None and is_exporting()) or torch.jit.is_tracing()
                      or torch.onnx.is_in_onnx_export())
         captured = recording or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
-        forced = _shared._override
-        if forced is None:  # the variable, read by the first call only
-            name = 'AFT_DEVICE_POLICY'
-            forced = _shared._environment[name] if name in _shared._environment else _shared._from_environment(
-                name, POLICIES)
-        policy = 'cuda' if captured else forced or ('cuda' if q.device.type == 'cuda' else 'cpu')
+        if captured:  # the variable is not read: a compiled graph guards on nothing it would not change
+            policy = 'cuda'
+        else:
+            forced = _shared._override
+            if forced is None and _shared._environment['AFT_DEVICE_POLICY'] is not None:
+                forced = _shared._from_environment('AFT_DEVICE_POLICY', POLICIES)
+            policy = forced or ('cuda' if q.device.type == 'cuda' else 'cpu')
         return out_dtype, dtype, mm_dtype, policy, captured or getattr(_shared._plain, 'on', False), recording, autocast
 
 

@@ -213,9 +213,9 @@ def test_operators_save_only_their_inputs(op, policy):
     ('AFT_CONV_METHOD', 'Dense', 'L.get_conv_method()'),
 ])
 def test_environment_variables_set_the_process_default(name, value, read):
-    """Read in any case once, when first needed, as timm reads TIMM_FUSED_ATTN (a later change of the variable
-    changes nothing); a bad value never stops the import, it is the error of each call that needs it, in one line
-    naming the variable."""
+    """Read in any case once, at import, as timm reads TIMM_FUSED_ATTN (a later change of the variable changes
+    nothing); a bad value never stops the import, it is the error of each call that needs it, in one line naming the
+    variable."""
     code = (f'import os, torch, aft_vision.layers as L; print({read})\n'
             f'os.environ["{name}"] = "gpu"\n'
             f'print({read})')

@@ -181,8 +181,8 @@ def test_tuned_is_a_method_everywhere(monkeypatch):
     aft_conv2d(q, k, v, w)
     assert list(tuned_choices().values())[0][0] == 'dense'
     monkeypatch.setattr(_shared, '_default_method', None)
-    monkeypatch.setattr(_shared, '_environment', {})  # as in a fresh process: the variable is read once
     monkeypatch.setenv('AFT_CONV_METHOD', 'Tuned')
+    monkeypatch.setattr(_shared, '_environment', _shared.read_environment())  # as a fresh process reads it at import
     assert AFTConv2d(8, 2, 3).method == 'tuned'
     with pytest.raises(ValueError, match=r'method must be one of auto, dense, conv, tuned, got .fast.'):
         aft_conv2d(q, k, v, w, method='fast')

@@ -11,6 +11,8 @@ window inside the map or covering it). Inductor compiles slowly here (~1 min per
 AOT-autograd cases run on every model structure with the ``aot_eager`` backend, Inductor on the smallest AFT-conv.
 """
 import copy
+import subprocess
+import sys
 
 import pytest
 import timm
@@ -103,3 +105,20 @@ def test_inductor_training_step_matches_float64(trained_like):
     model = build('aft_conv_test', trained_like)
     check_compiled('aft_conv_test', torch.compile(model, fullgraph=True), model)
     assert counters['stats']['unique_graphs'] == 1, dict(counters['stats'])
+
+
+def test_the_first_call_of_a_process_compiles_one_graph():
+    """In a fresh process, compiling before any eager call: the first compiled call reads no switch that it then
+    changes (the environment variables were once read there, and the second call recompiled on the filled cache)."""
+    code = ('import timm, torch, aft_vision\n'
+            'from torch._dynamo.utils import counters\n'
+            'model = timm.create_model("aft_conv_test").eval()\n'
+            'compiled = torch.compile(model, fullgraph=True, backend="eager")\n'
+            'x = torch.randn(2, 3, 64, 64)\n'
+            'with torch.no_grad():\n'
+            '    compiled(x)\n'
+            '    compiled(x)\n'
+            'print(counters["stats"]["unique_graphs"])')
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == '1', out.stdout
