@@ -120,9 +120,13 @@ class AFTPatchEmbed(PatchEmbed):
     """timm's ``PatchEmbed`` whose input is checked first (``check_image``): a wrong size, channel count or dtype is a
     ValueError / TypeError naming it, where ``PatchEmbed`` fails an assert or its convolution."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def check(self, x: torch.Tensor) -> None:
+        """``check_image`` of images x (B, C, H, W) for this embedding."""
         check_image(x, self.proj.in_channels, self.patch_size, self.img_size if self.strict_img_size else None,
                     self.dynamic_img_pad, self.proj.weight.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.check(x)
         if self.dynamic_img_pad:
             pad_h = (self.patch_size[0] - x.shape[2] % self.patch_size[0]) % self.patch_size[0]
             pad_w = (self.patch_size[1] - x.shape[3] % self.patch_size[1]) % self.patch_size[1]
@@ -220,11 +224,6 @@ class AFTVisionTransformer(VisionTransformer):
     def _fixed_img_size(self) -> Optional[Tuple[int, int]]:
         """Without ``dynamic_img_size``, the size the position embedding and AFT-full's biases are built for."""
         return None if self.dynamic_img_size else self.patch_embed.img_size
-
-    def _check_input(self, x: torch.Tensor) -> None:
-        """``check_image`` as the patch embedding runs it on each input."""
-        check_image(x, self.in_chans, self.patch_embed.patch_size, self._fixed_img_size(),
-                    self.patch_embed.dynamic_img_pad, self.patch_embed.proj.weight.dtype)
 
     def _pos_embed(self, x: torch.Tensor) -> torch.Tensor:
         """timm's, the grid (B, H', W', C) flattened by ``flatten`` (timm's ``view`` fails on an empty batch)."""

@@ -212,10 +212,10 @@ def at_size(model: torch.nn.Module, img_size: int) -> torch.nn.Module:
 
 def check_input_size(model: torch.nn.Module, img_size: int) -> None:
     """Raise ValueError unless ``model`` takes ``img_size`` px images (for timm's ViTs: the patch divides it)."""
-    if hasattr(model, '_check_input'):
-        model._check_input(torch.empty(1, model.in_chans, img_size, img_size, device='meta'))
-        return
     embed = getattr(model, 'patch_embed', None)
+    if hasattr(embed, 'check'):  # the AFT families' patch embedding: the check each input meets
+        embed.check(torch.empty(1, embed.proj.in_channels, img_size, img_size, device='meta'))
+        return
     if embed is None or getattr(embed, 'dynamic_img_pad', False):
         return
     patch_h, patch_w = embed.patch_size
