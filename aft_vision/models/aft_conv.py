@@ -81,11 +81,13 @@ def per_channel(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def size_plan(img_size: Tuple[int, int], base_img_size: Tuple[int, int], base_patch: Tuple[int, int],
-              kernel_size: int, mode: str) -> Tuple[Tuple[int, int], int]:
+              kernel_size: int, mode: str, pad: bool = False) -> Tuple[Tuple[int, int], int]:
     """(patch, window) at ``img_size`` under resize ``mode`` from ``base_patch`` and ``kernel_size`` at
-    ``base_img_size``."""
+    ``base_img_size``; ``pad`` (``dynamic_img_pad``): windows for the padded image, the token grid a call has."""
     if mode not in RESIZE_MODES:
         raise ValueError(f'unknown resize_mode {mode!r}: choose one of {", ".join(RESIZE_MODES)}')
+    if pad and mode == 'window':
+        img_size = (-(-img_size[0] // base_patch[0]) * base_patch[0], -(-img_size[1] // base_patch[1]) * base_patch[1])
     ratio_h, ratio_w = (size / base for size, base in zip(img_size, base_img_size))
     if mode == 'window':
         return base_patch, scaled_kernel_size(kernel_size, math.sqrt(ratio_h * ratio_w))
@@ -167,7 +169,8 @@ class AFTConvTransformer(VisionTransformer):
         if norm_eps is not None:
             norm_layer = partial(norm_layer, eps=norm_eps)
         base_img_size = to_2tuple(base_img_size or img_size)
-        patch, kernel = size_plan(to_2tuple(img_size), base_img_size, to_2tuple(patch_size), kernel_size, resize_mode)
+        patch, kernel = size_plan(to_2tuple(img_size), base_img_size, to_2tuple(patch_size), kernel_size, resize_mode,
+                                  dynamic_img_pad)
         super().__init__(
             img_size=img_size, patch_size=patch, in_chans=in_chans, num_classes=num_classes,
             global_pool=_check_pool(global_pool), embed_dim=embed_dim, depth=depth, num_heads=num_heads,
@@ -231,7 +234,8 @@ class AFTConvTransformer(VisionTransformer):
             raise ValueError("give either patch_size or resize_mode='patch' (which sets the patch), not both")
         img_size = to_2tuple(img_size) if img_size is not None else tuple(self.patch_embed.img_size)
         base_patch = to_2tuple(patch_size) if patch_size is not None else self.base_patch_size
-        patch, kernel = size_plan(img_size, self.base_img_size, base_patch, self.kernel_size, mode)  # raises first
+        patch, kernel = size_plan(img_size, self.base_img_size, base_patch, self.kernel_size, mode,
+                                  self.patch_embed.dynamic_img_pad)  # raises first
         self.resize_mode, self.base_patch_size = mode, base_patch
         self.patch_embed.set_input_size(
             img_size=img_size, patch_size=None if patch == tuple(self.patch_embed.patch_size) else patch)
@@ -249,7 +253,8 @@ class AFTConvTransformer(VisionTransformer):
         resampled from). Empty in the other modes and where the window would not change."""
         if self.resize_mode != 'window':
             return {}
-        _, kernel = size_plan(to_2tuple(img_size), self.base_img_size, self.base_patch_size, self.kernel_size, 'window')
+        _, kernel = size_plan(to_2tuple(img_size), self.base_img_size, self.base_patch_size, self.kernel_size, 'window',
+                              self.patch_embed.dynamic_img_pad)
         windows = {}
         for i, block in enumerate(self.blocks):
             attn = block.attn

@@ -147,7 +147,7 @@ def test_aft_conv_windows_follow_each_input_as_window_mode_at_build(size):
 
 def test_aft_conv_dynamic_windows_follow_the_padded_token_grid():
     """With ``dynamic_img_pad`` a call's windows follow its token grid, the padded image: 50 px run as 56 px (7 x 7
-    tokens of 8 px), as a model rebuilt for 56 px runs them."""
+    tokens of 8 px), as a model rebuilt for 56 px runs them, and one rebuilt or built for 50 px (the same grid)."""
     dynamic = build('aft_conv_test', dynamic_img_size=True, dynamic_img_pad=True)
     with torch.no_grad():
         for block in dynamic.blocks:  # trained-like biases: Eq. 8's gamma, beta away from 0
@@ -159,6 +159,13 @@ def test_aft_conv_dynamic_windows_follow_the_padded_token_grid():
     images = torch.randn(2, 3, 50, 50)
     with torch.no_grad():
         assert torch.allclose(dynamic(images), rebuilt(images), atol=1e-6)
+    at_50 = build('aft_conv_test', dynamic_img_pad=True)
+    at_50.load_state_dict(dynamic.state_dict())
+    at_50.set_input_size(img_size=50)
+    built_50 = build('aft_conv_test', img_size=50, base_img_size=64, dynamic_img_pad=True)
+    assert {m.blocks[0].attn.kernel_size for m in (rebuilt, at_50, built_50)} == {rebuilt.blocks[0].attn.kernel_size}
+    with torch.no_grad():
+        assert torch.equal(at_50(images), rebuilt(images))
 
 
 def test_aft_conv_dynamic_trains_the_one_window():
