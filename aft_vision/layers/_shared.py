@@ -1,18 +1,9 @@
-"""What the AFT operators (``functional.py``) and their forms share: the switches of how a call runs, in one place
-(as timm's ``layers/config.py``), and the last step of every form (``gate``, heads spread over channels, the floor).
-
-* Method (AFT-conv): fixed when a layer is built (``method=``, ``mixer_kwargs``, else ``set_conv_method``'s default,
-  else ``AFT_CONV_METHOD``, else 'auto'); 'auto' picks per call by ``choose_conv_method``'s cost tables
-  (``DISPATCH_TABLES``, docs/operators.md), 'tuned' by timing (``tuning.py``).
-* Policy (``device_policy``, else ``AFT_DEVICE_POLICY``, else the tensors' device): 'cpu' repairs underflowed or
-  cancelled entries on the host, exact for any finite input; 'cuda' never syncs and floors denominators, exact within
-  the bounds of docs/operators.md. Each variable is read once, as the package is imported (as timm reads
-  ``TIMM_FUSED_ATTN``; a graph compiled on the first call then guards on nothing that call changes), and checked where
-  it is used: a bad value is the error of each call that needs it, naming the variable, never of the import.
-* Capture (export, jit tracing, compiling, torch.func transforms): every operator takes its plain-autograd form and
-  repairs nothing; export also sends 'auto' and 'tuned' to 'conv', which runs at any size on any runtime.
-  ``plain_autograd()`` (per thread): the plain forms, derivatives of any order, repaired as the policy says.
-"""
+"""What the AFT operators (``functional.py``) and their forms share: the switches of how a call runs (method, device
+policy, capture), in one place as timm's ``layers/config.py``, and the last step of every form (``gate``, heads spread
+over channels, the floor). docs/operators.md#how-one-call-runs says what each switch does. ``AFT_CONV_METHOD`` and
+``AFT_DEVICE_POLICY`` are read once, as the package is imported (as timm reads ``TIMM_FUSED_ATTN``: a graph compiled
+on the first call guards on nothing that call changes), and checked where used: a bad value is the error of each call
+that needs it, naming the variable, never of the import."""
 import contextlib
 import os
 import threading

@@ -31,14 +31,6 @@ def masked_bias(w: torch.Tensor, attn_mask: Optional[torch.Tensor]) -> torch.Ten
     return w + mask
 
 
-@register_notrace_function  # an fx leaf, as masked_bias
-def refuse_mask(attn_mask: Optional[torch.Tensor], name: str) -> None:
-    """ValueError for an ``attn_mask`` given to a mixer with no pair-wise weights to mask (``name``)."""
-    if attn_mask is not None:
-        raise ValueError(f'{name} takes no attn_mask: it pools the keys over the whole sequence, with no pair-wise '
-                         f'weights to mask; use is_causal=True for the causal form, or AFT-full')
-
-
 @register_notrace_module  # an fx leaf: its input check runs on real shapes, not on proxies
 class AFTFull(nn.Module):
     """AFT-full (Eq. 2).
@@ -124,7 +116,8 @@ class AFTSimple(nn.Module):
         if x.dim() != 3 or x.shape[2] != self.dim:
             raise ValueError(f'expected tokens (B, T, {self.dim}), got shape {list(x.shape)}')
         if attn_mask is not None:
-            refuse_mask(attn_mask, 'AFT-simple')
+            raise ValueError('AFT-simple takes no attn_mask: it pools the keys over the whole sequence, with no '
+                             'pair-wise weights to mask; use is_causal=True for the causal form, or AFT-full')
         B, T, C = x.shape
         q, k, v = self.qkv(x).reshape(B, T, 3, C).unbind(2)  # 3 x (B, T, C), as timm's (no ONNX Split)
         return self.proj_drop(self.proj(aft_simple(q, k, v, causal=self.causal or is_causal)))

@@ -43,14 +43,12 @@ def axis_onehot(size: int, kernel_size: int, like: torch.Tensor, dtype: torch.dt
     return table
 
 
-def _scaled_exp(w: torch.Tensor, grid: Optional[Tuple[int, int]], causal: bool) -> torch.Tensor:
+def _scaled_exp(w: torch.Tensor, grid: Optional[Tuple[int, int]]) -> torch.Tensor:
     """``DenseMix``'s E up to a scale per row (per head for AFT-conv), which N / D cancels: ``exp(w - m)``, m the
     detached maximum (AFT-conv: of the zero-padded window, so 0 at least). Its gradient is ``E dL/dE``, as
     ``DenseMix``'s: a softmax's would subtract ``E sum(E dL/dE)``, a sum that is 0 but for rounding, from every
     entry."""
     if grid is None:
-        if causal:
-            w = w.masked_fill(torch.ones_like(w, dtype=torch.bool).triu(1), float('-inf'))
         return torch.exp(w - w.detach().amax(dim=-1, keepdim=True)).unsqueeze(0)  # (1, T, T)
     padded = F.pad(w, [0, 1, 0, 1])  # (h, s + 1, s + 1)
     return torch.exp(padded - padded.detach().amax(dim=(1, 2), keepdim=True))
@@ -88,12 +86,6 @@ def _token_view(tokens: torch.Tensor, grid: Optional[Tuple[int, int]]) -> torch.
     return tokens.unflatten(1, (grid[1], grid[0])).permute(3, 2, 1, 0, 4)
 
 
-def _key_sums(weights: torch.Tensor, tokens: torch.Tensor, per_group: int) -> torch.Tensor:
-    """D (B, T, 1, Ck) = E p for one E (1, T, T) and X (1, T, B, n), floored at ``TINY``."""
-    keys = tokens[0, :, :, per_group:].transpose(0, 1)  # (B, T keys, Ck)
-    return torch.bmm(weights.expand(keys.shape[0], -1, -1), keys).clamp_min_(TINY).unsqueeze(2)
-
-
 class DenseMix(torch.autograd.Function):
     """``sigmoid(q) * N / D`` and (not differentiable) D (B, T, G, Ck / G) for q, v (B, T, C), k (B, T, Ck) and a
     (T, T) bias (``grid`` None) or an AFT-conv bias (h, s, s) on ``grid`` (H, W); products and element-wise work in
@@ -101,13 +93,11 @@ class DenseMix(torch.autograd.Function):
     smaller than D (AFT-full: one key per channel)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, w, grid, causal, mm_dtype):
+    def forward(ctx, q, k, v, w, grid, mm_dtype):
         batch, num_keys, channels = q.shape
-        # the bias's row-scaled exp, kept in w's dtype for the bias gradient: of a (T, T) bias w[query, key] (keys after
-        # the query dropped if causal), (1, T, T); of an AFT-conv bias its window table (h, s + 1, s + 1)
+        # the bias's row-scaled exp, kept in w's dtype for the bias gradient: of a (T, T) bias w[query, key],
+        # (1, T, T); of an AFT-conv bias its window table (h, s + 1, s + 1)
         if grid is None:
-            if causal:
-                w = w.masked_fill(torch.ones_like(w, dtype=torch.bool).triu(1), float('-inf'))
             table = torch.softmax(w, dim=-1).unsqueeze(0)  # (1, T, T)
             weights, factors = table.to(mm_dtype), None  # E
         else:
@@ -144,7 +134,7 @@ class DenseMix(torch.autograd.Function):
             raise RuntimeError("DenseMix's backward has no second derivative: for create_graph=True run the forward "
                                "under aft_vision.layers.plain_autograd()")
         if grad_out is None:  # the output was not used
-            return (None,) * 7
+            return (None,) * 6
         with no_autocast():  # the products in the dtypes chosen here
             return DenseMix._backward(ctx, grad_out)
 
@@ -157,8 +147,9 @@ class DenseMix(torch.autograd.Function):
         per_group = gate.shape[-1] // groups
         onehots = None if grid is None else [axis_onehot(size, ctx.kernel_size, gate, ctx.mm_dtype) for size in grid]
         weights = table.to(ctx.mm_dtype) if onehots is None else _window_weights(factors, onehots[1], grid)  # E
-        if denominator is None:
-            denominator = _key_sums(weights, tokens, per_group)
+        if denominator is None:  # D = E p for one E (1, T, T), X (1, T, B, n)
+            keys = tokens[0, :, :, per_group:].transpose(0, 1)  # (B, T keys, Ck)
+            denominator = torch.bmm(weights.expand(batch, -1, -1), keys).clamp_min_(TINY).unsqueeze(2)
         grad_out = grad_out.reshape(numerator_shape)
         grad_gated = torch.mul(grad_out, out)  # g * out
         grad_q = torch.addcmul(grad_gated, grad_gated, gate.view(numerator_shape), value=-1.0)  # g out (1 - gate)
@@ -181,16 +172,16 @@ class DenseMix(torch.autograd.Function):
         grad_v = torch.mul(grad_values, keys.unsqueeze(-1), out=out.new_empty(values.shape))  # (B, ..., C / Ck)
         grad_k = sum_last(torch.mul(grad_values, values, out=out.new_empty(values.shape))).addcmul_(grad_keys, keys)
         grads = [g.reshape(batch, num_keys, -1) for g in (grad_q, grad_k, grad_v)] + [grad_w]
-        return tuple(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)) + (None,) * 3
+        return tuple(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)) + (None,) * 2
 
 
 def dense_plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, grid: Optional[Tuple[int, int]],
-                causal: bool, mm_dtype: torch.dtype, tiny: float = TINY) -> Tuple[torch.Tensor, torch.Tensor]:
+                mm_dtype: torch.dtype, tiny: float = TINY) -> Tuple[torch.Tensor, torch.Tensor]:
     """``DenseMix``'s output and D (B, T, Ck) in plain autograd (its derivatives all products: no scatter), the
     one-hots built in the graph."""
     batch, num_keys, channels = v.shape
     key_channels = k.shape[-1]
-    table = _scaled_exp(w, grid, causal).to(mm_dtype)
+    table = _scaled_exp(w, grid).to(mm_dtype)
     if grid is None:
         weights = table
     else:

@@ -13,16 +13,13 @@ from timm.layers import register_notrace_function
 
 from . import _shared
 from ._shared import (CANCEL_TOL, DISPATCH_TABLES, METHODS, POLICIES, TINY, _CHUNK_ELEMENTS, _COMPILED_BATCH,
-                      _EXPORT_FLAG_TRUSTED, capturing, device_policy, exporting, gate, get_conv_method,
-                      get_device_policy, plain_autograd, set_conv_method)
+                      _EXPORT_FLAG_TRUSTED, gate, get_conv_method)
 from .dense_mix import DenseMix, dense_plain
 from .depthwise_mix import DepthwiseMix, depthwise_sums
 from .simple_mix import SimpleMix, SoftmaxPool, simple_sums, softmax_pool
 from .tuning import tuned_method
 
-__all__ = ['aft_full', 'aft_local', 'aft_simple', 'aft_conv2d', 'choose_conv_method', 'set_conv_method',
-           'get_conv_method', 'device_policy', 'get_device_policy', 'plain_autograd', 'exporting', 'capturing',
-           'METHODS', 'POLICIES', 'DISPATCH_TABLES', 'TINY', 'CANCEL_TOL']
+__all__ = ['aft_full', 'aft_local', 'aft_simple', 'aft_conv2d', 'choose_conv_method']
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The 'cpu' policy's exact repair: where the largest key and the largest bias sit apart, the max-shifted sums can
@@ -61,12 +58,13 @@ def conv_bias_rows(w: torch.Tensor, grid_w: int, num_keys: int, head: torch.Tens
     return torch.where(inside, values, torch.zeros_like(values))
 
 
-def recompute_flagged(out: torch.Tensor, bad: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias_mode: str,
-                      bias: Optional[torch.Tensor] = None, grid_w: int = 1, causal: bool = False,
-                      gate: Optional[torch.Tensor] = None, chunk_elements: int = _CHUNK_ELEMENTS) -> torch.Tensor:
-    """``out`` (B, T, C) with the entries ``bad`` flags recomputed exactly (differentiably) from keys k (B, T, Ck),
-    values v (B, T, C) and ``bias``: (T, T) for 'pairwise', the (h, s, s) AFT-conv bias for 'conv', none for 'none'
-    (``causal`` applies); times ``sigmoid(gate)`` where given; ``chunk_elements`` bounds the logits held at once."""
+def recompute_flagged(out: torch.Tensor, bad: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor,
+                      bias: Optional[torch.Tensor] = None, grid_w: int = 1,
+                      chunk_elements: int = _CHUNK_ELEMENTS) -> torch.Tensor:
+    """``out`` (B, T, C) with the entries ``bad`` flags recomputed exactly (differentiably) as ``sigmoid(q)`` times
+    the softmax over keys k (B, T, Ck) of values v (B, T, C), the logits ``k + bias``: a (T, T) bias, the (h, s, s)
+    AFT-conv window on a map ``grid_w`` wide, or None for AFT-simple's prefix (keys after the query left out);
+    ``chunk_elements`` bounds the logits held at once."""
     num_keys = k.shape[1]
     channels_per_key = v.shape[2] // k.shape[2]
     flagged = bad.nonzero()  # (N, 3): image, query position, value channel
@@ -76,17 +74,14 @@ def recompute_flagged(out: torch.Tensor, bad: torch.Tensor, k: torch.Tensor, v: 
         key_chan = torch.div(chan, channels_per_key, rounding_mode='floor')
         # float64: the sum of two large float32 terms is exact there, so the softmax keeps full precision
         logits = k[img, :, key_chan].double()  # (n, T)
-        if bias_mode != 'none':
-            assert bias is not None
-            rows = bias[pos] if bias_mode == 'pairwise' else conv_bias_rows(bias, grid_w, num_keys, key_chan, pos)
-            logits = logits + rows.double()  # (n, T)
-        elif causal:
+        if bias is None:
             later = torch.arange(num_keys, device=k.device).unsqueeze(0) > pos.unsqueeze(1)
             logits = logits.masked_fill(later, float('-inf'))
+        else:
+            rows = bias[pos] if bias.dim() == 2 else conv_bias_rows(bias, grid_w, num_keys, key_chan, pos)
+            logits = logits + rows.double()  # (n, T)
         weights = F.softmax(logits, dim=-1)  # (n, T)
-        values = (weights * v[img, :, chan].double()).sum(-1).to(out.dtype)  # (n,)
-        if gate is not None:
-            values = torch.sigmoid(gate[img, pos, chan]) * values
+        values = torch.sigmoid(q[img, pos, chan]) * (weights * v[img, :, chan].double()).sum(-1).to(out.dtype)  # (n,)
         indices: List[Optional[torch.Tensor]] = [img, pos, chan]
         out = out.index_put(indices, values)
     return out
@@ -123,12 +118,10 @@ def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: Optional[torch.T
             raise ValueError(f'{name} must be {ndim}-D {expected}, got shape {list(tensor.shape)}')
     if q.shape != v.shape:
         raise ValueError(f'q and v must have the same shape {layout}, got q {list(q.shape)} and v {list(v.shape)}')
-    if k.shape[:-1] != q.shape[:-1]:
-        raise ValueError(f'k must match q in every dim but the last, got q {list(q.shape)} and k {list(k.shape)}')
+    if k.shape[:-1] != q.shape[:-1] or (not conv and k.shape != q.shape):
+        raise ValueError(f'k must be {key_layout} for q {layout}, got q {list(q.shape)} and k {list(k.shape)}')
     if q.device != k.device or q.device != v.device:
         raise ValueError(f'q, k and v must be on one device, got {q.device}, {k.device} and {v.device}')
-    if not conv and k.shape != q.shape:
-        raise ValueError(f'k must have the shape of q {layout}, got q {list(q.shape)} and k {list(k.shape)}')
     if q.numel() == 0 and q.shape[0] != 0:
         raise ValueError(f'q must not be empty but in its batch dim, got shape {list(q.shape)}')
     if w is not None and conv:
@@ -206,16 +199,16 @@ def _aft_full(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor
     k = k if k.dtype == mm_dtype else k.to(dtype)
     v = v if v.dtype == mm_dtype else v.to(dtype)
     w = w.to(device=q.device, dtype=dtype)
+    if causal:  # keys after the query left out
+        w = w.masked_fill(torch.ones_like(w, dtype=torch.bool).triu(1), float('-inf'))
     if torch.jit.is_scripting() or plain:
-        out, denominator = dense_plain(q, k, v, w, None, causal, mm_dtype)
+        out, denominator = dense_plain(q, k, v, w, None, mm_dtype)
     else:
-        out, denominator = DenseMix.apply(q, k, v, w, None, causal, mm_dtype)
+        out, denominator = DenseMix.apply(q, k, v, w, None, mm_dtype)
         denominator = denominator.flatten(2)
     bad = flag_below(denominator, denominator.new_full((), 2 * tiny)) if policy == 'cpu' else None  # underflowed
     if bad is not None:
-        if causal:
-            w = w.masked_fill(torch.ones_like(w, dtype=torch.bool).triu(1), float('-inf'))
-        out = recompute_flagged(out.to(dtype), bad, k.to(dtype), v.to(dtype), 'pairwise', bias=w, gate=q.to(dtype))
+        out = recompute_flagged(out.to(dtype), bad, k.to(dtype), v.to(dtype), q.to(dtype), w)
     return out
 
 
@@ -263,7 +256,7 @@ def _aft_simple(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     # a prefix whose keys all lie far below the sequence's largest
     bad = flag_below(denominator, denominator.new_full((), tiny)) if policy == 'cpu' else None
     if bad is not None:
-        out = recompute_flagged(out, bad, k.to(dtype), v.to(dtype), 'none', causal=True, gate=q.to(dtype))
+        out = recompute_flagged(out, bad, k.to(dtype), v.to(dtype), q.to(dtype))
     return out
 
 
@@ -318,10 +311,9 @@ def _aft_conv2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tens
     if method == 'dense':
         rows = [x.flatten(1, 2) for x in _operands(q, k, v, dtype, mm_dtype)]  # (B, T, .) token rows
         if torch.jit.is_scripting() or plain:
-            out, denominator = dense_plain(rows[0], rows[1], rows[2], w.to(dtype), (height, width), False, mm_dtype)
+            out, denominator = dense_plain(rows[0], rows[1], rows[2], w.to(dtype), (height, width), mm_dtype)
         else:
-            out, denominator = DenseMix.apply(rows[0], rows[1], rows[2], w.to(dtype), (height, width), False,
-                                              mm_dtype)
+            out, denominator = DenseMix.apply(rows[0], rows[1], rows[2], w.to(dtype), (height, width), mm_dtype)
         out, denominator = out.view(q.shape), denominator.view(k.shape)
         threshold = denominator.new_full((), 2 * tiny)  # the largest joint term underflowed (D floored at tiny)
     else:
@@ -338,6 +330,6 @@ def _aft_conv2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tens
     if bad is not None:
         flags = bad.unsqueeze(-1).expand(batch, height, width, num_heads, channels // num_heads)
         out = recompute_flagged(out.to(dtype).flatten(1, 2), flags.reshape(batch, height * width, channels),
-                                k.to(dtype).flatten(1, 2), v.to(dtype).flatten(1, 2), 'conv', bias=w.to(dtype),
-                                grid_w=width, gate=q.to(dtype).flatten(1, 2)).view(q.shape)  # as token rows (B, T, n)
+                                k.to(dtype).flatten(1, 2), v.to(dtype).flatten(1, 2), q.to(dtype).flatten(1, 2),
+                                w.to(dtype), width).view(q.shape)  # as token rows (B, T, n)
     return out

@@ -65,10 +65,10 @@ def test_both_forms_agree_and_the_plain_one_differentiates_by_products(grid, cau
     results = []
     for plain in (False, True):
         inputs = [x.clone().requires_grad_() for x in (q, k, v, w)]
-        if plain:
-            out, _ = dense_mix.dense_plain(*inputs, grid, causal, torch.float64)
-        else:
-            out, _ = dense_mix.DenseMix.apply(*inputs, grid, causal, torch.float64)
+        later = torch.ones(num_keys, num_keys, dtype=torch.bool).triu(1)  # a causal bias: -inf after the query
+        bias = inputs[3].masked_fill(later, float('-inf')) if causal else inputs[3]
+        form = dense_mix.dense_plain if plain else dense_mix.DenseMix.apply
+        out, _ = form(*inputs[:3], bias, grid, torch.float64)
         with _OpNames() as ops:
             grads = torch.autograd.grad(out, inputs, grad_out)
         results.append((out, *grads))
