@@ -20,12 +20,10 @@ def masked_bias(w: torch.Tensor, attn_mask: Optional[torch.Tensor]) -> torch.Ten
     per head (one bias serves every image and channel)."""
     if attn_mask is None:
         return w
-    mask = attn_mask
-    while mask.dim() > 2 and mask.shape[0] == 1:
-        mask = mask.squeeze(0)
-    if mask.dim() != 2 or mask.shape[0] != w.shape[0] or mask.shape[1] != w.shape[1]:
+    if attn_mask.shape[-2:] != w.shape or attn_mask.numel() != w.numel():  # any leading dims are 1s
         raise ValueError(f'AFT takes attn_mask as one ({w.shape[0]}, {w.shape[1]}) mask for all images (leading dims '
                          f'of 1 allowed), got shape {list(attn_mask.shape)}')
+    mask = attn_mask.reshape(w.shape)  # (T, T)
     if mask.dtype == torch.bool:
         return w.masked_fill(~mask, float('-inf'))
     return w + mask

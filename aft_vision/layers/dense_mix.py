@@ -1,10 +1,8 @@
 """AFT's sums as one positive matrix per bias group times the keys' softmax (AFT-full, -local, -conv), the products
 form: ``[N | D] = E_g @ X_g``, ``X = [p v | p]``, ``p = softmax_T(k)``, E a row-scaled ``exp`` of the bias (AFT-conv:
-a softmax over the zero-padded window table, spread over (query, key) pairs by two products with per-axis 0/1
-matrices, whose transposes give the bias gradient: no (T, T) index, no scatter). Every row scale cancels in
-``N / D``; E, X and the sums stay in the products' dtype (bfloat16 under autocast). ``DenseMix`` writes each
-intermediate once in the layout its product reads; ``dense_plain`` is the same form in plain autograd, for
-TorchScript, exports, ``torch.compile`` and higher derivatives. docs/operators.md derives it."""
+of the zero-padded window table, spread over (query, key) pairs by products with per-axis 0/1 matrices). ``DenseMix``
+writes each intermediate once in the layout its product reads; ``dense_plain`` is the same form in plain autograd.
+docs/operators.md derives it."""
 import collections
 import threading
 from typing import Optional, Tuple
@@ -45,9 +43,8 @@ def axis_onehot(size: int, kernel_size: int, like: torch.Tensor, dtype: torch.dt
 
 def _scaled_exp(w: torch.Tensor, grid: Optional[Tuple[int, int]]) -> torch.Tensor:
     """``DenseMix``'s E up to a scale per row (per head for AFT-conv), which N / D cancels: ``exp(w - m)``, m the
-    detached maximum (AFT-conv: of the zero-padded window, so 0 at least). Its gradient is ``E dL/dE``, as
-    ``DenseMix``'s: a softmax's would subtract ``E sum(E dL/dE)``, a sum that is 0 but for rounding, from every
-    entry."""
+    detached maximum (AFT-conv: of the zero-padded window). Its gradient is ``E dL/dE``, as ``DenseMix``'s (a
+    softmax's would subtract a sum that is 0 but for rounding)."""
     if grid is None:
         return torch.exp(w - w.detach().amax(dim=-1, keepdim=True)).unsqueeze(0)  # (1, T, T)
     padded = F.pad(w, [0, 1, 0, 1])  # (h, s + 1, s + 1)

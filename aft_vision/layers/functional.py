@@ -1,9 +1,7 @@
 """Functional AFT operators (Eqs. 2, 4, 5, 6 of Zhai et al., arXiv 2105.14103), like ``F.scaled_dot_product_attention``:
-projected q, k, v in, mixed tokens out (promoted dtype); no (B, T, T, C) tensor. Each operator reads top to bottom:
-``_plan`` checks the inputs and decides how the call runs (dtypes, policy, plain or autograd Function) once, one
-form file computes (``dense_mix.py``: the products; ``depthwise_mix.py``: the window; ``simple_mix.py``), and under
-the 'cpu' policy ``flag_below`` / ``recompute_flagged`` repair what underflowed or cancelled.
-The switches it reads (method, policy, capture) live in ``_shared.py``."""
+projected q, k, v in, mixed tokens out (promoted dtype). Each reads top to bottom: ``_plan`` checks the inputs and
+decides how the call runs, one form file computes (``dense_mix.py``, ``depthwise_mix.py``, ``simple_mix.py``), and
+under the 'cpu' policy ``flag_below`` / ``recompute_flagged`` repair what underflowed or cancelled."""
 import contextlib
 from typing import List, Optional, Tuple
 
@@ -92,12 +90,9 @@ def recompute_flagged(out: torch.Tensor, bad: torch.Tensor, k: torch.Tensor, v: 
 
 def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: Optional[torch.Tensor], kind: str
           ) -> Tuple[torch.dtype, torch.dtype, torch.dtype, str, bool, bool, bool]:
-    """Check a call's inputs, then decide once how it runs: (out_dtype, dtype, mm_dtype, policy, plain, exporting,
-    autocast: on for q's device, to be turned off around the forms, which cast themselves).
-
-    Inputs: q and v (B, T, C) for the sequence operators (``kind`` 'seq'), (B, H, W, C) for AFT-conv ('conv'); k as
-    q, or (B, H, W, h) with h dividing C; w (T, T), or (h, s, s) with s odd; one device, floating point, empty in the
-    batch only. Every error names the argument, the layout expected and the shape given.
+    """Check a call's inputs (``kind`` 'seq': (B, T, C) tokens, 'conv': AFT-conv's grid; every error names the
+    argument, the layout expected and the shape given), then decide once how it runs: (out_dtype, dtype, mm_dtype,
+    policy, plain, exporting, autocast: on for q's device, to be turned off around the forms, which cast themselves).
 
     The output takes the promoted dtype of q, k, v; the arithmetic float64 if any input is float64, else float32; the
     products' operands bfloat16 under bfloat16 autocast or for bfloat16 inputs, else the arithmetic's (float16's
@@ -181,8 +176,7 @@ def _operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dt
 @register_notrace_function
 def aft_full(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, causal: bool = False) -> torch.Tensor:
     """AFT-full (Eq. 2): ``sigmoid(q_t) * sum_t' exp(k_t' + w_tt') v_t' / sum_t' exp(k_t' + w_tt')`` for q, k, v
-    (B, T, C) and a (T, T) bias ``w[query, key]``, by ``dense_mix.py``; ``causal`` keeps t' <= t. Under 'cuda' exact
-    to rounding while each row of ``w`` and the keys each span less than ~40 (beyond, finite)."""
+    (B, T, C) and a (T, T) bias ``w[query, key]``, by ``dense_mix.py``; ``causal`` keeps t' <= t."""
     out_dtype, dtype, mm_dtype, policy, plain, _, autocast = _plan(q, k, v, w, 'seq')
     if q.shape[0] == 0:  # an empty batch, as timm's attention answers it
         return (q * 0.0).to(out_dtype)
@@ -228,8 +222,7 @@ def aft_local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor
 @register_notrace_function
 def aft_simple(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> torch.Tensor:
     """AFT-simple (Eq. 5): ``sigmoid(q_t) * sum_t' softmax(k)_t' v_t'`` for q, k, v (B, T, C), linear in T, in the
-    inputs' dtype (bfloat16 under autocast; sums in float32); ``causal`` takes prefix sums, in float32 (under 'cuda'
-    exact while a prefix's largest key is within ~50 of the maximum)."""
+    inputs' dtype (bfloat16 under autocast; sums in float32); ``causal`` takes prefix sums, in float32."""
     out_dtype, dtype, mm_dtype, policy, plain, _, autocast = _plan(q, k, v, None, 'seq')
     if q.shape[0] == 0:
         return (q * 0.0).to(out_dtype)
@@ -268,9 +261,7 @@ def aft_conv2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tenso
 
     ``method`` (None: ``get_conv_method()``): 'dense' (the products, ``dense_mix.py``), 'conv' (the window,
     ``depthwise_mix.py``), 'auto' (``choose_conv_method``) or 'tuned' (the faster on the first call of its key,
-    ``tuning.py``); 'conv' for both while exporting. Under 'cuda' the dense form is exact to rounding while a head's
-    bias and its keys each span less than ~40, the conv form (float32 sums) to ``6e-8 * exp(max(0, -min w))`` of its
-    terms beyond the products form's rounding (docs/operators.md).
+    ``tuning.py``); 'conv' for both while exporting. Exactness under each policy: docs/operators.md#exactness-bounds.
 
     Args:
         q: Queries (B, H, W, C), before the sigmoid. v: Values (B, H, W, C).
