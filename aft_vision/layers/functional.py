@@ -14,7 +14,7 @@ from ._shared import (CANCEL_TOL, DISPATCH_TABLES, METHODS, POLICIES, TINY, _CHU
                       _EXPORT_FLAG_TRUSTED, gate, get_conv_method)
 from .dense_mix import DenseMix, dense_plain
 from .depthwise_mix import DepthwiseMix, depthwise_sums
-from .simple_mix import SimpleMix, SoftmaxPool, simple_sums, softmax_pool
+from .simple_mix import PrefixMix, SoftmaxPool, prefix_plain, softmax_pool
 from .tuning import tuned_method
 
 __all__ = ['aft_full', 'aft_local', 'aft_simple', 'aft_conv2d', 'choose_conv_method']
@@ -241,11 +241,9 @@ def _aft_simple(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
             return torch.sigmoid(q) * softmax_pool(k, v)
         return SoftmaxPool.apply(q, k, v)
     if torch.jit.is_scripting() or plain:
-        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-        numerator, denominator, _ = simple_sums(k, v, causal)
-        out = gate(q, numerator, denominator)
+        out, denominator = prefix_plain(q, k, v, dtype)
     else:
-        out, denominator = SimpleMix.apply(q, k, v, causal, dtype)
+        out, denominator = PrefixMix.apply(q, k, v, dtype)
     # a prefix whose keys all lie far below the sequence's largest
     bad = flag_below(denominator, denominator.new_full((), tiny)) if policy == 'cpu' else None
     if bad is not None:
