@@ -15,6 +15,8 @@ __all__ = ['SourceLayout', 'block_mlp', 'read_layout', 'infer_layout', 'source_l
 
 # activations the AFT blocks take by name (timm's ``get_act_layer``), by the module class timm's models hold
 _ACT_NAMES = {nn.GELU: 'gelu', GELU: 'gelu', QuickGELU: 'quick_gelu', nn.SiLU: 'silu'}
+_STEM = ("a hybrid CNN stem (key '{}'), which no AFT patch embedding holds: only a single-convolution patch embedding "
+         'maps')
 
 
 @dataclass(frozen=True)
@@ -102,8 +104,7 @@ def read_layout(model: nn.Module, name: str = '') -> SourceLayout:
     if embed is None or blocks is None or not hasattr(blocks[0], 'mlp') or not hasattr(blocks[0], 'attn'):
         raise ValueError(f'{name}: not a ViT-family model (no patch_embed and blocks of attention and MLP)')
     if getattr(embed, 'backbone', None) is not None:
-        raise ValueError(f'{name}: a hybrid CNN stem (key \'patch_embed.backbone\'), which no AFT patch embedding '
-                         f'holds: only a single-convolution patch embedding maps')
+        raise ValueError(f'{name}: {_STEM.format("patch_embed.backbone")}')
     pos_embed = getattr(model, 'pos_embed', None)
     grid = tuple(embed.grid_size)
     block = blocks[0]
@@ -125,6 +126,9 @@ def read_layout(model: nn.Module, name: str = '') -> SourceLayout:
 
 def infer_layout(state_dict: Mapping[str, torch.Tensor]) -> SourceLayout:
     """The layout a ViT-family state dict's keys and shapes show; the activation stays unknown (None)."""
+    stem = next((key for key in state_dict if key.startswith('patch_embed.backbone.')), None)
+    if stem:
+        raise ValueError(_STEM.format(stem))
     if 'patch_embed.proj.weight' not in state_dict:
         raise ValueError(f'not a ViT-family checkpoint: key \'patch_embed.proj.weight\' is missing (found e.g. '
                          f'{sorted(state_dict)[:5]})')

@@ -199,10 +199,6 @@ def transfer_vit_weights(state_dict: Mapping[str, torch.Tensor], model: torch.nn
     assumed (``report.assumed``). Refuses non-finite tensors and any tensor the model takes from a ViT that the source
     lacks (only the classifier and what AFT adds start fresh)."""
     source, weights = select_weights(state_dict, use_ema)
-    stem = next((key for key in source if key.startswith('patch_embed.backbone.')), None)
-    if stem:
-        raise ValueError(f'a hybrid CNN stem (key {stem!r}), which no AFT patch embedding holds: only a '
-                         f'single-convolution patch embedding maps')
     found = infer_layout(source)
     layout = _check_family(layout, found) if layout else found
     target = model.state_dict()
