@@ -431,15 +431,19 @@ def test_folders_written_by_earlier_versions_still_load(digits_job, tmp_path):
     assert _timm_client_top1(new_folder, out / 'data' / 'val') == results['top1']
 
 
-def test_results_of_earlier_main_jobs_give_their_evaluation_size(tmp_path):
+def test_the_main_jobs_results_give_its_data_config_and_metrics_alone_no_record(tmp_path):
     checkpoint = tmp_path / 'model.safetensors'
     checkpoint.write_bytes(b'')  # not read: the record is beside it
     (tmp_path / 'results.json').write_text(json.dumps({
-        'top1': 98.05, 'top1_at_48': 88.3, 'architecture': 'aft_conv_test', 'model_kwargs': {'patch_size': 4},
-        'img_size': 32, 'eval_img_size': 48}))
+        'top1': 98.05, 'architecture': 'aft_conv_test', 'model_kwargs': {'patch_size': 4}, 'train_img_sizes': [24, 32],
+        'data_config': {'input_size': [3, 32, 32], 'crop_pct': 1.0, 'top1': 98.05}}))
     record = read_training_record(str(checkpoint))
-    assert record.data_config == {'input_size': (3, 32, 32), 'crop_pct': 1.0}
+    assert record.data_config == {'input_size': [3, 32, 32], 'crop_pct': 1.0}
     assert record.architecture == 'aft_conv_test' and record.model_kwargs == {'patch_size': 4}
+    assert record.notes == ['trained by aft_vision.train at 24, 32 px']
+    # the unreleased format without data_config (its img_size then meant crop_pct 1.0) is no record: nothing assumed
+    (tmp_path / 'results.json').write_text(json.dumps({'top1': 98.05, 'architecture': 'aft_conv_test', 'img_size': 32}))
+    assert read_training_record(str(checkpoint)) is None
     (tmp_path / 'results.json').write_text('{"top1": 98.05}')  # metrics only: no record
     assert read_training_record(str(checkpoint)) is None
     (tmp_path / 'args.yaml').write_text('model: [unclosed')

@@ -11,16 +11,12 @@ from torch import nn
 import timm
 from timm.layers import GELU, GluMlp, LayerScale, Mlp, QuickGELU
 
-__all__ = ['SourceLayout', 'act_name', 'read_layout', 'infer_layout', 'source_layout']
+__all__ = ['SourceLayout', 'block_mlp', 'read_layout', 'infer_layout', 'source_layout']
 
 # activations the AFT blocks take by name (timm's ``get_act_layer``), by the module class timm's models hold
 _ACT_NAMES = {nn.GELU: 'gelu', GELU: 'gelu', QuickGELU: 'quick_gelu', nn.SiLU: 'silu'}
-
-
-def act_name(act: nn.Module) -> Optional[str]:
-    """The timm name of an MLP activation module an AFT block can be built with, None for any other."""
-    name = _ACT_NAMES.get(type(act))
-    return None if name == 'gelu' and getattr(act, 'approximate', 'none') != 'none' else name
+_STEM = ("a hybrid CNN stem (key '{}'), which no AFT patch embedding holds: only a single-convolution patch embedding "
+         'maps')
 
 
 @dataclass(frozen=True)
@@ -83,8 +79,9 @@ def _ratio(hidden: int, dim: int) -> float:
     return ratio
 
 
-def _block_mlp(block: nn.Module, name: str) -> Tuple[str, str, int]:
-    """(mlp_layer, act_layer, fc1 width) of a timm ViT / EVA block; ValueError naming what no AFT block holds."""
+def block_mlp(block: nn.Module, name: str) -> Tuple[str, Optional[str], int]:
+    """(mlp_layer, act_layer, fc1 width) of a timm ViT / EVA or an AFT block (act_layer None: an activation no AFT
+    block takes by name); ValueError naming an MLP no AFT block holds."""
     mlp = block.mlp
     if type(mlp) is Mlp and isinstance(mlp.norm, nn.Identity):
         kind = 'mlp'
@@ -94,10 +91,9 @@ def _block_mlp(block: nn.Module, name: str) -> Tuple[str, str, int]:
         key = next(iter(mlp.state_dict()), '')
         raise ValueError(f'{name}: blocks.0.mlp is timm\'s {type(mlp).__name__} (key \'blocks.0.mlp.{key}\'), which no '
                          f'AFT block holds: AFT blocks take timm\'s Mlp or the packed SwiGLU of EVA-02')
-    act = act_name(mlp.act)
-    if act is None:
-        raise ValueError(f'{name}: MLP activation {mlp.act!r} has no AFT name (gelu, quick_gelu, silu)')
-    return kind, act, mlp.fc1.out_features
+    act = _ACT_NAMES.get(type(mlp.act))
+    exact = act != 'gelu' or getattr(mlp.act, 'approximate', 'none') == 'none'
+    return kind, act if exact else None, mlp.fc1.out_features
 
 
 def read_layout(model: nn.Module, name: str = '') -> SourceLayout:
@@ -108,12 +104,13 @@ def read_layout(model: nn.Module, name: str = '') -> SourceLayout:
     if embed is None or blocks is None or not hasattr(blocks[0], 'mlp') or not hasattr(blocks[0], 'attn'):
         raise ValueError(f'{name}: not a ViT-family model (no patch_embed and blocks of attention and MLP)')
     if getattr(embed, 'backbone', None) is not None:
-        raise ValueError(f'{name}: a hybrid CNN stem (key \'patch_embed.backbone\'), which no AFT patch embedding '
-                         f'holds: only a single-convolution patch embedding maps')
+        raise ValueError(f'{name}: {_STEM.format("patch_embed.backbone")}')
     pos_embed = getattr(model, 'pos_embed', None)
     grid = tuple(embed.grid_size)
     block = blocks[0]
-    mlp_layer, act_layer, hidden = _block_mlp(block, name)
+    mlp_layer, act_layer, hidden = block_mlp(block, name)
+    if act_layer is None:
+        raise ValueError(f'{name}: MLP activation {block.mlp.act!r} has no AFT name (gelu, quick_gelu, silu)')
     layer_scale = isinstance(getattr(block, 'ls1', None), LayerScale) or getattr(block, 'gamma_1', None) is not None
     return SourceLayout(
         name=name, embed_dim=model.embed_dim, depth=len(blocks), patch_size=tuple(embed.patch_size),
@@ -129,6 +126,9 @@ def read_layout(model: nn.Module, name: str = '') -> SourceLayout:
 
 def infer_layout(state_dict: Mapping[str, torch.Tensor]) -> SourceLayout:
     """The layout a ViT-family state dict's keys and shapes show; the activation stays unknown (None)."""
+    stem = next((key for key in state_dict if key.startswith('patch_embed.backbone.')), None)
+    if stem:
+        raise ValueError(_STEM.format(stem))
     if 'patch_embed.proj.weight' not in state_dict:
         raise ValueError(f'not a ViT-family checkpoint: key \'patch_embed.proj.weight\' is missing (found e.g. '
                          f'{sorted(state_dict)[:5]})')

@@ -8,18 +8,24 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
-from timm.layers import GluMlp, Mlp, resample_abs_pos_embed
+from timm.layers import resample_abs_pos_embed
 from timm.models import clean_state_dict
 
-from .sources import SourceLayout, act_name, infer_layout
+from .sources import SourceLayout, block_mlp, infer_layout
 
 __all__ = ['TransferReport', 'transfer_vit_weights', 'select_weights', 'unwrap_state_dict', 'is_vit_state_dict',
            'check_finite']
 
 _QKV = re.compile(r'blocks\.(\d+)\.attn\.qkv\.(weight|bias)$')
-_DISTILLATION = ('dist_token', 'head_dist.weight', 'head_dist.bias')
 _CLASSIFIER = ('head.weight', 'head.bias')
-MLP_KINDS = {'mlp': Mlp, 'swiglu_packed': GluMlp}  # the MLPs of the blocks a source may have (``SourceLayout``)
+_DROPPED = (  # source keys a model may lack (pattern, why; formatted with the layout), checked in this order
+    (r'dist_token|head_dist\.(weight|bias)', 'DeiT distillation token / head: AFT models have none'),
+    (r'head\.(weight|bias)', 'the source\'s classifier / projection, trained on its features: the AFT model is a '
+                             'backbone (fresh)'),
+    ('reg_token', '{layout.reg_tokens} register tokens: AFT models have none (no attention to route through them)'),
+    (r'attn_pool\..*', 'attention-pool head (SigLIP\'s MAP): attention, which AFT models do not have; pooled by '
+                       'average'),
+    ('cls_token|pos_embed', 'AFT-conv has no class token or position embedding (fully convolutional)'))
 # the entries of a training checkpoint that hold weights, in the order timm's load_state_dict takes them
 EMA_KEYS = ('state_dict_ema', 'model_ema')
 WEIGHT_KEYS = EMA_KEYS + ('state_dict', 'model')
@@ -106,11 +112,6 @@ def is_vit_state_dict(state_dict: Mapping[str, torch.Tensor]) -> bool:
     return any(_QKV.match(key) for key in state_dict) and not any('.attn.pos_' in key for key in state_dict)
 
 
-def _num_blocks(keys) -> int:
-    indices = [int(m.group(1)) for m in (re.match(r'blocks\.(\d+)\.', key) for key in keys) if m]
-    return max(indices) + 1 if indices else 0
-
-
 def _map_pos_embed(pos_embed: torch.Tensor, target: torch.Tensor, num_prefix: int, layout: SourceLayout,
                    report: TransferReport) -> torch.Tensor:
     """The source's (1, prefix + h*w, C) position embedding onto the model's (1, num_prefix + H*W, C): grid rows
@@ -149,42 +150,26 @@ def _canonical(source: Dict[str, torch.Tensor], layout: SourceLayout,
     biases as one q / k / v bias (k zero: EVA has none), ``fc_norm`` as the final ``norm`` (before the pooling here)."""
     mapped: Dict[str, torch.Tensor] = {}
     for key, tensor in source.items():
-        block = re.match(r'(blocks\.\d+\.)(gamma_[12]|attn\.q_bias|attn\.v_bias)$', key)
-        if block and block.group(2).startswith('gamma'):
-            new = f'{block.group(1)}ls{block.group(2)[-1]}.gamma'
-            report.renamed[new] = key
-            mapped[new] = tensor
-        elif block and block.group(2) == 'attn.q_bias':
-            v_bias = source.get(f'{block.group(1)}attn.v_bias')
-            if v_bias is None:
-                raise ValueError(f'{key}: an EVA q bias without its v bias (key {block.group(1)}attn.v_bias)')
-            new = f'{block.group(1)}attn.qkv.bias'
-            mapped[new] = torch.cat([tensor, torch.zeros_like(tensor), v_bias])  # (3C,)
-            report.renamed[new] = f'{key}, zeros (no key bias), {block.group(1)}attn.v_bias'
-        elif block:
-            continue  # the v bias, taken with the q bias
-        elif key.startswith('fc_norm.') and layout.fc_norm:
-            new = 'norm.' + key.split('.', 1)[1]
-            report.renamed[new] = f'{key} (after the pooling there; before it here)'
-            mapped[new] = tensor
-        else:
-            mapped[key] = tensor
+        new = re.sub(r'^(blocks\.\d+\.)gamma_([12])$', r'\1ls\2.gamma', key)
+        new = re.sub(r'^fc_norm\.', 'norm.', new) if layout.fc_norm else new
+        if key.endswith('.attn.v_bias'):
+            continue  # taken with the q bias
+        if key.endswith('.attn.q_bias'):
+            v_key, new = key.replace('q_bias', 'v_bias'), key.replace('q_bias', 'qkv.bias')
+            if v_key not in source:
+                raise ValueError(f'{key}: an EVA q bias without its v bias (key {v_key})')
+            tensor = torch.cat([tensor, torch.zeros_like(tensor), source[v_key]])  # (3C,)
+            report.renamed[new] = f'{key}, zeros (no key bias), {v_key}'
+        elif new != key:
+            after = ' (after the pooling there; before it here)' if new.startswith('norm.') else ''
+            report.renamed[new] = key + after
+        mapped[new] = tensor
     return mapped
 
 
 def _skip_reason(key: str, layout: SourceLayout) -> str:
     """Why a source tensor with no counterpart in the model is dropped; '' where it must not be dropped."""
-    if key in _DISTILLATION:
-        return 'DeiT distillation token / head: AFT models have none'
-    if key in _CLASSIFIER:
-        return 'the source\'s classifier / projection, trained on its features: the AFT model is a backbone (fresh)'
-    if key == 'reg_token':
-        return f'{layout.reg_tokens} register tokens: AFT models have none (no attention to route through them)'
-    if key.startswith('attn_pool.'):
-        return 'attention-pool head (SigLIP\'s MAP): attention, which AFT models do not have; pooled by average'
-    if key in ('cls_token', 'pos_embed'):
-        return 'AFT-conv has no class token or position embedding (fully convolutional)'
-    return ''
+    return next((why.format(layout=layout) for pattern, why in _DROPPED if re.fullmatch(pattern, key)), '')
 
 
 def _map_qkv(key: str, source: torch.Tensor, target: torch.Tensor, values_only: bool,
@@ -214,17 +199,14 @@ def transfer_vit_weights(state_dict: Mapping[str, torch.Tensor], model: torch.nn
     assumed (``report.assumed``). Refuses non-finite tensors and any tensor the model takes from a ViT that the source
     lacks (only the classifier and what AFT adds start fresh)."""
     source, weights = select_weights(state_dict, use_ema)
-    stem = next((key for key in source if key.startswith('patch_embed.backbone.')), None)
-    if stem:
-        raise ValueError(f'a hybrid CNN stem (key {stem!r}), which no AFT patch embedding holds: only a '
-                         f'single-convolution patch embedding maps')
-    layout = _check_family(layout, infer_layout(source)) if layout else infer_layout(source)
+    found = infer_layout(source)
+    layout = _check_family(layout, found) if layout else found
     target = model.state_dict()
     report = TransferReport(weights=weights, source=layout.name, assumed=[
         f'{what}: the weights do not say (--src-model reads it)' for what in layout.assumed])
     _check_structure(layout, model)
     source = _canonical(source, layout, report)
-    src_depth, dst_depth = _num_blocks(source), _num_blocks(target)
+    src_depth, dst_depth = found.depth, len(getattr(model, 'blocks', ()))
     if src_depth != dst_depth:
         raise ValueError(f'depth mismatch: the checkpoint has {src_depth} blocks (blocks.0-{src_depth - 1}), '
                          f'the model {dst_depth}: build it with depth={src_depth}')
@@ -300,12 +282,10 @@ def _check_structure(layout: SourceLayout, model: torch.nn.Module) -> None:
     blocks = getattr(model, 'blocks', None)
     if not blocks:
         return
-    mlp = blocks[0].mlp
-    kind = next((name for name, cls in MLP_KINDS.items() if type(mlp) is cls and (
-        name != 'swiglu_packed' or not mlp.gate_last)), type(mlp).__name__)
+    kind, act, _ = block_mlp(blocks[0], type(model).__name__)
     if kind != layout.mlp_layer:
         raise ValueError(f'blocks.0.mlp: the source ({layout.name}) has a {layout.mlp_layer!r} MLP, the model a '
                          f'{kind!r} one: build it with mlp_layer={layout.mlp_layer!r}')
-    if layout.act_layer is not None and act_name(mlp.act) != layout.act_layer:
+    if layout.act_layer is not None and act != layout.act_layer:
         raise ValueError(f'blocks.0.mlp.act: the source ({layout.name}) uses {layout.act_layer}, the model '
-                         f'{type(mlp.act).__name__}: build it with act_layer={layout.act_layer!r}')
+                         f'{type(blocks[0].mlp.act).__name__}: build it with act_layer={layout.act_layer!r}')

@@ -126,18 +126,13 @@ def _read_json_object(path: Path, what: str = 'results file') -> Dict[str, Any]:
 
 
 def _record_from_results(results: Dict[str, Any], path: Path) -> Optional[TrainingRecord]:
-    # the main job's results.json: its data_config, or (written before it was recorded) its sizes
-    if isinstance(results.get('data_config'), dict):
-        data_config = {k: v for k, v in results['data_config'].items() if k in DATA_CONFIG_KEYS}
-        source = f'{path.name} (aft_vision.train)'
-    elif isinstance(results.get('img_size'), int) and 'architecture' in results:
-        # earlier versions of the main job always evaluated at img_size with crop_pct 1.0 and the model's defaults
-        data_config = {'input_size': (3, results['img_size'], results['img_size']), 'crop_pct': 1.0}
-        source = f'{path.name} (aft_vision.train: evaluated at img_size with crop_pct 1.0)'
-    else:
+    # the main job's results.json: its data_config (None: metrics alone)
+    if not isinstance(results.get('data_config'), dict):
         return None
-    sizes = results.get('train_img_sizes') or [results.get('img_size') or data_config.get('input_size', [0])[-1]]
-    return TrainingRecord(source, data_config, results.get('architecture'), dict(results.get('model_kwargs') or {}),
+    data_config = {k: v for k, v in results['data_config'].items() if k in DATA_CONFIG_KEYS}
+    sizes = results.get('train_img_sizes') or [data_config.get('input_size', [0])[-1]]
+    return TrainingRecord(f'{path.name} (aft_vision.train)', data_config, results.get('architecture'),
+                          dict(results.get('model_kwargs') or {}),
                           notes=[f'trained by aft_vision.train at {", ".join(map(str, sizes))} px'])
 
 
@@ -146,9 +141,8 @@ def read_training_record(checkpoint: str, results_file: Optional[str] = None) ->
     main job), ``args.yaml`` beside it or the ``args`` inside it (timm ``train.py``). ValueError if unreadable."""
     folder = Path(checkpoint).parent
     candidates = [Path(results_file)] if results_file else []
-    if (folder / 'results.json').is_file() and folder / 'results.json' not in candidates:
-        candidates.append(folder / 'results.json')
-    for path in candidates:
+    candidates += [folder / 'results.json'] if (folder / 'results.json').is_file() else []
+    for path in dict.fromkeys(candidates):
         record = _record_from_results(_read_json_object(path), path)
         if record is not None:
             return record
