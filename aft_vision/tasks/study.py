@@ -285,17 +285,13 @@ def _tables(settings: StudySettings, records: Dict[str, Dict]) -> Dict[str, List
 
 
 def _resolution_rows(settings: StudySettings, records: Dict[str, Dict], chosen_configs: List[Config]) -> List[Dict]:
-    """A row per family, training (one size, several) and way of following the size: top-1 per size, worst drop."""
+    """A row per family, training (one size, several) and way of following the size: top-1 at each size every seed
+    reached."""
     rows = []
     for config in chosen_configs:
         chosen = [records[Run(config, 'random', settings.epochs, seed).id]['top1_at'] for seed in range(settings.seeds)]
-        for mode in chosen[0]:
-            sizes = [size for size in map(str, settings.eval_img_sizes) if all(size in r[mode] for r in chosen)]
-            top1 = {size: _stats(r[mode][size] for r in chosen) for size in sizes}
-            trained = str(settings.img_size)
-            rows.append({'family': config.family, 'key': config.key,
-                         'training': sizes_text(settings.train_img_sizes) if config.multi_size else trained,
-                         'mode': mode, 'top1_at': top1,
-                         'worst_drop': max((top1[trained]['mean'] - v['mean'] for v in top1.values()), default=0.0)
-                         if trained in top1 else None})
+        training = sizes_text(settings.train_img_sizes) if config.multi_size else str(settings.img_size)
+        rows += [{'family': config.family, 'key': config.key, 'training': training, 'mode': mode,
+                  'top1_at': {size: _stats(r[mode][size] for r in chosen) for size in map(str, settings.eval_img_sizes)
+                              if all(size in r[mode] for r in chosen)}} for mode in chosen[0]]
     return rows
