@@ -131,12 +131,21 @@ def _check_out(path: PathLike, force: bool) -> Path:
     return path
 
 
-def _draw_grid(fig, maps: np.ndarray, cmap: str, norm_of_row: Callable, col_label: str,
-               image: Optional[np.ndarray] = None, **imshow_kwargs) -> List[list]:
-    """``maps[layer, col]`` as a grid of panels (layer rows, ``col_label`` columns), one colour scale
-    (``norm_of_row``) and bar per row, under ``image`` in a top band if given; returns the panels."""
+def _min_to_max(layer: np.ndarray):
+    """A colour scale over ``layer``'s values."""
+    from matplotlib.colors import Normalize
+
+    return Normalize(float(layer.min()), float(layer.max()))
+
+
+def _draw_grid(maps: np.ndarray, cmap: str, col_label: str = '', norm_of_row: Callable = _min_to_max,
+               image: Optional[np.ndarray] = None, panel: float = 0.9, **imshow_kwargs) -> Tuple[object, List[list]]:
+    """A figure of ``maps[layer, col]`` as a grid of ``panel``-inch panels (layer rows, ``col_label`` columns), one
+    colour scale (``norm_of_row``) and bar per row, under ``image`` in a top band if given; returns it and the
+    panels."""
     num_rows, num_cols = maps.shape[:2]
     top = int(image is not None)
+    fig = figure(panel * num_cols + 1.2, panel * num_rows + 2.0 * top + 0.8, 'constrained')
     ratios = [2.2] * top + [1.0] * num_rows
     spec = fig.add_gridspec(len(ratios), num_cols + 1, height_ratios=ratios, width_ratios=[1.0] * num_cols + [0.08])
     fig.get_layout_engine().set(w_pad=0.01, h_pad=0.01, wspace=0.02, hspace=0.02)
@@ -156,14 +165,7 @@ def _draw_grid(fig, maps: np.ndarray, cmap: str, norm_of_row: Callable, col_labe
         band.imshow(image)
         band.set_axis_off()
         band.set_title('input', fontsize=8)
-    return panels
-
-
-def _min_to_max(layer: np.ndarray):
-    """A colour scale over ``layer``'s values."""
-    from matplotlib.colors import Normalize
-
-    return Normalize(float(layer.min()), float(layer.max()))
+    return fig, panels
 
 
 def plot_position_bias(maps: np.ndarray, path: PathLike, title: Optional[str] = None,
@@ -178,14 +180,13 @@ def plot_position_bias(maps: np.ndarray, path: PathLike, title: Optional[str] = 
     path = _check_out(path, force)
     maps = np.asarray(maps, dtype=np.float32)
     if maps.ndim == 4:
-        num_layers, num_heads, size = maps.shape[0], maps.shape[1], maps.shape[-1]
+        num_layers, size = maps.shape[0], maps.shape[-1]
 
         def norm(layer: np.ndarray):  # centred on 0; a layer all 0 takes any scale
             limit = float(np.abs(layer).max()) or 1.0
             return SymLogNorm(0.1, vmin=-limit, vmax=limit, base=10) if log_scale and limit > 0.1 else Normalize(
                 -limit, limit)
-        fig = figure(0.9 * num_heads + 1.2, 0.9 * num_layers + 0.8, 'constrained')
-        panels = _draw_grid(fig, maps, 'RdBu_r', norm, 'head', extent=(-size / 2, size / 2, size / 2, -size / 2))
+        fig, panels = _draw_grid(maps, 'RdBu_r', 'head', norm, extent=(-size / 2, size / 2, size / 2, -size / 2))
         bottom_left, radius = panels[-1][0], size // 2
         bottom_left.set(xticks=[-radius, 0, radius], yticks=[-radius, 0, radius])
         bottom_left.tick_params(labelsize=6)
@@ -193,8 +194,8 @@ def plot_position_bias(maps: np.ndarray, path: PathLike, title: Optional[str] = 
         bottom_left.set_ylabel(f'layer {num_layers}\nkey row offset', fontsize=7)
         title = title or f'exp(w) - 1 per layer (rows) and head (columns), {size} x {size} offsets'
     elif maps.ndim == 3:  # a panel per layer, one under the other
-        fig = figure(3.0, 2.0 * len(maps) + 0.8, 'constrained')
-        for (ax,) in _draw_grid(fig, maps[:, None], 'viridis', _min_to_max, ''):
+        fig, panels = _draw_grid(maps[:, None], 'viridis', panel=2.0)
+        for (ax,) in panels:
             if query is not None:
                 ax.plot(query[1], query[0], marker='x', color='red', markersize=6)
         where = 'the class token' if query is None else f'query {tuple(query)} (x)'
@@ -214,9 +215,7 @@ def plot_key_maps(keys: np.ndarray, path: PathLike, image: Optional[np.ndarray] 
     keys = np.asarray(keys, dtype=np.float32)
     if keys.ndim != 4:
         raise ValueError(f'expected (layers, maps, H, W) keys, got shape {list(keys.shape)}')
-    num_layers, num_maps = keys.shape[:2]
-    fig = figure(0.9 * num_maps + 1.2, 0.9 * num_layers + (0.0 if image is None else 2.0) + 0.8, 'constrained')
-    _draw_grid(fig, keys, 'viridis', _min_to_max, map_label, image)
+    fig, _ = _draw_grid(keys, 'viridis', map_label, image=image)
     grid = f'{keys.shape[2]} x {keys.shape[3]}'
     fig.suptitle(title or f'keys per layer (rows) and {map_label} (columns) over the {grid} patch grid', fontsize=9)
     save_figure(fig, path, dpi, force)
