@@ -144,8 +144,7 @@ def run(settings: SegmentSettings) -> Dict:
         sha256 = save_weights(model.state_dict(), out / 'model.safetensors', force=True)
         results = {
             'task': 'segment', 'model': settings.model, 'model_kwargs': dict(settings.model_kwargs),
-            'decoder': 'smp.DPT',
-            'decoder_kwargs': {k: list(v) if isinstance(v, tuple) else v for k, v in DPT_DECODER.items()},
+            'decoder': 'smp.DPT', 'decoder_kwargs': DPT_DECODER,
             'miou': mean_iou(counts), f'miou_at_{settings.eval_img_size}': mean_iou(counts_large),
             'confusion': counts.tolist(), f'confusion_at_{settings.eval_img_size}': counts_large.tolist(),
             'img_size': settings.img_size, 'eval_img_size': settings.eval_img_size, 'epochs': settings.epochs,

@@ -31,9 +31,8 @@ FAMILY_KEYS = ('vit', 'aft_full', 'aft_simple', 'aft_conv')
 AFT_CONV_MODES = ('keep', 'window', 'patch')  # resize_mode; the other families resample their position parameters
 # The main job's trunk: patch 4 (an 8 x 8 token map at 32 px), width 64, 4 blocks, MLP ratio 2.
 TRUNK = {key: DIGITS_MODEL[key] for key in ('patch_size', 'embed_dim', 'depth', 'mlp_ratio')}
-WINDOW_KERNELS = (3, 5, 7)  # Table 9: kernels at per-channel heads
-HEADS = (1, 4, TRUNK['embed_dim'])  # Table 10: heads at HEADS_KERNEL (embed_dim heads: one per channel)
-HEADS_KERNEL = 5
+# AFT-conv's (kernel, heads): Table 9's kernels at a head per channel, then Table 10's fewer heads at kernel 5
+WINDOW = tuple((k, TRUNK['embed_dim']) for k in (3, 5, 7)) + ((5, 1), (5, 4))
 # DINOv2's and CLIP's block on the trunk: LayerScale (CaiT's 0.1 for shallow nets) and a norm before the blocks
 LS_PRE_NORM = {'init_values': 0.1, 'pre_norm': True}
 _DIGITS = ClassifySettings()
@@ -107,7 +106,7 @@ def configs(settings: StudySettings) -> Dict[str, Config]:
         Config(f'{c.key}_ms', f'{c.label.split(" (")[0]} at several sizes', c.family, c.model,
                dict(c.kwargs, **({'resize_mode': 'window'} if c.key == 'aft_conv' else {'dynamic_img_size': True})),
                multi_size=True) for c in found[:4]]  # the families above
-    for kernel, heads in sorted({(k, TRUNK['embed_dim']) for k in WINDOW_KERNELS} | {(HEADS_KERNEL, h) for h in HEADS}):
+    for kernel, heads in WINDOW:
         found.append(Config(f'aft_conv_k{kernel}_h{heads}', f'AFT-conv k{kernel} h{heads}', 'AFT-conv', 'aft_conv_test',
                             dict(DIGITS_MODEL, kernel_size=kernel, num_heads=heads)))
     return {config.key: config for config in found}
@@ -116,8 +115,6 @@ def configs(settings: StudySettings) -> Dict[str, Config]:
 def _part_runs(settings: StudySettings) -> Dict[str, List[Tuple[Config, str, int]]]:
     """Each chosen part's (configuration, start, epochs), each once and in its table's order (a run per seed)."""
     known, full, short = configs(settings), settings.epochs, settings.fine_tune_epochs
-    window = [f'aft_conv_k{k}_h{TRUNK["embed_dim"]}' for k in WINDOW_KERNELS]
-    window += [f'aft_conv_k{HEADS_KERNEL}_h{h}' for h in HEADS]
     parts = {'families': [(known[key], 'random', full) for key in FAMILY_KEYS],
              'transfer': [(known['vit'], 'random', full)] + [
                  (known[key], start, epochs) for key in ('aft_conv', 'aft_full')
@@ -125,7 +122,7 @@ def _part_runs(settings: StudySettings) -> Dict[str, List[Tuple[Config, str, int
              'transfer_ls': [(known['vit_ls'], 'random', full)] + [
                  (known[key], start, short) for key in ('aft_conv_ls', 'aft_full_ls')
                  for start in ('vit_ls', 'random')],
-             'window': [(known[key], 'random', full) for key in window],
+             'window': [(known[f'aft_conv_k{k}_h{h}'], 'random', full) for k, h in WINDOW],
              'resolution': [(known[key + suffix], 'random', full) for key in FAMILY_KEYS for suffix in ('', '_ms')]}
     return {part: list({(c.key, start, epochs): (c, start, epochs) for c, start, epochs in parts[part]}.values())
             for part in PARTS if part in settings.parts}
@@ -144,6 +141,8 @@ def check_settings(settings: StudySettings) -> Dict[str, Dict]:
     for name, value in (('--seeds', settings.seeds), ('--epochs', settings.epochs)):
         if value < 1:
             raise ValueError(f'{name}: must be >= 1, got {value}')
+    if not settings.eval_img_sizes:
+        raise ValueError('--eval-img-sizes: give at least one size')
     unknown = [part for part in settings.parts if part not in PARTS]
     if unknown or not settings.parts:
         raise ValueError(f'--parts: {" ".join(unknown) or "none given"}: choose from {", ".join(PARTS)}')
@@ -153,16 +152,15 @@ def check_settings(settings: StudySettings) -> Dict[str, Dict]:
         raise ValueError(f'--baseline: unknown model {settings.baseline!r}{hint}')
     kwargs = {}
     for config in {run.config.key: run.config for run in plan_runs(settings)}.values():  # each once, in order
-        train_sizes = list(settings.train_img_sizes if config.multi_size else [settings.img_size])
-        for option, sizes in (('--eval-img-size', [settings.eval_img_size]),
-                              ('--eval-img-sizes', list(settings.eval_img_sizes))):
-            job = ClassifySettings(model=config.model, img_size=settings.img_size, eval_img_sizes=sizes,
-                                   train_img_sizes=train_sizes)
-            try:
-                kwargs[config.key] = check_model_and_sizes(job, dict(config.kwargs))[0]
-            except ValueError as error:  # the option as the study names it, and the configuration
-                message = str(error).replace('--eval-img-sizes', option, 1)
-                raise ValueError(f'{message} ({config.label}: {config.model})') from None
+        train_sizes = settings.train_img_sizes if config.multi_size else [settings.img_size]
+        job = ClassifySettings(model=config.model, img_size=settings.img_size, train_img_sizes=list(train_sizes),
+                               eval_img_sizes=[settings.eval_img_size, *settings.eval_img_sizes])
+        try:
+            kwargs[config.key] = check_model_and_sizes(job, dict(config.kwargs))[0]
+        except ValueError as error:  # the option as the study names it, and the configuration
+            message = str(error).replace(f'--eval-img-sizes {settings.eval_img_size}:',
+                                         f'--eval-img-size {settings.eval_img_size}:', 1)
+            raise ValueError(f'{message} ({config.label}: {config.model})') from None
     return kwargs
 
 
@@ -222,10 +220,10 @@ def _finished(path: Path, settings: StudySettings, run: Run) -> Optional[Dict]:
     if not path.is_file():
         return None
     record = json.loads(path.read_text())
-    for key, word, wanted in (('config', 'as', asdict(run.config)), ('recipe', 'with', settings.recipe())):
-        if record.get(key) != json.loads(json.dumps(wanted)):
-            raise ValueError(f'{path} was trained {word} {record.get(key)}, this study asks for {wanted}: give another '
-                             f'--out-dir')
+    wanted = json.loads(json.dumps({'config': asdict(run.config), 'recipe': settings.recipe()}))
+    found = {key: record.get(key) for key in wanted}
+    if found != wanted:
+        raise ValueError(f'{path} was trained with {found}, this study asks for {wanted}: give another --out-dir')
     return record
 
 
@@ -255,7 +253,7 @@ def run_study(settings: StudySettings, out_dir: Path) -> Dict:
                'train_seconds': round(sum(records[i]['wall_seconds'] for i in records), 1),
                'versions': {'torch': torch.__version__, 'timm': timm.__version__, 'python': platform.python_version()}}
     _write(out_dir / 'study.md', render_markdown(summary))
-    summary['plots'] = plot_study(summary, records, out_dir / 'plots')
+    summary['plots'] = plot_study(summary, out_dir / 'plots')
     summary['wall_seconds'] = round(time.perf_counter() - start, 1)
     _write(out_dir / 'study.json', json.dumps(summary, indent=2))
     return summary
@@ -269,44 +267,31 @@ def _stats(values: Sequence[float]) -> Dict:
 
 def _row(settings: StudySettings, records: Dict[str, Dict], config: Config, start: str, epochs: int) -> Dict:
     chosen = [records[Run(config, start, epochs, seed).id] for seed in range(settings.seeds)]
-    return {'key': config.key, 'label': config.label, 'family': config.family, 'model': config.model,
-            'kernel': config.kwargs.get('kernel_size'), 'heads': config.kwargs.get('num_heads'),
-            'start': start, 'epochs': epochs, 'params': chosen[0]['params'], 'macs': chosen[0]['macs'],
-            'top1': _stats(r['top1'] for r in chosen), 'top1_large': _stats(r['top1_large'] for r in chosen),
-            'top1_epoch1': _stats(r['history'][0]['val_top1'] for r in chosen),
-            'curve': [_stats(r['history'][e]['val_top1'] for r in chosen)['mean'] for e in range(epochs)],
-            'curve_min': [min(r['history'][e]['val_top1'] for r in chosen) for e in range(epochs)],
-            'curve_max': [max(r['history'][e]['val_top1'] for r in chosen) for e in range(epochs)]}
+    per_epoch = [[r['history'][e]['val_top1'] for r in chosen] for e in range(epochs)]  # [epoch][seed]
+    row = {'key': config.key, 'label': config.label, 'family': config.family, 'model': config.model,
+           'kernel': config.kwargs.get('kernel_size'), 'heads': config.kwargs.get('num_heads'),
+           'start': start, 'epochs': epochs, 'params': chosen[0]['params'], 'macs': chosen[0]['macs'],
+           'top1': _stats(r['top1'] for r in chosen), 'top1_large': _stats(r['top1_large'] for r in chosen),
+           'top1_per_epoch': [_stats(v) for v in per_epoch]}
+    if start != 'random':  # the head start: top-1 after epoch 1 minus the random start's, per seed (points)
+        controls = [records[Run(config, 'random', epochs, seed).id] for seed in range(settings.seeds)]
+        row['head_start'] = [a - b for a, b in zip(per_epoch[0], (r['history'][0]['val_top1'] for r in controls))]
+    return row
 
 
 def _tables(settings: StudySettings, records: Dict[str, Dict]) -> Dict[str, List[Dict]]:
     return {part: _resolution_rows(settings, records, [config for config, _, _ in specs]) if part == 'resolution'
-            else _head_starts([_row(settings, records, *spec) for spec in specs])
-            for part, specs in _part_runs(settings).items()}
-
-
-def _head_starts(rows: List[Dict]) -> List[Dict]:
-    """Each transferred row's head start: its top-1 after epoch 1 minus the random start's, per seed (points)."""
-    for row in rows:
-        control = next((r for r in rows if r['key'] == row['key'] and r['epochs'] == row['epochs']
-                        and r['start'] == 'random'), None)
-        if row['start'] != 'random' and control is not None:
-            row['head_start'] = [a - b for a, b in zip(row['top1_epoch1']['values'], control['top1_epoch1']['values'])]
-    return rows
+            else [_row(settings, records, *spec) for spec in specs] for part, specs in _part_runs(settings).items()}
 
 
 def _resolution_rows(settings: StudySettings, records: Dict[str, Dict], chosen_configs: List[Config]) -> List[Dict]:
-    """A row per family, training (one size, several) and way of following the size: top-1 per size, worst drop."""
+    """A row per family, training (one size, several) and way of following the size: top-1 at each size every seed
+    reached."""
     rows = []
     for config in chosen_configs:
         chosen = [records[Run(config, 'random', settings.epochs, seed).id]['top1_at'] for seed in range(settings.seeds)]
-        for mode in chosen[0]:
-            sizes = [size for size in map(str, settings.eval_img_sizes) if all(size in r[mode] for r in chosen)]
-            top1 = {size: _stats(r[mode][size] for r in chosen) for size in sizes}
-            trained = str(settings.img_size)
-            rows.append({'family': config.family, 'key': config.key,
-                         'training': sizes_text(settings.train_img_sizes) if config.multi_size else trained,
-                         'mode': mode, 'top1_at': top1,
-                         'worst_drop': max((top1[trained]['mean'] - v['mean'] for v in top1.values()), default=0.0)
-                         if trained in top1 else None})
+        training = sizes_text(settings.train_img_sizes) if config.multi_size else str(settings.img_size)
+        rows += [{'family': config.family, 'key': config.key, 'training': training, 'mode': mode,
+                  'top1_at': {size: _stats(r[mode][size] for r in chosen) for size in map(str, settings.eval_img_sizes)
+                              if all(size in r[mode] for r in chosen)}} for mode in chosen[0]]
     return rows

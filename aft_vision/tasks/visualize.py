@@ -15,6 +15,7 @@ from ..checkpoints import check_output
 from ..hub import load_model, warn_random_weights
 from ..images import read_image
 from ..layers import AFTConv2d, AFTFull, AFTSimple
+from ..models.aft_vit import GridAFTFull
 from ..plots import figure, save_figure
 
 __all__ = ['position_bias_maps', 'position_bias_for_query', 'key_maps', 'plot_position_bias', 'plot_key_maps',
@@ -63,23 +64,16 @@ def position_bias_for_query(model: nn.Module, query: Optional[Tuple[int, int]] =
     class token's row for None, over the built patch grid without prefix columns: float32 (layers, H', W')."""
     maps = []
     with _eval_mode(model):
-        for layer in _mixers(model, (AFTFull,), 'AFT-full layer: position_bias_maps shows AFT-conv biases, AFT-simple '
-                                                'has none'):
-            grid = getattr(layer, 'grid_size', None)
-            if grid is None:
-                raise ValueError(f'{type(layer).__name__} does not know its patch grid (no grid_size attribute)')
-            prefix = getattr(layer, 'num_prefix_tokens', 0)
-            if query is None:
-                if not prefix:
-                    raise ValueError('the model has no class token: pass a query (row, column)')
-                row = 0
-            else:
-                y, x = query
-                if not (0 <= y < grid[0] and 0 <= x < grid[1]):
-                    raise ValueError(f'query {tuple(query)} is off the {grid[0]} x {grid[1]} patch grid')
-                row = prefix + y * grid[1] + x
-            w = layer.position_bias()[row, prefix:].float()  # (H * W,)
-            maps.append(torch.exp(w).view(grid[0], grid[1]))
+        for layer in _mixers(model, (GridAFTFull,), 'AFT-full layer: position_bias_maps shows AFT-conv biases, '
+                                                    'AFT-simple has none'):
+            (rows, cols), prefix = layer.grid_size, layer.num_prefix_tokens
+            if query is None and not prefix:
+                raise ValueError('the model has no class token: pass a query (row, column)')
+            if query is not None and not (0 <= query[0] < rows and 0 <= query[1] < cols):
+                raise ValueError(f'query {tuple(query)} is off the {rows} x {cols} patch grid')
+            t = 0 if query is None else prefix + query[0] * cols + query[1]
+            w = layer.position_bias()[t, prefix:].float()  # (H' * W',)
+            maps.append(torch.exp(w).view(rows, cols))
     return torch.stack(maps).cpu().numpy()
 
 
@@ -106,26 +100,13 @@ def key_maps(model: nn.Module, image: torch.Tensor, num_maps: Optional[int] = No
             handle.remove()
     maps = []
     for layer, qkv in captured:
-        if isinstance(layer, AFTConv2d):  # q (C), k (h), v (C) on a (1, H, W, .) map
-            keys = qkv[0, ..., layer.dim:layer.dim + layer.num_heads]  # (H, W, h)
-        else:  # q, k, v (C each) on (1, prefix + H * W, .) tokens -> (H, W, C)
-            grid = _grid_of(model, image.shape[-2:], qkv.shape[1])
-            keys = qkv[0, qkv.shape[1] - grid[0] * grid[1]:, layer.dim:2 * layer.dim].reshape(grid[0], grid[1], -1)
-        maps.append(keys[..., :num_maps].float().permute(2, 0, 1))  # (maps, H, W)
+        if isinstance(layer, AFTConv2d):  # q (C), k (h), v (C) on a (1, H', W', .) map
+            keys = qkv[0, ..., layer.dim:layer.dim + layer.num_heads]  # (H', W', h)
+        else:  # q, k, v (C each) on (1, prefix + H' * W', .) tokens
+            rows, cols = model.patch_embed.dynamic_feat_size(tuple(image.shape[-2:]))
+            keys = qkv[0, -rows * cols:, layer.dim:2 * layer.dim].reshape(rows, cols, -1)  # (H', W', C)
+        maps.append(keys[..., :num_maps].float().permute(2, 0, 1))  # (maps, H', W')
     return torch.stack(maps).cpu().numpy()
-
-
-def _grid_of(model: nn.Module, image_size: Sequence[int], num_tokens: int) -> Tuple[int, int]:
-    patch_embed = getattr(model, 'patch_embed', None)
-    if patch_embed is not None and hasattr(patch_embed, 'dynamic_feat_size'):
-        grid = patch_embed.dynamic_feat_size((int(image_size[0]), int(image_size[1])))
-    else:
-        side = int(round(num_tokens ** 0.5))
-        grid = (side, side)
-    prefix = getattr(model, 'num_prefix_tokens', 0)
-    if grid[0] * grid[1] + prefix != num_tokens:
-        raise ValueError(f'cannot lay {num_tokens} tokens ({prefix} prefix) out on a {grid[0]} x {grid[1]} grid')
-    return int(grid[0]), int(grid[1])
 
 
 def load_image(path: PathLike, model: nn.Module, img_size: Optional[int] = None) -> Tuple[torch.Tensor, np.ndarray]:
@@ -150,12 +131,21 @@ def _check_out(path: PathLike, force: bool) -> Path:
     return path
 
 
-def _draw_grid(fig, maps: np.ndarray, cmap: str, norm_of_row: Callable, col_label: str,
-               image: Optional[np.ndarray] = None, **imshow_kwargs) -> List[list]:
-    """``maps[layer, col]`` as a grid of panels (layer rows, ``col_label`` columns), one colour scale
-    (``norm_of_row``) and bar per row, under ``image`` in a top band if given; returns the panels."""
+def _min_to_max(layer: np.ndarray):
+    """A colour scale over ``layer``'s values."""
+    from matplotlib.colors import Normalize
+
+    return Normalize(float(layer.min()), float(layer.max()))
+
+
+def _draw_grid(maps: np.ndarray, cmap: str, col_label: str = '', norm_of_row: Callable = _min_to_max,
+               image: Optional[np.ndarray] = None, panel: float = 0.9, **imshow_kwargs) -> Tuple[object, List[list]]:
+    """A figure of ``maps[layer, col]`` as a grid of ``panel``-inch panels (layer rows, ``col_label`` columns), one
+    colour scale (``norm_of_row``) and bar per row, under ``image`` in a top band if given; returns it and the
+    panels."""
     num_rows, num_cols = maps.shape[:2]
     top = int(image is not None)
+    fig = figure(panel * num_cols + 1.2, panel * num_rows + 2.0 * top + 0.8, 'constrained')
     ratios = [2.2] * top + [1.0] * num_rows
     spec = fig.add_gridspec(len(ratios), num_cols + 1, height_ratios=ratios, width_ratios=[1.0] * num_cols + [0.08])
     fig.get_layout_engine().set(w_pad=0.01, h_pad=0.01, wspace=0.02, hspace=0.02)
@@ -175,7 +165,7 @@ def _draw_grid(fig, maps: np.ndarray, cmap: str, norm_of_row: Callable, col_labe
         band.imshow(image)
         band.set_axis_off()
         band.set_title('input', fontsize=8)
-    return panels
+    return fig, panels
 
 
 def plot_position_bias(maps: np.ndarray, path: PathLike, title: Optional[str] = None,
@@ -183,48 +173,36 @@ def plot_position_bias(maps: np.ndarray, path: PathLike, title: Optional[str] = 
                        dpi: int = 110) -> Path:
     """Draw position-bias maps into the .png ``path`` (refused if it exists unless ``force``); returns it. (layers,
     heads, s, s) maps: layers as rows, heads as columns, one colour scale per layer centred on 0 (linear within +-0.1
-    and logarithmic beyond with ``log_scale``). (layers, H, W) maps: a panel per layer, ``query`` (row, column)
-    marked."""
+    and logarithmic beyond with ``log_scale``). (layers, H, W) maps: a row per layer, each its own colour scale,
+    ``query`` (row, column) marked."""
     from matplotlib.colors import Normalize, SymLogNorm
 
     path = _check_out(path, force)
     maps = np.asarray(maps, dtype=np.float32)
     if maps.ndim == 4:
-        num_layers, num_heads, size = maps.shape[0], maps.shape[1], maps.shape[-1]
+        num_layers, size = maps.shape[0], maps.shape[-1]
 
         def norm(layer: np.ndarray):  # centred on 0; a layer all 0 takes any scale
             limit = float(np.abs(layer).max()) or 1.0
             return SymLogNorm(0.1, vmin=-limit, vmax=limit, base=10) if log_scale and limit > 0.1 else Normalize(
                 -limit, limit)
-        fig = figure(0.9 * num_heads + 1.2, 0.9 * num_layers + 0.8, 'constrained')
-        panels = _draw_grid(fig, maps, 'RdBu_r', norm, 'head', extent=(-size / 2, size / 2, size / 2, -size / 2))
+        fig, panels = _draw_grid(maps, 'RdBu_r', 'head', norm, extent=(-size / 2, size / 2, size / 2, -size / 2))
         bottom_left, radius = panels[-1][0], size // 2
         bottom_left.set(xticks=[-radius, 0, radius], yticks=[-radius, 0, radius])
         bottom_left.tick_params(labelsize=6)
         bottom_left.set_xlabel('key column offset', fontsize=7)
         bottom_left.set_ylabel(f'layer {num_layers}\nkey row offset', fontsize=7)
         title = title or f'exp(w) - 1 per layer (rows) and head (columns), {size} x {size} offsets'
-    elif maps.ndim == 3:
-        num_layers = maps.shape[0]
-        num_cols = min(num_layers, 4)
-        num_rows = -(-num_layers // num_cols)
-        fig = figure(2.6 * num_cols, 2.3 * num_rows + 0.6, 'constrained')
-        spec = fig.add_gridspec(num_rows, num_cols)
-        for layer in range(num_layers):
-            ax = fig.add_subplot(spec[layer // num_cols, layer % num_cols])
-            image = ax.imshow(maps[layer], cmap='viridis', interpolation='nearest')
+    elif maps.ndim == 3:  # a panel per layer, one under the other
+        fig, panels = _draw_grid(maps[:, None], 'viridis', panel=2.0)
+        for (ax,) in panels:
             if query is not None:
                 ax.plot(query[1], query[0], marker='x', color='red', markersize=6)
-            ax.set_title(f'layer {layer + 1}', fontsize=8)
-            ax.set_xlabel('key column', fontsize=7)
-            ax.set_ylabel('key row', fontsize=7)
-            ax.tick_params(labelsize=6)
-            fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04).ax.tick_params(labelsize=6)
         where = 'the class token' if query is None else f'query {tuple(query)} (x)'
         title = title or f'exp(w) for {where} over the patch grid, per layer'
     else:
         raise ValueError(f'expected (layers, heads, s, s) or (layers, H, W) maps, got shape {list(maps.shape)}')
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle(title, fontsize=9, wrap=True)
     save_figure(fig, path, dpi, force)  # refused again if the file appeared while the figure was drawn
     return path
 
@@ -233,15 +211,11 @@ def plot_key_maps(keys: np.ndarray, path: PathLike, image: Optional[np.ndarray] 
                   map_label: str = 'head', force: bool = False, dpi: int = 110) -> Path:
     """Draw (layers, maps, H, W) key maps, layers as rows and ``map_label`` columns, one colour scale per layer, under
     ``image`` (H, W, 3) if given, into the .png ``path`` (refused if it exists unless ``force``); returns it."""
-    from matplotlib.colors import Normalize
-
     path = _check_out(path, force)
     keys = np.asarray(keys, dtype=np.float32)
     if keys.ndim != 4:
         raise ValueError(f'expected (layers, maps, H, W) keys, got shape {list(keys.shape)}')
-    num_layers, num_maps = keys.shape[:2]
-    fig = figure(0.9 * num_maps + 1.2, 0.9 * num_layers + (0.0 if image is None else 2.0) + 0.8, 'constrained')
-    _draw_grid(fig, keys, 'viridis', lambda layer: Normalize(float(layer.min()), float(layer.max())), map_label, image)
+    fig, _ = _draw_grid(keys, 'viridis', map_label, image=image)
     grid = f'{keys.shape[2]} x {keys.shape[3]}'
     fig.suptitle(title or f'keys per layer (rows) and {map_label} (columns) over the {grid} patch grid', fontsize=9)
     save_figure(fig, path, dpi, force)
@@ -270,20 +244,20 @@ def show_bias(model: str, out: PathLike, checkpoint: Optional[PathLike] = None, 
     the first ``heads`` heads; AFT-full: for ``query``, by default the grid centre); returns the maps."""
     start = time.perf_counter()
     name, (model, weights) = model, _load(out, force, model, checkpoint, pretrained, use_ema, model_kwargs)
+    full = _mixers(model, (GridAFTFull,))
     if _mixers(model, (AFTConv2d,)):
         maps = position_bias_maps(model, num_heads=heads)
         plot_position_bias(maps, out, log_scale=log_scale, force=force, dpi=dpi,
                            title=f'{name}: exp(w) - 1, layers (rows) x heads (columns)')
         what = 'AFT-conv exp(w) - 1'
-    elif not _mixers(model, (AFTFull,)):
-        raise ValueError(f'{name} has no position bias (AFT-simple); show-keys works on it')
-    else:
-        grid = next((m.grid_size for m in _mixers(model, (AFTFull,)) if hasattr(m, 'grid_size')), None)
-        query = tuple(query) if query else None if grid is None else (grid[0] // 2, grid[1] // 2)
+    elif full:
+        query = tuple(query or (full[0].grid_size[0] // 2, full[0].grid_size[1] // 2))
         maps = position_bias_for_query(model, query)
         plot_position_bias(maps, out, query=query, force=force, dpi=dpi,
                            title=f'{name}: exp(w) for query {query} over the patch grid, per layer')
         what = f'AFT-full exp(w) for query {query}'
+    else:
+        raise ValueError(f'{name} has no position bias (AFT-simple); show-keys works on it')
     print(f'wrote {out}: {what}, array {list(maps.shape)} (layers, ...); {time.perf_counter() - start:.1f} s')
     warn_random_weights(name, weights)
     return maps
