@@ -76,8 +76,9 @@ def _table(rows: List[Dict], timed: bool, compiled: bool) -> str:
     """The markdown tables: per row the shape, per method its ms (when timed), its counts, Inductor's (compiled);
     '-' where a row's layer has no such method; when timed, forward and backward ms apart per variant."""
     methods = list(dict.fromkeys(method for row in rows for method in row['counts']))
-    head = ['model', 'res', 'grid', 'C', 'h', 's', *(f'{m} ms' for m in methods if timed), *(['fastest'] if timed else []),
-            'auto', 'CUDA auto', *(f'{m} {part} ops / MB' for m in methods for part in ('fwd', 'fwd+bwd')),
+    timing = [f'{m} ms' for m in methods] + ['fastest'] if timed else []
+    head = ['model', 'res', 'grid', 'C', 'h', 's', *timing, 'auto', 'CUDA auto',
+            *(f'{m} {part} ops / MB' for m in methods for part in ('fwd', 'fwd+bwd')),
             *(f'{m} Inductor, CPU: fwd / fwd+bwd kernels, MB' for m in methods if compiled),
             'saved MB: model / DeiT (ratio)']
     lines = []
@@ -112,14 +113,14 @@ def _table(rows: List[Dict], timed: bool, compiled: bool) -> str:
     return text
 
 
-def main(settings, models: List[str], resolutions: List[int], baselines: Dict[str, str]) -> int:
+def main(settings, resolutions: List[int], baselines: Dict[str, str]) -> int:
     """``aft-vision bench --ops`` (``settings``: a ``BenchSettings``): ``ops.json`` and ``ops.md``, per layer the
     methods' times (none under ``ops_count_only``) and traffic counts, per model the bytes a training step saves and
-    its DeiT's (``baselines``: model -> DeiT)."""
+    its DeiT's (``baselines``: each model measured -> its DeiT)."""
     device = torch.device(settings.device)
     timed = not settings.ops_count_only
     rows = []
-    pairs = [(res, name) for res in resolutions for name in models]
+    pairs = [(res, name) for res in resolutions for name in baselines]
     for res, name in tqdm(pairs, desc='bench --ops', unit='layer'):
         shape = layer_shape(name, res)
         variants = settings.ops_methods or variants_for(shape['kind'])

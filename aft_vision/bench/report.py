@@ -35,8 +35,9 @@ def markdown_table(rows: List[Dict]) -> str:
             r = row[who]
             ratios = [_figure(row['ratio'], key, '.2f', 'x') if who == 'aft' else '' for key in RATIOS]
             lines.append([row['resolution'], r['model'], f"{r['params'] / 1e6:.1f}", f"{r['gmacs']:.2f}",
-                          f"{r['infer_img_s']:.1f}", _figure(r, 'train_img_s', '.1f'), _figure(r, 'train_peak_mb', '.0f'),
-                          _figure(r, 'train_saved_mb', '.0f'), f"{r['infer_gflop_s']:.1f}", *ratios])
+                          f"{r['infer_img_s']:.1f}", _figure(r, 'train_img_s', '.1f'),
+                          _figure(r, 'train_peak_mb', '.0f'), _figure(r, 'train_saved_mb', '.0f'),
+                          f"{r['infer_gflop_s']:.1f}", *ratios])
     return markdown(head, lines)
 
 
