@@ -115,12 +115,12 @@ def _classifier(name: str, img_size: int, batch_size: int, train_batch_size: int
 def _deployed(model: torch.nn.Module, images: torch.Tensor, runtime: str, precision: str):
     """``model`` in ``runtime`` at ``precision`` as ``deploy.write_model`` writes it, a function of an image batch (INT8
     calibrated on ``images`` and a batch of random images)."""
-    from ..deploy import load_runner, write_model
+    from ..deploy import SUFFIXES, load_runner, write_model
 
     batches = [images.numpy(), torch.randn_like(images).numpy()] if precision == 'int8' else []
     fmt = 'onnx' if runtime == 'onnxruntime' else 'openvino'
     with tempfile.TemporaryDirectory(prefix='aft-bench-') as folder:
-        path = Path(folder, 'model.onnx' if fmt == 'onnx' else 'model.xml')
+        path = Path(folder, 'model' + SUFFIXES[fmt])
         write_model(model, images, fmt, path, batches)
         return load_runner(path, precision)
 
