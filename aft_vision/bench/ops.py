@@ -58,13 +58,11 @@ def time_methods(shape: Dict, batch_size: int, device: torch.device, precision: 
 def _counts(shape: Dict, settings, variants: List[str]) -> Dict[str, Dict]:
     """Per method: the traffic count on the CUDA path and, with ``--compile``, Inductor's on the CPU."""
     counts = {}
-    for variant in variants:
-        method = variant.partition(':')[0] if shape['kind'] == 'conv' else None
+    for method in dict.fromkeys(variant.partition(':')[0] for variant in variants):
         count = count_layer(shape, 0, settings.batch_size, settings.precision, method)
-        counts[count['method']] = {key: count[key] for key in ('forward_ops', 'forward_mb', 'ops', 'mb')}
+        counts[method] = {key: count[key] for key in ('forward_ops', 'forward_mb', 'ops', 'mb')}
         if settings.compile:
-            counts[count['method']]['inductor'] = inductor_counts(shape, settings.batch_size, settings.precision,
-                                                                  count['method'])
+            counts[method]['inductor'] = inductor_counts(shape, settings.batch_size, settings.precision, method)
     return counts
 
 
@@ -123,9 +121,10 @@ def main(settings, resolutions: List[int], baselines: Dict[str, str]) -> int:
     pairs = [(res, name) for res in resolutions for name in baselines]
     for res, name in tqdm(pairs, desc='bench --ops', unit='layer'):
         shape = layer_shape(name, res)
-        variants = settings.ops_methods or variants_for(shape['kind'])
-        if set(variants) - set(variants_for(shape['kind'])):
-            raise ValueError(f"--ops-methods takes {', '.join(variants_for(shape['kind']))} for {name}, got {variants}")
+        runs = variants_for(shape['kind'])
+        variants = settings.ops_methods or runs
+        if set(variants) - set(runs):
+            raise ValueError(f"--ops-methods takes {', '.join(runs)} for {name}, got {variants}")
         row = {'model': name, 'resolution': res, **shape, 'batch_size': settings.batch_size, 'device': str(device),
                'precision': settings.precision, 'threads': torch.get_num_threads()}
         if timed:

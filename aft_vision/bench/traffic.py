@@ -219,10 +219,10 @@ def inductor_counts(shape: Dict, batch_size: int, precision: str, method: str) -
     from torch._inductor.compile_fx import inductor_metrics_log
 
     compiled = torch.compile(mixer_call(shape, method), fullgraph=True)
-    counts, level = {}, inductor_metrics_log.level
+    counts, level = {'method': method}, inductor_metrics_log.level
     inductor_metrics_log.setLevel(logging.INFO)
     try:
-        for key, train in (('forward', False), ('train', True)):
+        for prefix, train in (('forward_', False), ('', True)):
             torch._dynamo.reset()
             metrics.reset()
             inputs = [x if x is None else x.detach().requires_grad_(train)
@@ -233,8 +233,8 @@ def inductor_counts(shape: Dict, batch_size: int, precision: str, method: str) -
                 out = compiled(*inputs)
                 if train:
                     out.backward(torch.randn_like(out))
-            counts[key] = (metrics.generated_kernel_count, metrics.num_bytes_accessed / 1e6)
+            counts.update({prefix + 'kernels': metrics.generated_kernel_count,
+                           prefix + 'mb': metrics.num_bytes_accessed / 1e6})
     finally:
         inductor_metrics_log.setLevel(level)
-    return {'method': method, 'forward_kernels': counts['forward'][0],
-            'forward_mb': counts['forward'][1], 'kernels': counts['train'][0], 'mb': counts['train'][1]}
+    return counts
