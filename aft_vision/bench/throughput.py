@@ -47,13 +47,14 @@ class _Case:
     """One model on one batch (``train_images`` for the training step): its inference and training-step closures and
     their measurements."""
 
-    def __init__(self, name: str, label: str, model: torch.nn.Module, images: torch.Tensor, train_images: torch.Tensor,
-                 labels: torch.Tensor, precision: str, runtime: str = 'eager'):
-        self.name, self.label, self.device, self.precision = name, label, images.device, precision
+    def __init__(self, settings, name: str, label: str, model: torch.nn.Module, images: torch.Tensor,
+                 train_images: torch.Tensor, labels: torch.Tensor):
+        self.settings, self.name, self.label = settings, name, label
+        self.device, self.precision, runtime = images.device, settings.precision, settings.runtime
         self.eager = model.to(self.device)
         self.model = torch.compile(self.eager, fullgraph=True) if runtime == 'compile' else self.eager
         self.images, self.train_images, self.labels = images, train_images, labels
-        self.runner = _deployed(self.eager, images, runtime, precision) if runtime in DEPLOY_PRECISIONS else None
+        self.runner = _deployed(self.eager, images, runtime, self.precision) if runtime in DEPLOY_PRECISIONS else None
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-6)
         self.params = sum(p.numel() for p in self.model.parameters())
 
@@ -91,17 +92,18 @@ class _Case:
             sync(self.device)
             return torch.cuda.max_memory_allocated(self.device) - base
         images = self.images if method == 'infer' else self.train_images
-        args = (self.name, images.shape[-1], images.shape[0], self.precision, method, torch.get_num_threads())
+        eager = dataclasses.replace(self.settings, runtime='eager', threads=torch.get_num_threads())
         context = multiprocessing.get_context('forkserver')
         context.set_forkserver_preload([__name__])
         with context.Pool(1) as pool:
-            return pool.apply(_fresh_process_rss_peak, args)
+            return pool.apply(_fresh_process_rss_peak, (eager, self.name, images.shape[-1], len(images), method))
 
 
-def _classifier(name: str, img_size: int, batch_size: int, train_batch_size: int, device: torch.device,
-                precision: str, runtime: str = 'eager', base_img_size: Optional[int] = None) -> _Case:
-    """``name`` at ``img_size``, 1000 classes (AFT-conv's windows resampled from ``base_img_size``), random data."""
-    window = bool(base_img_size) and timm.models.is_model_in_modules(name, ['aft_conv'])  # AFT-conv's windows resampled
+def _classifier(settings, name: str, img_size: int, batch_size: int, train_batch_size: int) -> _Case:
+    """``name`` at ``img_size``, 1000 classes (AFT-conv's windows resampled from ``settings.base_img_size``), random
+    data on ``settings.device``."""
+    device, base_img_size = torch.device(settings.device), settings.base_img_size
+    window = bool(base_img_size) and timm.models.is_model_in_modules(name, ['aft_conv'])
     kwargs = dict(base_img_size=base_img_size, resize_mode='window') if window else {}
     model = timm.create_model(name, img_size=img_size, num_classes=1000, **kwargs)
     label = f'{name} ({model.blocks[0].attn.kernel_size}x{model.blocks[0].attn.kernel_size} window)' if window else name
@@ -109,7 +111,7 @@ def _classifier(name: str, img_size: int, batch_size: int, train_batch_size: int
     train_images = images if train_batch_size == batch_size else torch.randn(train_batch_size, 3, img_size, img_size,
                                                                              device=device)
     labels = torch.randint(0, 1000, (train_batch_size,), device=device)
-    return _Case(name, label, model, images, train_images, labels, precision, runtime)
+    return _Case(settings, name, label, model, images, train_images, labels)
 
 
 def _deployed(model: torch.nn.Module, images: torch.Tensor, runtime: str, precision: str):
@@ -125,11 +127,10 @@ def _deployed(model: torch.nn.Module, images: torch.Tensor, runtime: str, precis
         return load_runner(path, precision)
 
 
-def _fresh_process_rss_peak(name: str, img_size: int, batch_size: int, precision: str, method: str,
-                            threads: int) -> int:
+def _fresh_process_rss_peak(settings, name: str, img_size: int, batch_size: int, method: str) -> int:
     """Peak RSS growth over the first call of ``method`` of a freshly built model (in ``peak_memory``'s process)."""
-    torch.set_num_threads(threads)
-    case = _classifier(name, img_size, batch_size, batch_size, torch.device('cpu'), precision)
+    torch.set_num_threads(settings.threads)
+    case = _classifier(settings, name, img_size, batch_size, batch_size)
     gc.collect()
     with open('/proc/self/clear_refs', 'w') as refs:
         refs.write('5')  # Linux: the peak (VmHWM) reset to the current RSS
@@ -173,12 +174,12 @@ def parse_batch_at(entries: List[str]) -> Dict[int, Tuple[int, int]]:
     return parsed
 
 
-def _measure(settings, runtime: str, cases: List[Tuple[str, str, int]], build: Callable, **fields) -> List[Dict]:
+def _measure(settings, cases: List[Tuple[str, str, int]], build: Callable, **fields) -> List[Dict]:
     """Build each baseline and resolution's group of ``cases`` (model, baseline, resolution; ``build(model, res)``),
     time it round-robin (``repeats`` calls per figure, median): a row per AFT model with the resolution, the batch
     sizes, how it ran, ``fields``, its figures, its baseline's and the ratios, resolutions ascending."""
     ran = dict(device=str(torch.device(settings.device)), precision=settings.precision,
-               threads=torch.get_num_threads(), runtime=runtime, **fields)
+               threads=torch.get_num_threads(), runtime=settings.runtime, **fields)
     groups: Dict[Tuple[int, str], Dict[str, None]] = {}  # {(resolution, baseline): its models}
     for name, baseline, res in sorted(cases, key=lambda case: case[2]):
         groups.setdefault((res, baseline), {})[name] = None
@@ -284,7 +285,7 @@ def main(settings: BenchSettings) -> int:
 
 def _main(settings: BenchSettings) -> int:
     check_settings(settings)
-    # a copy, with what --quick or --readme fix; the deployment runtimes set no_train and no_peak_memory in it
+    # a copy with what --quick or --readme fix; below: the runtime it runs, no_train and no_peak_memory if skipped
     settings = dataclasses.replace(settings, **(README_RUN if settings.readme else QUICK_RUN if settings.quick else {}))
     if settings.threads:
         torch.set_num_threads(settings.threads)
@@ -296,7 +297,7 @@ def _main(settings: BenchSettings) -> int:
             raise ValueError(f'unknown model {name!r}; AFT models: {", ".join(timm.list_models("aft_*"))}')
     if settings.compile and settings.runtime not in ('eager', 'compile'):
         raise ValueError(f'--compile contradicts --runtime {settings.runtime}')
-    runtime = 'compile' if settings.compile else settings.runtime
+    runtime = settings.runtime = 'compile' if settings.compile else settings.runtime
     if runtime not in RUNTIMES:
         raise ValueError(f"--runtime: choose one of {', '.join(RUNTIMES)}, got {runtime!r}")
     if runtime in DEPLOY_PRECISIONS:
@@ -308,7 +309,7 @@ def _main(settings: BenchSettings) -> int:
         raise ValueError('int8 is a precision of the deployment runtimes: --runtime onnxruntime or openvino')
     torch.manual_seed(0)
     if settings.dense:
-        return dense_main(settings, runtime)
+        return dense_main(settings)
     baselines = {name: _baseline_for(name) for name in settings.models}
     if settings.ops or settings.ops_count_only:
         resolutions = OPS_RESOLUTIONS if settings.resolutions == DEFAULT_RESOLUTIONS else settings.resolutions
@@ -317,10 +318,8 @@ def _main(settings: BenchSettings) -> int:
     cases += [(name, baseline, res) for name, baseline, resolutions in pairs for res in resolutions]
 
     def build(name: str, res: int) -> _Case:
-        batch, train_batch = batch_at.get(res, (settings.batch_size, settings.batch_size))
-        return _classifier(name, res, batch, train_batch, torch.device(settings.device), settings.precision, runtime,
-                           settings.base_img_size)
-    rows = _measure(settings, runtime, cases, build)
+        return _classifier(settings, name, res, *batch_at.get(res, (settings.batch_size, settings.batch_size)))
+    rows = _measure(settings, cases, build)
     table = markdown_table(rows) + '\n\nAFT against its baseline (the README table):\n\n' + summary_table(rows)
     write_report(settings, 'bench', rows, table, plot_rows=True)
     return 0
@@ -332,22 +331,22 @@ DENSE_RESOLUTIONS = [512, 1024]
 DENSE_CLASSES = 19  # Cityscapes' classes: the decoder's output width
 
 
-def _dense(name: str, img_size: int, device: torch.device, precision: str, runtime: str = 'eager') -> _Case:
+def _dense(settings, name: str, img_size: int) -> _Case:
     """smp's DPT (default decoder, ``decoder_readout='ignore'``) on ``tu-<name>``, on one random image and class map."""
     import segmentation_models_pytorch as smp
 
     torch.manual_seed(0)
     kwargs = {} if name.startswith('aft_') else {'dynamic_img_size': True}
     model = smp.DPT(f'tu-{name}', encoder_weights=None, classes=DENSE_CLASSES, decoder_readout='ignore', **kwargs)
-    images = torch.randn(1, 3, img_size, img_size, device=device)
-    labels = torch.randint(0, DENSE_CLASSES, (1, img_size, img_size), device=device)
-    return _Case(name, name, model, images, images, labels, precision, runtime)
+    images = torch.randn(1, 3, img_size, img_size, device=settings.device)
+    labels = torch.randint(0, DENSE_CLASSES, (1, img_size, img_size), device=settings.device)
+    return _Case(settings, name, name, model, images, images, labels)
 
 
-def dense_main(settings: BenchSettings, runtime: str) -> int:
+def dense_main(settings: BenchSettings) -> int:
     """``aft-vision bench --dense``: DPT on AFT-conv small against DPT on DeiT-S, inference and training step,
     round-robin at each resolution (batch 1, no peak memory); ``bench_dense.json`` and ``bench_dense.md``."""
-    if runtime == 'compile':
+    if settings.runtime == 'compile':
         raise ValueError('--dense times eager PyTorch, onnxruntime or openvino: leave out --compile')
     aft, deit = ('aft_conv_test', 'test_vit') if settings.quick else DENSE_PAIR
     # not classification's default resolutions
@@ -355,8 +354,7 @@ def dense_main(settings: BenchSettings, runtime: str) -> int:
     if any(res % 32 for res in resolutions):
         raise ValueError(f'--resolutions {resolutions}: DPT needs multiples of 32')
     settings.no_peak_memory = True
-    build = functools.partial(_dense, device=torch.device(settings.device), precision=settings.precision,
-                              runtime=runtime)
-    rows = _measure(settings, runtime, [(aft, deit, res) for res in resolutions], build, network='smp.DPT')
+    rows = _measure(settings, [(aft, deit, res) for res in resolutions], functools.partial(_dense, settings),
+                    network='smp.DPT')
     write_report(settings, 'bench_dense', rows, markdown_table(rows))
     return 0
