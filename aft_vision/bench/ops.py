@@ -8,7 +8,7 @@ from typing import Dict, List
 import torch
 from tqdm import tqdm
 
-from .report import write_report
+from .report import markdown, write_report
 from .traffic import (auto_method, autocast, count_layer, inductor_counts, layer_shape, mixer_call, mixer_inputs,
                       saved_on_cuda_path)
 
@@ -58,13 +58,11 @@ def time_methods(shape: Dict, batch_size: int, device: torch.device, precision: 
 def _counts(shape: Dict, settings, variants: List[str]) -> Dict[str, Dict]:
     """Per method: the traffic count on the CUDA path and, with ``--compile``, Inductor's on the CPU."""
     counts = {}
-    for variant in variants:
-        method = variant.partition(':')[0] if shape['kind'] == 'conv' else None
+    for method in dict.fromkeys(variant.partition(':')[0] for variant in variants):
         count = count_layer(shape, 0, settings.batch_size, settings.precision, method)
-        counts[count['method']] = {key: count[key] for key in ('forward_ops', 'forward_mb', 'ops', 'mb')}
+        counts[method] = {key: count[key] for key in ('forward_ops', 'forward_mb', 'ops', 'mb')}
         if settings.compile:
-            counts[count['method']]['inductor'] = inductor_counts(shape, 0, settings.batch_size, settings.precision,
-                                                                  method)
+            counts[method]['inductor'] = inductor_counts(shape, settings.batch_size, settings.precision, method)
     return counts
 
 
@@ -73,21 +71,15 @@ def _mb(value: float) -> str:
 
 
 def _table(rows: List[Dict], timed: bool, compiled: bool) -> str:
-    """The markdown table: per row the shape, per method its ms (when timed), its counts, Inductor's (compiled);
-    '-' where a row's layer has no such method."""
+    """The markdown tables: per row the shape, per method its ms (when timed), its counts, Inductor's (compiled);
+    '-' where a row's layer has no such method; when timed, forward and backward ms apart per variant."""
     methods = list(dict.fromkeys(method for row in rows for method in row['counts']))
-    variants = list(dict.fromkeys(variant for row in rows for variant in row.get('split_ms', ())))
-    first = rows[0]
-    head = ('| model | res | grid | C | h | s | ' + ''.join(f'{m} ms | ' for m in methods if timed)
-            + ('fastest | ' if timed else '') + 'auto | CUDA auto | '
-            + ' | '.join(f'{m} fwd ops / MB | {m} fwd+bwd ops / MB' for m in methods)
-            + ''.join(f' | {m} Inductor, CPU: fwd / fwd+bwd kernels, MB' for m in methods if compiled)
-            + ' | saved MB: model / DeiT (ratio) |')
-    lines = [f"Ops and MB (1e6 bytes): the aten ops one mixer call runs and what they read and write, counted on the "
-             f"CUDA path (bench/traffic.py) whatever --device times; batch {first['batch_size']}, "
-             f"{first['precision']}. Saved: what a training step of the whole model keeps for its backward "
-             f"(CUDA auto, 'cuda' policy; traffic.saved_on_cuda_path) against its DeiT's.", '', head,
-             '|' + '---|' * (head.count('|') - 1)]
+    timing = [f'{m} ms' for m in methods] + ['fastest'] if timed else []
+    head = ['model', 'res', 'grid', 'C', 'h', 's', *timing, 'auto', 'CUDA auto',
+            *(f'{m} {part} ops / MB' for m in methods for part in ('fwd', 'fwd+bwd')),
+            *(f'{m} Inductor, CPU: fwd / fwd+bwd kernels, MB' for m in methods if compiled),
+            'saved MB: model / DeiT (ratio)']
+    lines = []
     for row in rows:
         grid = f"{row['height']}x{row['width']}" + (f" ({row['tokens']} tokens)" if 'tokens' in row else '')
         cells = [row['model'], row['resolution'], grid, row['channels'], row.get('num_heads', '-'),
@@ -104,30 +96,35 @@ def _table(rows: List[Dict], timed: bool, compiled: bool) -> str:
             cells.append(f"{ind['forward_kernels']} / {ind['kernels']}, {_mb(ind['forward_mb'])} / {_mb(ind['mb'])}"
                          if ind else '-')
         model_mb, baseline_mb = row['saved']['model_mb'], row['saved']['baseline_mb']
-        cells.append(f'{_mb(model_mb)} / {_mb(baseline_mb)} ({model_mb / baseline_mb:.3f})')
-        lines.append('| ' + ' | '.join(str(cell) for cell in cells) + ' |')
+        lines.append(cells + [f'{_mb(model_mb)} / {_mb(baseline_mb)} ({model_mb / baseline_mb:.3f})'])
+    first = rows[0]
+    text = (f"Ops and MB (1e6 bytes): the aten ops one mixer call runs and what they read and write, counted on the "
+            f"CUDA path (bench/traffic.py) whatever --device times; batch {first['batch_size']}, "
+            f"{first['precision']}. Saved: what a training step of the whole model keeps for its backward "
+            f"(CUDA auto, 'cuda' policy; traffic.saved_on_cuda_path) against its DeiT's.\n\n" + markdown(head, lines))
     if timed:
-        lines += ['', '| model | res | ' + ' | '.join(f'{v} fwd / bwd ms' for v in variants) + ' |',
-                  '|---|---|' + '---|' * len(variants)]
-        lines += [f"| {row['model']} | {row['resolution']} | " + ' | '.join(
+        variants = list(dict.fromkeys(variant for row in rows for variant in row['split_ms']))
+        split = [[row['model'], row['resolution'], *(
             f"{row['split_ms'][v]['forward']:.2f} / {row['split_ms'][v]['backward']:.2f}" if v in row['split_ms']
-            else '-' for v in variants) + ' |' for row in rows]
-    return '\n'.join(lines)
+            else '-' for v in variants)] for row in rows]
+        text += '\n\n' + markdown(['model', 'res', *(f'{v} fwd / bwd ms' for v in variants)], split)
+    return text
 
 
-def main(settings, models: List[str], resolutions: List[int], baselines: Dict[str, str]) -> int:
+def main(settings, resolutions: List[int], baselines: Dict[str, str]) -> int:
     """``aft-vision bench --ops`` (``settings``: a ``BenchSettings``): ``ops.json`` and ``ops.md``, per layer the
     methods' times (none under ``ops_count_only``) and traffic counts, per model the bytes a training step saves and
-    its DeiT's (``baselines``: model -> DeiT)."""
+    its DeiT's (``baselines``: each model measured -> its DeiT)."""
     device = torch.device(settings.device)
     timed = not settings.ops_count_only
     rows = []
-    pairs = [(res, name) for res in resolutions for name in models]
+    pairs = [(res, name) for res in resolutions for name in baselines]
     for res, name in tqdm(pairs, desc='bench --ops', unit='layer'):
         shape = layer_shape(name, res)
-        variants = settings.ops_methods or variants_for(shape['kind'])
-        if set(variants) - set(variants_for(shape['kind'])):
-            raise ValueError(f"--ops-methods takes {', '.join(variants_for(shape['kind']))} for {name}, got {variants}")
+        runs = variants_for(shape['kind'])
+        variants = settings.ops_methods or runs
+        if set(variants) - set(runs):
+            raise ValueError(f"--ops-methods takes {', '.join(runs)} for {name}, got {variants}")
         row = {'model': name, 'resolution': res, **shape, 'batch_size': settings.batch_size, 'device': str(device),
                'precision': settings.precision, 'threads': torch.get_num_threads()}
         if timed:

@@ -8,7 +8,15 @@ from typing import Dict, List
 from ..checkpoints.files import atomic_dir
 from ..plots import figure, save_figure
 
-__all__ = ['markdown_table', 'summary_table', 'plot', 'write_report']
+__all__ = ['markdown', 'markdown_table', 'summary_table', 'plot', 'write_report']
+
+RATIOS = ('infer_img_s', 'train_img_s', 'train_peak_mb', 'train_saved_mb')  # the full table's ratio columns
+
+
+def markdown(head: List[str], rows: List[List]) -> str:
+    """A markdown table: the ``head`` line, its rule, a line per row of cells (written by ``str``)."""
+    lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
+    return '\n'.join(lines + ['| ' + ' | '.join(map(str, cells)) + ' |' for cells in rows])
 
 
 def _figure(record: Dict, key: str, fmt: str, suffix: str = '') -> str:
@@ -18,33 +26,31 @@ def _figure(record: Dict, key: str, fmt: str, suffix: str = '') -> str:
 
 
 def markdown_table(rows: List[Dict]) -> str:
-    """The README table: one line per (resolution, model), AFT beside DeiT and their ratio."""
-    head = ('| res | model | params (M) | GMACs | infer img/s | train img/s | train peak MB | saved MB | GFLOP/s '
-            '| vs DeiT: infer | train | train mem | saved |')
-    lines = [head, '|' + '---|' * (head.count('|') - 1)]
+    """The full table: one line per (resolution, model), AFT beside DeiT, AFT's line with their ratios."""
+    head = ['res', 'model', 'params (M)', 'GMACs', 'infer img/s', 'train img/s', 'train peak MB', 'saved MB', 'GFLOP/s',
+            'vs DeiT: infer', 'train', 'train mem', 'saved']
+    lines = []
     for row in rows:
         for who in ('aft', 'deit'):
-            r, ratio = row[who], row['ratio']
-            tail = ' | '.join(_figure(ratio, key, '.2f', 'x') for key in
-                              ('infer_img_s', 'train_img_s', 'train_peak_mb', 'train_saved_mb')) if who == 'aft' \
-                else ' | | | '
-            lines.append(
-                f"| {row['resolution']} | {r['model']} | {r['params'] / 1e6:.1f} | {r['gmacs']:.2f} | "
-                f"{r['infer_img_s']:.1f} | {_figure(r, 'train_img_s', '.1f')} | {_figure(r, 'train_peak_mb', '.0f')} | "
-                f"{_figure(r, 'train_saved_mb', '.0f')} | {r['infer_gflop_s']:.1f} | {tail} |")
-    return '\n'.join(lines)
+            r = row[who]
+            ratios = [_figure(row['ratio'], key, '.2f', 'x') if who == 'aft' else '' for key in RATIOS]
+            lines.append([row['resolution'], r['model'], f"{r['params'] / 1e6:.1f}", f"{r['gmacs']:.2f}",
+                          f"{r['infer_img_s']:.1f}", _figure(r, 'train_img_s', '.1f'),
+                          _figure(r, 'train_peak_mb', '.0f'), _figure(r, 'train_saved_mb', '.0f'),
+                          f"{r['infer_gflop_s']:.1f}", *ratios])
+    return markdown(head, lines)
 
 
 def summary_table(rows: List[Dict]) -> str:
     """The README's table: one line per AFT model and resolution, its figures and its ratios to its baseline."""
-    head = '| res | model | params (M) | GMACs | infer img/s | train img/s | vs DeiT: infer | vs DeiT: train |'
-    lines = [head, '|' + '---|' * (head.count('|') - 1)]
+    head = ['res', 'model', 'params (M)', 'GMACs', 'infer img/s', 'train img/s', 'vs DeiT: infer', 'vs DeiT: train']
+    lines = []
     for row in rows:
         r, ratio = row['aft'], row['ratio']
-        lines.append(f"| {row['resolution']} | {r['model']} | {r['params'] / 1e6:.1f} | {r['gmacs']:.2f} | "
-                     f"{r['infer_img_s']:.2f} | {_figure(r, 'train_img_s', '.2f')} | "
-                     f"{_figure(ratio, 'infer_img_s', '.2f', 'x')} | {_figure(ratio, 'train_img_s', '.2f', 'x')} |")
-    return '\n'.join(lines)
+        lines.append([row['resolution'], r['model'], f"{r['params'] / 1e6:.1f}", f"{r['gmacs']:.2f}",
+                      f"{r['infer_img_s']:.2f}", _figure(r, 'train_img_s', '.2f'),
+                      _figure(ratio, 'infer_img_s', '.2f', 'x'), _figure(ratio, 'train_img_s', '.2f', 'x')])
+    return markdown(head, lines)
 
 
 def plot(rows: List[Dict], path: Path) -> None:

@@ -17,7 +17,6 @@ from tqdm import tqdm
 
 from ..checkpoints.files import check_output_dir
 from ..models import count_macs
-from ..models.aft_conv import AFTConvTransformer
 from .ops import main as ops_main, sync
 from .traffic import autocast, saved_bytes
 from .report import markdown_table, summary_table, write_report
@@ -45,16 +44,17 @@ def _memory(field: str) -> int:
 
 
 class _Case:
-    """One model on one batch: its inference and training-step closures and their measurements."""
+    """One model on one batch (``train_images`` for the training step): its inference and training-step closures and
+    their measurements."""
 
-    def __init__(self, name: str, model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor,
-                 device: torch.device, precision: str, runtime: str = 'eager',
-                 train_images: Optional[torch.Tensor] = None, label: Optional[str] = None):
-        self.name, self.label, self.device, self.precision = name, label or name, device, precision
-        self.eager = model.to(device)
+    def __init__(self, settings, name: str, label: str, model: torch.nn.Module, images: torch.Tensor,
+                 train_images: torch.Tensor, labels: torch.Tensor):
+        self.settings, self.name, self.label = settings, name, label
+        self.device, self.precision, runtime = images.device, settings.precision, settings.runtime
+        self.eager = model.to(self.device)
         self.model = torch.compile(self.eager, fullgraph=True) if runtime == 'compile' else self.eager
-        self.images, self.labels, self.train_images = images, labels, images if train_images is None else train_images
-        self.runner = _deployed(self.eager, self.images, runtime, precision) if runtime in DEPLOY_PRECISIONS else None
+        self.images, self.train_images, self.labels = images, train_images, labels
+        self.runner = _deployed(self.eager, images, runtime, self.precision) if runtime in DEPLOY_PRECISIONS else None
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-6)
         self.params = sum(p.numel() for p in self.model.parameters())
 
@@ -92,47 +92,45 @@ class _Case:
             sync(self.device)
             return torch.cuda.max_memory_allocated(self.device) - base
         images = self.images if method == 'infer' else self.train_images
-        args = (self.name, images.shape[-1], images.shape[0], self.precision, method, torch.get_num_threads())
+        eager = dataclasses.replace(self.settings, runtime='eager', threads=torch.get_num_threads())
         context = multiprocessing.get_context('forkserver')
         context.set_forkserver_preload([__name__])
         with context.Pool(1) as pool:
-            return pool.apply(_fresh_process_rss_peak, args)
+            return pool.apply(_fresh_process_rss_peak, (eager, self.name, images.shape[-1], len(images), method))
 
 
-def _classifier(name: str, img_size: int, batch_size: int, train_batch_size: Optional[int], device: torch.device,
-                precision: str, runtime: str = 'eager', base_img_size: Optional[int] = None) -> _Case:
-    """``name`` at ``img_size``, 1000 classes (AFT-conv's windows resampled from ``base_img_size``), random data."""
-    model, label = timm.create_model(name, img_size=img_size, num_classes=1000), name
-    if base_img_size and isinstance(model, AFTConvTransformer):  # its windows resampled for img_size
-        model = timm.create_model(name, img_size=img_size, base_img_size=base_img_size, resize_mode='window',
-                                  num_classes=1000)
-        label = f'{name} ({model.blocks[0].attn.kernel_size}x{model.blocks[0].attn.kernel_size} window)'
-    train_batch_size = train_batch_size or batch_size
+def _classifier(settings, name: str, img_size: int, batch_size: int, train_batch_size: int) -> _Case:
+    """``name`` at ``img_size``, 1000 classes (AFT-conv's windows resampled from ``settings.base_img_size``), random
+    data on ``settings.device``."""
+    device, base_img_size = torch.device(settings.device), settings.base_img_size
+    window = bool(base_img_size) and timm.models.is_model_in_modules(name, ['aft_conv'])
+    kwargs = dict(base_img_size=base_img_size, resize_mode='window') if window else {}
+    model = timm.create_model(name, img_size=img_size, num_classes=1000, **kwargs)
+    label = f'{name} ({model.blocks[0].attn.kernel_size}x{model.blocks[0].attn.kernel_size} window)' if window else name
     images = torch.randn(batch_size, 3, img_size, img_size, device=device)
-    train_images = images if train_batch_size == batch_size else torch.randn(train_batch_size, *images.shape[1:],
+    train_images = images if train_batch_size == batch_size else torch.randn(train_batch_size, 3, img_size, img_size,
                                                                              device=device)
     labels = torch.randint(0, 1000, (train_batch_size,), device=device)
-    return _Case(name, model, images, labels, device, precision, runtime, train_images, label)
+    return _Case(settings, name, label, model, images, train_images, labels)
 
 
 def _deployed(model: torch.nn.Module, images: torch.Tensor, runtime: str, precision: str):
     """``model`` in ``runtime`` at ``precision`` as ``deploy.write_model`` writes it, a function of an image batch (INT8
     calibrated on ``images`` and a batch of random images)."""
-    from ..deploy import load_runner, write_model
+    from ..deploy import SUFFIXES, load_runner, write_model
 
     batches = [images.numpy(), torch.randn_like(images).numpy()] if precision == 'int8' else []
     fmt = 'onnx' if runtime == 'onnxruntime' else 'openvino'
     with tempfile.TemporaryDirectory(prefix='aft-bench-') as folder:
-        path = Path(folder, 'model.onnx' if fmt == 'onnx' else 'model.xml')
+        path = Path(folder, 'model' + SUFFIXES[fmt])
         write_model(model, images, fmt, path, batches)
         return load_runner(path, precision)
 
 
-def _fresh_process_rss_peak(name: str, img_size: int, batch_size: int, precision: str, method: str,
-                            threads: int) -> int:
+def _fresh_process_rss_peak(settings, name: str, img_size: int, batch_size: int, method: str) -> int:
     """Peak RSS growth over the first call of ``method`` of a freshly built model (in ``peak_memory``'s process)."""
-    torch.set_num_threads(threads)
-    case = _classifier(name, img_size, batch_size, None, torch.device('cpu'), precision)
+    torch.set_num_threads(settings.threads)
+    case = _classifier(settings, name, img_size, batch_size, batch_size)
     gc.collect()
     with open('/proc/self/clear_refs', 'w') as refs:
         refs.write('5')  # Linux: the peak (VmHWM) reset to the current RSS
@@ -176,31 +174,15 @@ def parse_batch_at(entries: List[str]) -> Dict[int, Tuple[int, int]]:
     return parsed
 
 
-def _benchmark(settings, models: List[str], resolutions: List[int], baselines: Optional[Dict[str, str]],
-               pairs: List[Tuple[str, str, List[int]]], batch_at: Dict[int, Tuple[int, int]],
-               runtime: str) -> List[Dict]:
-    """Rows of every model against its baseline (default: the DeiT of its width) at every resolution, and of the
-    ``pairs`` (model, baseline, resolutions); ``batch_at``: resolution -> (inference, training batch)."""
-    device, precision = torch.device(settings.device), settings.precision
-    baselines = baselines or {name: _baseline_for(name) for name in models}
-    cases = [(name, baselines[name], res) for res in resolutions for name in models]
-    cases += [(name, baseline, res) for name, baseline, res_list in pairs for res in res_list]
-    groups: Dict[Tuple[int, str], Dict[str, None]] = {}  # {(resolution, baseline): its models}, resolutions ascending
+def _measure(settings, cases: List[Tuple[str, str, int]], build: Callable, **fields) -> List[Dict]:
+    """Build each baseline and resolution's group of ``cases`` (model, baseline, resolution; ``build(model, res)``),
+    time it round-robin (``repeats`` calls per figure, median): a row per AFT model with the resolution, the batch
+    sizes, how it ran, ``fields``, its figures, its baseline's and the ratios, resolutions ascending."""
+    ran = dict(device=str(torch.device(settings.device)), precision=settings.precision,
+               threads=torch.get_num_threads(), runtime=settings.runtime, **fields)
+    groups: Dict[Tuple[int, str], Dict[str, None]] = {}  # {(resolution, baseline): its models}
     for name, baseline, res in sorted(cases, key=lambda case: case[2]):
         groups.setdefault((res, baseline), {})[name] = None
-    batches = {res: batch_at.get(res, (settings.batch_size, settings.batch_size)) for _, _, res in cases}
-
-    def build(name: str, res: int) -> _Case:
-        return _classifier(name, res, *batches[res], device, precision, runtime, settings.base_img_size)
-    return _measure(settings, runtime, groups, build, batches, not settings.no_peak_memory)
-
-
-def _measure(settings, runtime: str, groups: Dict[Tuple[int, str], Dict[str, None]], build: Callable,
-             batches: Dict[int, Tuple[int, int]], peak_memory: bool, **fields) -> List[Dict]:
-    """Build each group (``build(model, res)``), time it round-robin (``repeats`` calls per figure, median): a row per
-    AFT model with the resolution, its ``batches``, how it ran, ``fields``, its figures, its baseline's, the ratios."""
-    ran = dict(device=str(torch.device(settings.device)), precision=settings.precision,
-               threads=torch.get_num_threads(), runtime=runtime, **fields)
     rows = []
     bar = tqdm(total=sum(len(names) for names in groups.values()), desc='bench', unit='pair')
     for (res, baseline), names in groups.items():
@@ -214,12 +196,12 @@ def _measure(settings, runtime: str, groups: Dict[Tuple[int, str], Dict[str, Non
             for _ in range(settings.repeats):  # baseline, AFT 1, AFT 2, baseline, ...
                 for who, case in group.items():
                     times.setdefault((who, method), []).append(case.seconds(getattr(case, method)))
-        records = {who: _record(case, times, not settings.no_train, peak_memory) for who, case in group.items()}
+        records = {who: _record(case, times, settings) for who, case in group.items()}
+        batches = dict(batch_size=len(group[baseline].images), train_batch_size=len(group[baseline].train_images))
         for name in names:
             aft, deit = records[name], records[baseline]  # the ratios of every figure but the name and the size
             ratio = {key: aft[key] / deit[key] for key in aft if key not in ('model', 'params', 'gmacs') and deit[key]}
-            rows.append(dict(resolution=res, batch_size=batches[res][0], train_batch_size=batches[res][1], **ran,
-                             aft=aft, deit=deit, ratio=ratio))
+            rows.append(dict(resolution=res, **batches, **ran, aft=aft, deit=deit, ratio=ratio))
             bar.update()
         del group
         gc.collect()
@@ -227,18 +209,18 @@ def _measure(settings, runtime: str, groups: Dict[Tuple[int, str], Dict[str, Non
     return rows
 
 
-def _record(case: _Case, times: Dict, train: bool, peak_memory: bool) -> Dict:
-    """One model's figures from its timings (medians) and its own measurements."""
-    batch, train_batch = case.images.shape[0], case.train_images.shape[0]
+def _record(case: _Case, times: Dict, settings) -> Dict:
+    """One model's figures from its timings (medians) and its own measurements (what ``settings`` leaves in)."""
+    batch, train_batch = len(case.images), len(case.train_images)
     macs = count_macs(case.eager, case.images[:1])  # of one image
     infer_s = statistics.median(times[case.name, 'infer'])
     record = {'model': case.label, 'params': case.params, 'gmacs': macs / 1e9,
               'infer_img_s': batch / infer_s, 'infer_gflop_s': 2 * macs * batch / infer_s / 1e9}
-    if peak_memory:
+    if not settings.no_peak_memory:
         record['infer_peak_mb'] = case.peak_memory('infer') / 2 ** 20
-    if train:
+    if not settings.no_train:
         record['train_img_s'] = train_batch / statistics.median(times[case.name, 'train_step'])
-        if peak_memory:
+        if not settings.no_peak_memory:
             record['train_peak_mb'] = case.peak_memory('train_step') / 2 ** 20
         record['train_saved_mb'] = saved_bytes(case.eager, case.train_images, case.precision) / 2 ** 20
     return record
@@ -272,8 +254,10 @@ class BenchSettings:
     force: bool = False  # write into an out_dir that holds something, replacing only the files bench writes
 
 
+# --quick: a tiny run (aft_conv_test against test_vit at 64 px, one call per figure)
+QUICK_RUN = dict(models=['aft_conv_test'], resolutions=[64], repeats=1, warmup=1)
 # what --quick and --readme fix, so that giving them too contradicts those options
-FIXED_BY = {'quick': ('models', 'resolutions', 'repeats', 'warmup', 'readme'), 'readme': tuple(README_RUN)}
+FIXED_BY = {'quick': (*QUICK_RUN, 'readme'), 'readme': tuple(README_RUN)}
 
 
 def check_settings(settings: BenchSettings) -> None:
@@ -301,22 +285,19 @@ def main(settings: BenchSettings) -> int:
 
 def _main(settings: BenchSettings) -> int:
     check_settings(settings)
-    settings = dataclasses.replace(settings, **(README_RUN if settings.readme else {}))  # a copy --quick fills in
+    # a copy with what --quick or --readme fix; below: the runtime it runs, no_train and no_peak_memory if skipped
+    settings = dataclasses.replace(settings, **(README_RUN if settings.readme else QUICK_RUN if settings.quick else {}))
     if settings.threads:
         torch.set_num_threads(settings.threads)
     if min(settings.resolutions) < 16 or settings.batch_size < 1 or settings.repeats < 1:
         raise ValueError('resolutions must be >= 16 px, --batch-size and --repeats >= 1')
-    models, resolutions, baselines = settings.models, settings.resolutions, None
     pairs, batch_at = parse_pairs(settings.pairs), parse_batch_at(settings.batch_at)
-    if settings.quick:
-        models, resolutions, baselines = ['aft_conv_test'], [64], {'aft_conv_test': 'test_vit'}
-        settings.repeats, settings.warmup = 1, 1
-    for name in models + [model for pair in pairs for model in pair[:2]]:
+    for name in settings.models + [model for pair in pairs for model in pair[:2]]:
         if not timm.is_model(name):
             raise ValueError(f'unknown model {name!r}; AFT models: {", ".join(timm.list_models("aft_*"))}')
     if settings.compile and settings.runtime not in ('eager', 'compile'):
         raise ValueError(f'--compile contradicts --runtime {settings.runtime}')
-    runtime = 'compile' if settings.compile else settings.runtime
+    runtime = settings.runtime = 'compile' if settings.compile else settings.runtime
     if runtime not in RUNTIMES:
         raise ValueError(f"--runtime: choose one of {', '.join(RUNTIMES)}, got {runtime!r}")
     if runtime in DEPLOY_PRECISIONS:
@@ -328,11 +309,17 @@ def _main(settings: BenchSettings) -> int:
         raise ValueError('int8 is a precision of the deployment runtimes: --runtime onnxruntime or openvino')
     torch.manual_seed(0)
     if settings.dense:
-        return dense_main(settings, runtime, resolutions)
+        return dense_main(settings)
+    baselines = {name: _baseline_for(name) for name in settings.models}
     if settings.ops or settings.ops_count_only:
-        resolutions = OPS_RESOLUTIONS if resolutions == DEFAULT_RESOLUTIONS else resolutions
-        return ops_main(settings, models, resolutions, {name: _baseline_for(name) for name in models})
-    rows = _benchmark(settings, models, resolutions, baselines, pairs, batch_at, runtime)
+        resolutions = OPS_RESOLUTIONS if settings.resolutions == DEFAULT_RESOLUTIONS else settings.resolutions
+        return ops_main(settings, resolutions, baselines)
+    cases = [(name, baselines[name], res) for res in settings.resolutions for name in settings.models]
+    cases += [(name, baseline, res) for name, baseline, resolutions in pairs for res in resolutions]
+
+    def build(name: str, res: int) -> _Case:
+        return _classifier(settings, name, res, *batch_at.get(res, (settings.batch_size, settings.batch_size)))
+    rows = _measure(settings, cases, build)
     table = markdown_table(rows) + '\n\nAFT against its baseline (the README table):\n\n' + summary_table(rows)
     write_report(settings, 'bench', rows, table, plot_rows=True)
     return 0
@@ -344,30 +331,30 @@ DENSE_RESOLUTIONS = [512, 1024]
 DENSE_CLASSES = 19  # Cityscapes' classes: the decoder's output width
 
 
-def _dense(name: str, img_size: int, device: torch.device, precision: str, runtime: str = 'eager') -> _Case:
+def _dense(settings, name: str, img_size: int) -> _Case:
     """smp's DPT (default decoder, ``decoder_readout='ignore'``) on ``tu-<name>``, on one random image and class map."""
     import segmentation_models_pytorch as smp
 
     torch.manual_seed(0)
     kwargs = {} if name.startswith('aft_') else {'dynamic_img_size': True}
     model = smp.DPT(f'tu-{name}', encoder_weights=None, classes=DENSE_CLASSES, decoder_readout='ignore', **kwargs)
-    images = torch.randn(1, 3, img_size, img_size, device=device)
-    labels = torch.randint(0, DENSE_CLASSES, (1, img_size, img_size), device=device)
-    return _Case(name, model, images, labels, device, precision, runtime)
+    images = torch.randn(1, 3, img_size, img_size, device=settings.device)
+    labels = torch.randint(0, DENSE_CLASSES, (1, img_size, img_size), device=settings.device)
+    return _Case(settings, name, name, model, images, images, labels)
 
 
-def dense_main(settings: BenchSettings, runtime: str, resolutions: List[int]) -> int:
+def dense_main(settings: BenchSettings) -> int:
     """``aft-vision bench --dense``: DPT on AFT-conv small against DPT on DeiT-S, inference and training step,
     round-robin at each resolution (batch 1, no peak memory); ``bench_dense.json`` and ``bench_dense.md``."""
-    if runtime == 'compile':
+    if settings.runtime == 'compile':
         raise ValueError('--dense times eager PyTorch, onnxruntime or openvino: leave out --compile')
     aft, deit = ('aft_conv_test', 'test_vit') if settings.quick else DENSE_PAIR
-    resolutions = DENSE_RESOLUTIONS if resolutions == DEFAULT_RESOLUTIONS else resolutions  # not classification's
+    # not classification's default resolutions
+    resolutions = DENSE_RESOLUTIONS if settings.resolutions == DEFAULT_RESOLUTIONS else settings.resolutions
     if any(res % 32 for res in resolutions):
         raise ValueError(f'--resolutions {resolutions}: DPT needs multiples of 32')
-    build = functools.partial(_dense, device=torch.device(settings.device), precision=settings.precision,
-                              runtime=runtime)
-    rows = _measure(settings, runtime, {(res, deit): [aft] for res in resolutions}, build,
-                    dict.fromkeys(resolutions, (1, 1)), False, network='smp.DPT')
+    settings.no_peak_memory = True
+    rows = _measure(settings, [(aft, deit, res) for res in resolutions], functools.partial(_dense, settings),
+                    network='smp.DPT')
     write_report(settings, 'bench_dense', rows, markdown_table(rows))
     return 0

@@ -9,7 +9,7 @@ custom operator is refused (its kernels are unseen), as are the kernels inside o
 """
 import collections
 import logging
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional
 
 import timm
 import torch
@@ -38,14 +38,10 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
     return tensor.element_size() * min(tensor.numel(), span)
 
 
-def _key(tensor: torch.Tensor) -> Tuple:
-    """What makes two tensor arguments the same tensor: storage, offset, shape, strides, dtype."""
-    return (StorageWeakRef(tensor.untyped_storage()).cdata, tensor.storage_offset(), tuple(tensor.shape),
-            tuple(tensor.stride()), tensor.dtype)
-
-
 def _total(tensors) -> int:
-    distinct = {_key(tensor): tensor for tensor in tensors}
+    """The bytes of the distinct ``tensors``: two are the same where storage, offset, shape, strides and dtype are."""
+    distinct = {(StorageWeakRef(t.untyped_storage()).cdata, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype): t
+                for t in tensors}
     return sum(tensor_bytes(tensor) for tensor in distinct.values())
 
 
@@ -164,23 +160,18 @@ def count_layer(name_or_shape, img_size: int, batch_size: int, precision: str, m
     mix = mixer_call(shape, method)
     with torch._subclasses.fake_tensor.FakeTensorMode(), device_policy('cuda'):
         for _ in range(2):  # counted the second time: what a layer builds once per size is built (the steady state)
-            inputs = mixer_inputs(shape, batch_size, precision, 'cuda')
-            with TrafficCounter() as forward:
+            counter, inputs = TrafficCounter(), mixer_inputs(shape, batch_size, precision, 'cuda')
+            with counter:
                 mix(*inputs)
-            inputs = mixer_inputs(shape, batch_size, precision, 'cpu')
-            out = mix(*inputs)
+            forward_ops, forward_bytes = counter.ops, counter.bytes
+            out = mix(*mixer_inputs(shape, batch_size, precision, 'cpu'))
             grad = torch.randn_like(out)
-            with TrafficCounter() as backward:
+            with counter:
                 out.backward(grad)
-    largest = collections.defaultdict(lambda: [0, 0.0])
-    for counter in (forward, backward):
-        for op, (count, moved) in counter.by_name.items():
-            largest[op][0] += count
-            largest[op][1] += moved / 1e6
-    largest = dict(sorted(largest.items(), key=lambda item: -item[1][1])[:5])
-    return {**shape, 'batch_size': batch_size, 'precision': precision, 'method': method,
-            'forward_ops': forward.ops, 'forward_mb': forward.bytes / 1e6, 'ops': forward.ops + backward.ops,
-            'mb': (forward.bytes + backward.bytes) / 1e6, 'largest': largest}
+    largest = sorted(counter.by_name.items(), key=lambda item: -item[1][1])[:5]
+    return {**shape, 'batch_size': batch_size, 'precision': precision, 'method': method, 'forward_ops': forward_ops,
+            'forward_mb': forward_bytes / 1e6, 'ops': counter.ops, 'mb': counter.bytes / 1e6,
+            'largest': {op: [count, moved / 1e6] for op, (count, moved) in largest}}
 
 
 def autocast(device: torch.device, precision: str):
@@ -219,22 +210,19 @@ def saved_on_cuda_path(name: str, img_size: int, batch_size: int, precision: str
         return saved_bytes(model, torch.randn(batch_size, 3, img_size, img_size), precision)
 
 
-def inductor_counts(name_or_shape, img_size: int, batch_size: int, precision: str,
-                    method: Optional[str] = None) -> Dict:
-    """Inductor's generated kernels and bytes of every scheduled node (extern kernels included) for the same mixer
-    call under ``torch.compile(fullgraph=True)`` on the CPU (compiled and run once): a dict of 'method',
+def inductor_counts(shape: Dict, batch_size: int, precision: str, method: str) -> Dict:
+    """Inductor's generated kernels and bytes of every scheduled node (extern kernels included) for the mixer call of
+    a ``layer_shape`` under ``torch.compile(fullgraph=True)`` on the CPU (compiled and run once): a dict of 'method',
     'forward_kernels', 'forward_mb', 'kernels', 'mb' (forward + backward). Inductor counts bytes only while its
     metrics log is at INFO: it is, during the call, with no handler."""
     from torch._inductor import metrics
     from torch._inductor.compile_fx import inductor_metrics_log
 
-    shape = layer_shape(name_or_shape, img_size) if isinstance(name_or_shape, str) else dict(name_or_shape)
-    method = method or auto_method(shape, batch_size)
     compiled = torch.compile(mixer_call(shape, method), fullgraph=True)
-    counts, level = {}, inductor_metrics_log.level
+    counts, level = {'method': method}, inductor_metrics_log.level
     inductor_metrics_log.setLevel(logging.INFO)
     try:
-        for key, train in (('forward', False), ('train', True)):
+        for prefix, train in (('forward_', False), ('', True)):
             torch._dynamo.reset()
             metrics.reset()
             inputs = [x if x is None else x.detach().requires_grad_(train)
@@ -245,8 +233,8 @@ def inductor_counts(name_or_shape, img_size: int, batch_size: int, precision: st
                 out = compiled(*inputs)
                 if train:
                     out.backward(torch.randn_like(out))
-            counts[key] = (metrics.generated_kernel_count, metrics.num_bytes_accessed / 1e6)
+            counts.update({prefix + 'kernels': metrics.generated_kernel_count,
+                           prefix + 'mb': metrics.num_bytes_accessed / 1e6})
     finally:
         inductor_metrics_log.setLevel(level)
-    return {'method': method, 'forward_kernels': counts['forward'][0],
-            'forward_mb': counts['forward'][1], 'kernels': counts['train'][0], 'mb': counts['train'][1]}
+    return counts

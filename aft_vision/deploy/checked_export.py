@@ -95,9 +95,8 @@ def export(model: torch.nn.Module, out: os.PathLike, fmt: str = 'onnx', img_size
     if fmt not in runtimes.FORMATS:
         raise ValueError(f"--format must be one of {', '.join(runtimes.FORMATS)}, got {fmt!r}")
     out = Path(out)
-    suffix = '.onnx' if fmt == 'onnx' else '.xml'
-    if out.suffix.lower() != suffix:
-        raise ValueError(f'--out: a {fmt} model is written as a {suffix} file, got {out}')
+    if out.suffix.lower() != runtimes.SUFFIXES[fmt]:
+        raise ValueError(f'--out: a {fmt} model is written as a {runtimes.SUFFIXES[fmt]} file, got {out}')
     with atomic_files(_outputs(out, fmt), force) as staged:  # none there (or force); all in place once checked or none
         model.eval()
         config = resolve_data_config({'input_size': (3, img_size, img_size)} if img_size else {}, model=model)

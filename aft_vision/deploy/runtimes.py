@@ -12,10 +12,11 @@ from timm.utils.onnx import onnx_export
 
 from ..models import export_layout
 
-__all__ = ['FORMATS', 'PRECISIONS', 'export_onnx', 'convert_openvino', 'quantize_onnx', 'quantize_openvino',
+__all__ = ['FORMATS', 'SUFFIXES', 'PRECISIONS', 'export_onnx', 'convert_openvino', 'quantize_onnx', 'quantize_openvino',
            'float_convolutions', 'load_runner', 'onnx_runner', 'openvino_runner']
 
-FORMATS = ('onnx', 'openvino')
+SUFFIXES = {'onnx': '.onnx', 'openvino': '.xml'}  # format -> the file it is written as (OpenVINO: and its .bin)
+FORMATS = tuple(SUFFIXES)
 # what a runner computes in: OpenVINO's inference precision hint, or INT8 (a quantized model, float parts in float32)
 PRECISIONS = ('fp32', 'bf16', 'int8')
 OPSET = 18
@@ -58,17 +59,16 @@ def quantize_onnx(src: os.PathLike, dst: os.PathLike, batches: Sequence[np.ndarr
     ``batches`` (N, 3, H, W): MatMul, Gemm and Conv, less the grouped convolutions."""
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 
-    class Reader(CalibrationDataReader):
-        def __init__(self, name: str):
-            self.items = iter([{name: np.ascontiguousarray(batch, dtype=np.float32)} for batch in batches])
-
-        def get_next(self):
-            return next(self.items, None)
-
     graph = _graph(src)
     weights = {tensor.name for tensor in graph.initializer}
     name = next(value.name for value in graph.input if value.name not in weights)  # the image input
-    quantize_static(str(src), str(dst), Reader(name), quant_format=QuantFormat.QDQ, per_channel=True,
+    items = iter([{name: np.ascontiguousarray(batch, dtype=np.float32)} for batch in batches])
+
+    class Reader(CalibrationDataReader):
+        def get_next(self):
+            return next(items, None)
+
+    quantize_static(str(src), str(dst), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
                     activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
                     op_types_to_quantize=['MatMul', 'Gemm', 'Conv'], nodes_to_exclude=float_convolutions(src, graph))
 
@@ -122,10 +122,10 @@ def openvino_runner(ov_model, precision: str = 'fp32', threads: Optional[int] = 
 
 def load_runner(path: os.PathLike, precision: str = 'fp32', threads: Optional[int] = None) -> Runner:
     """The runner of an ``.onnx`` file or an ``.xml`` OpenVINO IR."""
-    path = Path(path)
-    if path.suffix.lower() == '.onnx':
+    suffix = Path(path).suffix.lower()
+    if suffix == SUFFIXES['onnx']:
         return onnx_runner(path, threads)
-    if path.suffix.lower() == '.xml':
+    if suffix == SUFFIXES['openvino']:
         import openvino as ov
 
         return openvino_runner(ov.Core().read_model(str(path)), precision, threads)
