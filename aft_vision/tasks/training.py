@@ -175,8 +175,8 @@ def _image_folder(folder: Path, transform=None) -> ImageFolder:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, folder: Path, img_size: Optional[int] = None, batch_size: int = 256,
-             data_config: Optional[Dict] = None) -> float:
+def evaluate(model: torch.nn.Module, folder: Path, img_size: Optional[int] = None, data_config: Optional[Dict] = None
+             ) -> float:
     """Top-1 accuracy (%) on an ImageFolder, on ``model``'s device, with ``eval_data_config(model, img_size)`` or
     timm's eval transform for ``data_config`` (e.g. ``resolve_data_config({}, model=model)``, as a client)."""
     if (img_size is None) == (data_config is None):
@@ -186,7 +186,7 @@ def evaluate(model: torch.nn.Module, folder: Path, img_size: Optional[int] = Non
     transform = create_transform(**(data_config or eval_data_config(model, img_size)))
     dataset = _image_folder(folder, transform)
     correct = sum((model(images.to(device)).argmax(-1).cpu() == labels).sum().item()
-                  for images, labels in DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=0))
+                  for images, labels in DataLoader(dataset, batch_size=256, shuffle=False, num_workers=0))
     return 100.0 * correct / len(dataset)
 
 
