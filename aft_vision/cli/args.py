@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import timm
-import torch
 from safetensors import SafetensorError
 from timm.utils import ParseKwargs
 
@@ -21,21 +20,10 @@ from ..checkpoints import WRITTEN, check_output
 from ..hub import (check_aft_model, check_init_weights, check_model_kwargs, check_model_name, check_pretrained,
                    check_source)
 from ..tasks import classify, segment
-from ..tasks.training import check_image_folders, launched_world
+from ..tasks.training import check_image_folders, launched_world, parse_device
 
 __all__ = ['LIMITS', 'TASKS', 'TASK_DEFAULTS', 'Parser', 'check_args', 'one_line', 'parse_device', 'run_command',
            'settings_from']
-
-
-def parse_device(name: str) -> torch.device:
-    """Parse a ``--device`` value; a bad or unavailable device is a user error (ValueError)."""
-    try:
-        device = torch.device(name)
-    except RuntimeError as e:
-        raise ValueError(f'{name!r} is not a torch device ({e})') from None
-    if device.type == 'cuda' and not torch.cuda.is_available():
-        raise ValueError(f'{name!r}: CUDA is not available')
-    return device
 
 
 # option -> (lowest, highest, lowest excluded); None: unbounded. List values are checked one by one.

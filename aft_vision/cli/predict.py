@@ -40,7 +40,7 @@ def predict(model: torch.nn.Module, paths: List[str], img_size: Optional[int] = 
         try:
             image = read_image(path)
         except (OSError, ValueError) as error:  # missing, not an image, damaged, a decompression bomb
-            errors[path] = str(error) if str(error).startswith(f'{path}:') else f'{path}: {error}'
+            errors[path] = str(error)  # read_image's errors start with the file's name
             continue
         with torch.no_grad():
             probs = model(transform(image).unsqueeze(0)).softmax(-1)[0]  # (num_classes,)

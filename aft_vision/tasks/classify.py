@@ -60,35 +60,28 @@ def run(settings: ClassifySettings) -> Dict:
     start = time.perf_counter()
     writes = RUN_OUTPUTS + (() if settings.data_dir else ('data',))
     plan = _plan(settings)  # every option checked before anything is written or waited for
-    if settings.device.startswith('cuda') and not torch.cuda.is_available():
-        raise ValueError(f'--device {settings.device}: CUDA is not available')
     rank, world_size, device = join_peers(settings.device)  # every rank, before rank 0 touches out_dir
     with output_dir(settings.out_dir, settings.force, writes, active=rank == 0):
-        trained = _train_on_every_rank(settings, plan, rank, world_size, device)
-        if trained['rank'] != 0:
+        model, data_dir, classes, record = _train_on_every_rank(settings, plan, rank, world_size, device)
+        if rank != 0:
             return {}
-        model, data_dir, out = trained['model'], trained['data_dir'], Path(settings.out_dir)
-        drawn = {int(size) for record in trained['history'] for size in record['steps_per_size']}
+        drawn = {int(size) for epoch in record['history'] for size in epoch['steps_per_size']}
         pairs = [pair for pair in zip(plan['train_sizes'], plan['batch_sizes']) if pair[0] in drawn]
         plan = dict(plan, train_sizes=[size for size, _ in pairs], batch_sizes=[batch for _, batch in pairs])
         top1, top1_at = evaluate_sizes(model, data_dir / 'val', settings.img_size, settings.eval_img_sizes)
         results, sha256 = save(model, settings, plan, top1, top1_at)
-        hub_dir = publish_run(settings, plan, trained['classes'], results)
-        reload = check_reload(hub_dir, data_dir / 'val', settings.img_size, top1, top1_at, results['data_config'],
-                              trained['device'])
+        hub_dir = publish_run(settings, plan, classes, results)
+        reloaded, client_config = check_reload(hub_dir, data_dir / 'val', settings.img_size, top1, top1_at,
+                                               results['data_config'], device)
         try:
-            plot_curves(trained['history'], top1_at, plan['train_sizes'], out / 'training_curve.png')
+            plot_curves(record['history'], top1_at, plan['train_sizes'], Path(settings.out_dir, 'training_curve.png'))
         except ImportError:
             print('matplotlib is not installed (pip install aft-vision[demo]): no training curve written')
-        results.update({
-            'model': settings.model, 'epochs': settings.epochs, 'img_size': settings.img_size,
-            'eval_img_sizes': list(top1_at), 'top1_reloaded': reload['top1'], 'top1_reloaded_at': reload['top1_at'],
-            'train_size_schedule': settings.train_size_schedule, 'rank_size_schedule_sha256': trained['schedules'],
-            'top1_timm_data_config': reload['data_config'], 'top1_timm_test_data_config': reload['test_data_config'],
-            'history': trained['history'], 'weights_sha256': sha256, 'world_size': trained['world_size'],
-            'rank_state_sha256': trained['digests'], 'wall_seconds': round(time.perf_counter() - start, 1)})
-        (out / 'results.json').write_text(json.dumps(results, indent=2))
-        report(settings, results, data_dir, hub_dir, reload['client_config'])
+        results.update(reloaded, **record, model=settings.model, epochs=settings.epochs, img_size=settings.img_size,
+                       eval_img_sizes=list(top1_at), train_size_schedule=settings.train_size_schedule,
+                       weights_sha256=sha256, wall_seconds=round(time.perf_counter() - start, 1))
+        Path(settings.out_dir, 'results.json').write_text(json.dumps(results, indent=2))
+        report(settings, results, data_dir, hub_dir, client_config)
     return results
 
 
@@ -168,8 +161,9 @@ def check_model_and_sizes(settings: ClassifySettings, model_kwargs: Dict) -> Tup
 
 
 def _train_on_every_rank(settings: ClassifySettings, plan: Dict, rank: int, world_size: int, device: torch.device
-                         ) -> Dict:
-    """Write the digits (rank 0), train on every rank, and gather each rank's weight and size-schedule digests."""
+                         ) -> Tuple[torch.nn.Module, Path, List[str], Dict]:
+    """Write the digits (rank 0) and train on every rank. Returns the model, the data folder, the class names and the
+    record: the history, the world size, and each rank's weight and size-schedule digests."""
     try:
         data_dir = Path(settings.data_dir) if settings.data_dir else Path(settings.out_dir) / 'data'
         if not settings.data_dir and rank == 0:
@@ -186,12 +180,12 @@ def _train_on_every_rank(settings: ClassifySettings, plan: Dict, rank: int, worl
         gathered = [(state_digest(model.state_dict()), schedule)] * world_size  # each rank's weights and sizes
         if world_size > 1:
             dist.all_gather_object(gathered, gathered[0])
-        digests, schedules = (list(column) for column in zip(*gathered))
     finally:
         if world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
-    return dict(rank=rank, world_size=world_size, device=device, data_dir=data_dir, model=model, history=history,
-                classes=classes, digests=digests, schedules=schedules)
+    digests, schedules = (list(column) for column in zip(*gathered))
+    return model, data_dir, classes, dict(history=history, world_size=world_size, rank_state_sha256=digests,
+                                          rank_size_schedule_sha256=schedules)
 
 
 def evaluate_sizes(model: torch.nn.Module, val: Path, img_size: int, sizes: Sequence[int]) -> Tuple[float, Dict]:
@@ -238,31 +232,30 @@ def publish_run(settings: ClassifySettings, plan: Dict, classes: List[str], resu
 
 
 def check_reload(hub_dir: Path, val: Path, img_size: int, top1: float, top1_at: Dict, data_config: Dict,
-                 device: torch.device) -> Dict:
+                 device: torch.device) -> Tuple[Dict, Dict]:
     """Reload the folder as timm clients do (``local-dir:``, as published and rebuilt for the largest size; with
-    timm's data config and its test size): RuntimeError unless each gives the job's figure."""
-    def require(found: float, expected: float, what: str) -> float:
-        if found != expected:
-            raise RuntimeError(f'{what} scores {found:.2f}%, the trained model {expected:.2f}%')
-        return found
-
+    timm's data config and its test size): RuntimeError unless each gives the job's figure. Returns the figures (as
+    ``results.json`` names them) and timm's data config."""
     reloaded = timm.create_model(f'local-dir:{hub_dir}', pretrained=True).to(device)
-    found = {'top1': require(evaluate(reloaded, val, img_size), top1, f'{hub_dir} reloaded')}
     largest = max(top1_at)
     resized = timm.create_model(f'local-dir:{hub_dir}', pretrained=True, img_size=largest).to(device)
-    found['top1_at'] = {str(largest): require(evaluate(resized, val, largest), top1_at[largest],
-                                              f'{hub_dir} rebuilt for {largest} px')}
-    found['client_config'] = client_config = resolve_data_config({}, model=reloaded)
-    found['data_config'] = require(evaluate(reloaded, val, data_config=client_config), top1,
-                                   f'timm\'s data config for {hub_dir} ({client_config}; the published pretrained_cfg '
-                                   f'does not say how it was evaluated)')
+    client_config = resolve_data_config({}, model=reloaded)
     test_config = resolve_data_config({}, model=reloaded, use_test_size=True)
-    test_top1 = found['data_config'] if test_config == client_config else evaluate(
-        reloaded, val, data_config=test_config)  # no test size recorded: the same config
-    expected = top1_at[data_config['test_input_size'][-1]] if 'test_input_size' in data_config else top1
-    found['test_data_config'] = require(test_top1, expected, f'timm\'s test-size data config for {hub_dir} '
-                                                             f'({test_config})')
-    return found
+    test_top1 = top1_at[data_config['test_input_size'][-1]] if 'test_input_size' in data_config else top1
+    checks = {  # figure: (what scores it, the model, how it is evaluated, the trained model's figure)
+        'top1_reloaded': (f'{hub_dir} reloaded', reloaded, dict(img_size=img_size), top1),
+        'top1_reloaded_at': (f'{hub_dir} rebuilt for {largest} px', resized, dict(img_size=largest), top1_at[largest]),
+        'top1_timm_data_config': (f'timm\'s data config for {hub_dir} ({client_config}; the published pretrained_cfg '
+                                  f'does not say how it was evaluated)', reloaded, dict(data_config=client_config),
+                                  top1),
+        'top1_timm_test_data_config': (f'timm\'s test-size data config for {hub_dir} ({test_config})', reloaded,
+                                       dict(data_config=test_config), test_top1)}
+    found = {}
+    for figure, (what, model, how, expected) in checks.items():
+        found[figure] = evaluate(model, val, **how)
+        if found[figure] != expected:
+            raise RuntimeError(f'{what} scores {found[figure]:.2f}%, the trained model {expected:.2f}%')
+    return dict(found, top1_reloaded_at={str(largest): found['top1_reloaded_at']}), client_config
 
 
 def plot_curves(history: List[Dict], top1_at: Dict[int, float], train_sizes: Sequence[int], path: Path) -> None:

@@ -33,10 +33,21 @@ from .regularizers import position_bias_entropy
 
 __all__ = ['split_digits', 'write_digits', 'check_image_folders', 'eval_data_config', 'evaluate', 'fixed_img_size',
            'at_size', 'check_input_size', 'size_scaled_batches', 'sizes_text', 'train_loader', 'fit', 'train',
-           'plot_history', 'state_digest', 'launched_world', 'join_peers']
+           'plot_history', 'state_digest', 'launched_world', 'join_peers', 'parse_device']
 
 LAUNCHER_VARIABLES = ('LOCAL_WORLD_SIZE', 'TORCHELASTIC_RUN_ID')  # set by torchrun (torch.distributed.run) alone
 PEER_TIMEOUT_S = 1800  # how long a rank waits for the others (torch's default for gloo), to join and at each step
+
+
+def parse_device(name: str) -> torch.device:
+    """Parse a ``--device`` value; a bad or unavailable device is a user error (ValueError)."""
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f'{name!r} is not a torch device ({e})') from None
+    if device.type == 'cuda' and not torch.cuda.is_available():
+        raise ValueError(f'{name!r}: CUDA is not available')
+    return device
 
 
 def launched_world() -> Tuple[int, int, int]:
@@ -61,24 +72,25 @@ def launched_world() -> Tuple[int, int, int]:
 def join_peers(device: str) -> Tuple[int, int, torch.device]:
     """Join torchrun's process group, saying whom it waits for: gloo on the CPU (RuntimeError in one line if the others
     are not all there within ``PEER_TIMEOUT_S``), on CUDA timm's ``init_distributed_device_so``. Returns (rank, world
-    size, device): (0, 1, ``device``) outside torchrun."""
+    size, device): (0, 1, ``device``) outside torchrun. ValueError for a bad or unavailable device."""
     rank, _, world_size = launched_world()
+    device = parse_device(device)
     if world_size == 1:
-        return 0, 1, torch.device(device)
+        return 0, 1, device
     where = f'{os.environ.get("MASTER_ADDR")}:{os.environ.get("MASTER_PORT")} (MASTER_ADDR:MASTER_PORT)'
-    cuda = torch.device(device).type == 'cuda'
+    cuda = device.type == 'cuda'
     limit = "torch's timeout" if cuda else f'{PEER_TIMEOUT_S} s'
     print(f'rank {rank} of {world_size}: waiting up to {limit} for the other ranks at {where}', flush=True)
     try:
         if cuda:
-            world = init_distributed_device_so(device)
+            world = init_distributed_device_so(str(device))
             return world['global_rank'], world['world_size'], torch.device(world['device'])
         dist.init_process_group('gloo', timeout=timedelta(seconds=PEER_TIMEOUT_S))
     except (RuntimeError, ValueError) as error:  # torch's store and network errors are RuntimeErrors
         cause = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise RuntimeError(f'rank {rank} of {world_size}: the other ranks did not join at {where} within {limit} '
                            f'({cause})') from None
-    return rank, world_size, torch.device(device)
+    return rank, world_size, device
 
 
 def split_digits(targets: torch.Tensor, val_fraction: float = 0.2, seed: int = 0) -> Dict[str, torch.Tensor]:
@@ -163,8 +175,8 @@ def _image_folder(folder: Path, transform=None) -> ImageFolder:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, folder: Path, img_size: Optional[int] = None, batch_size: int = 256,
-             data_config: Optional[Dict] = None) -> float:
+def evaluate(model: torch.nn.Module, folder: Path, img_size: Optional[int] = None, data_config: Optional[Dict] = None
+             ) -> float:
     """Top-1 accuracy (%) on an ImageFolder, on ``model``'s device, with ``eval_data_config(model, img_size)`` or
     timm's eval transform for ``data_config`` (e.g. ``resolve_data_config({}, model=model)``, as a client)."""
     if (img_size is None) == (data_config is None):
@@ -174,7 +186,7 @@ def evaluate(model: torch.nn.Module, folder: Path, img_size: Optional[int] = Non
     transform = create_transform(**(data_config or eval_data_config(model, img_size)))
     dataset = _image_folder(folder, transform)
     correct = sum((model(images.to(device)).argmax(-1).cpu() == labels).sum().item()
-                  for images, labels in DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=0))
+                  for images, labels in DataLoader(dataset, batch_size=256, shuffle=False, num_workers=0))
     return 100.0 * correct / len(dataset)
 
 
