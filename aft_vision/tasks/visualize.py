@@ -139,13 +139,13 @@ def _min_to_max(layer: np.ndarray):
 
 
 def _draw_grid(maps: np.ndarray, cmap: str, col_label: str = '', norm_of_row: Callable = _min_to_max,
-               image: Optional[np.ndarray] = None, panel: float = 0.9, **imshow_kwargs) -> Tuple[object, List[list]]:
-    """A figure of ``maps[layer, col]`` as a grid of ``panel``-inch panels (layer rows, ``col_label`` columns), one
+               image: Optional[np.ndarray] = None, **imshow_kwargs) -> Tuple[object, List[list]]:
+    """A figure of ``maps[layer, col]`` as a grid of 0.9-inch panels (layer rows, ``col_label`` columns), one
     colour scale (``norm_of_row``) and bar per row, under ``image`` in a top band if given; returns it and the
     panels."""
     num_rows, num_cols = maps.shape[:2]
     top = int(image is not None)
-    fig = figure(panel * num_cols + 1.2, panel * num_rows + 2.0 * top + 0.8, 'constrained')
+    fig = figure(0.9 * num_cols + 1.2, 0.9 * num_rows + 2.0 * top + 0.8, 'constrained')
     ratios = [2.2] * top + [1.0] * num_rows
     spec = fig.add_gridspec(len(ratios), num_cols + 1, height_ratios=ratios, width_ratios=[1.0] * num_cols + [0.08])
     fig.get_layout_engine().set(w_pad=0.01, h_pad=0.01, wspace=0.02, hspace=0.02)
@@ -173,8 +173,8 @@ def plot_position_bias(maps: np.ndarray, path: PathLike, title: Optional[str] = 
                        dpi: int = 110) -> Path:
     """Draw position-bias maps into the .png ``path`` (refused if it exists unless ``force``); returns it. (layers,
     heads, s, s) maps: layers as rows, heads as columns, one colour scale per layer centred on 0 (linear within +-0.1
-    and logarithmic beyond with ``log_scale``). (layers, H, W) maps: a row per layer, each its own colour scale,
-    ``query`` (row, column) marked."""
+    and logarithmic beyond with ``log_scale``). (layers, H, W) maps: a panel per layer, ``query`` (row, column)
+    marked."""
     from matplotlib.colors import Normalize, SymLogNorm
 
     path = _check_out(path, force)
@@ -193,11 +193,21 @@ def plot_position_bias(maps: np.ndarray, path: PathLike, title: Optional[str] = 
         bottom_left.set_xlabel('key column offset', fontsize=7)
         bottom_left.set_ylabel(f'layer {num_layers}\nkey row offset', fontsize=7)
         title = title or f'exp(w) - 1 per layer (rows) and head (columns), {size} x {size} offsets'
-    elif maps.ndim == 3:  # a panel per layer, one under the other
-        fig, panels = _draw_grid(maps[:, None], 'viridis', panel=2.0)
-        for (ax,) in panels:
+    elif maps.ndim == 3:  # a panel per layer, four to a row, each with its own colour bar
+        num_layers = maps.shape[0]
+        num_cols = min(num_layers, 4)
+        fig = figure(2.6 * num_cols, 2.3 * -(-num_layers // num_cols) + 0.6, 'constrained')
+        spec = fig.add_gridspec(-(-num_layers // num_cols), num_cols)
+        for layer in range(num_layers):
+            ax = fig.add_subplot(spec[layer // num_cols, layer % num_cols])
+            image = ax.imshow(maps[layer], cmap='viridis', interpolation='nearest')
             if query is not None:
                 ax.plot(query[1], query[0], marker='x', color='red', markersize=6)
+            ax.set_title(f'layer {layer + 1}', fontsize=8)
+            ax.set_xlabel('key column', fontsize=7)
+            ax.set_ylabel('key row', fontsize=7)
+            ax.tick_params(labelsize=6)
+            fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04).ax.tick_params(labelsize=6)
         where = 'the class token' if query is None else f'query {tuple(query)} (x)'
         title = title or f'exp(w) for {where} over the patch grid, per layer'
     else:
