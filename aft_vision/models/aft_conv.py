@@ -26,7 +26,7 @@ from ._base import DEPRECATED_TAGS, MLP_LAYERS, adapt_vit_checkpoint, aft_cfg, c
 from .aft_vit import AFTPatchEmbed
 
 # register_model adds each entry point
-__all__ = ['AFTConvTransformer', 'AFTConvBlock', 'EXPORT_LAYOUTS', 'export_layout', 'forward_at_size']
+__all__ = ['AFTConvTransformer', 'AFTConvBlock', 'EXPORT_LAYOUTS', 'export_layout', 'windows_follow_grid']
 
 GLOBAL_POOLS = ('', 'avg', 'max', 'avgmax')  # timm's pools of a map ('' keeps it)
 RESIZE_MODES = ('keep', 'window', 'patch')  # how the model follows another input size (``resize_mode``)
@@ -186,10 +186,11 @@ class AFTConvTransformer(VisionTransformer):
         self.base_img_size, self.base_patch_size = base_img_size, to_2tuple(patch_size)
         self._set_call_windows()
 
-    def _set_call_windows(self) -> None:
-        """With ``dynamic_img_size`` and ``resize_mode='window'``, each mixer's window follows its call's grid from
-        ``kernel_size`` on the grid of ``base_img_size`` (``follow_grid``); else each keeps the built one."""
-        follow = self.dynamic_img_size and self.resize_mode == 'window'
+    def _set_call_windows(self, follow: Optional[bool] = None) -> None:
+        """With ``follow`` (None: ``dynamic_img_size``) and ``resize_mode='window'``, each mixer's window follows its
+        call's grid from ``kernel_size`` on the grid of ``base_img_size`` (``follow_grid``); else each keeps the built
+        one."""
+        follow = (self.dynamic_img_size if follow is None else follow) and self.resize_mode == 'window'
         grid = tuple(size / patch for size, patch in zip(self.base_img_size, self.base_patch_size)) if follow else None
         for block in self.blocks:
             if not hasattr(block.attn, 'follow_grid'):
@@ -246,23 +247,6 @@ class AFTConvTransformer(VisionTransformer):
             info['reduction'] = self.patch_embed.feat_ratio()
         update_model_input_size(self, img_size, patch_size=patch_size)
         update_model_args(self, resize_mode=self.resize_mode, base_img_size=self.base_img_size)
-
-    def window_parameters(self, img_size: Union[int, Tuple[int, int]]) -> Dict[str, torch.Tensor]:
-        """Each block's window at ``img_size`` under ``resize_mode='window'``, differentiable in the parameters, by
-        parameter name (for ``torch.func.functional_call``: training at several sizes trains the one window all are
-        resampled from). Empty in the other modes and where the window would not change."""
-        if self.resize_mode != 'window':
-            return {}
-        _, kernel = size_plan(to_2tuple(img_size), self.base_img_size, self.base_patch_size, self.kernel_size, 'window',
-                              self.patch_embed.dynamic_img_pad)
-        windows = {}
-        for i, block in enumerate(self.blocks):
-            attn = block.attn
-            if kernel != attn.pos_weight.shape[-1]:  # (h, s, s)
-                names = [f'blocks.{i}.attn.{name}' for name in ('pos_weight', 'pos_gamma', 'pos_beta')]
-                windows.update(zip(names, resize_window_bias(
-                    attn.pos_weight, attn.pos_gamma, attn.pos_beta, kernel, attn.eps)))
-        return windows
 
     def _pos_embed(self, x: torch.Tensor) -> torch.Tensor:
         """The patch map (B, H, W, C) as the blocks take it, contiguous: no positions here (AFT-conv's are its
@@ -390,17 +374,19 @@ def export_layout(model: nn.Module, layout: str = 'NCHW') -> Iterator[nn.Module]
             m.export_layout = previous
 
 
-def forward_at_size(net: nn.Module, images: torch.Tensor) -> torch.Tensor:
-    """``net(images)`` for a training step; an AFT-conv model in ``net`` (itself, or in DDP or ``torch.compile``) with
-    ``resize_mode='window'`` runs with its windows resampled for the images' size (``window_parameters``)."""
-    for prefix, model in net.named_modules():
-        if isinstance(model, AFTConvTransformer):
-            windows = model.window_parameters(images.shape[-2:])
-            if windows:
-                prefix = f'{prefix}.' if prefix else ''
-                return torch.func.functional_call(net, {prefix + k: v for k, v in windows.items()}, (images,))
-            break
-    return net(images)
+@contextlib.contextmanager
+def windows_follow_grid(net: nn.Module) -> Iterator[nn.Module]:
+    """Within the block, every AFT-conv model in ``net`` (itself, or in DDP or ``torch.compile``) with
+    ``resize_mode='window'`` runs each call with its windows resampled for the call's grid, differentiably from its
+    own, as with ``dynamic_img_size``: a training step at another size trains the windows the model keeps."""
+    models = [m for m in net.modules() if isinstance(m, AFTConvTransformer)]
+    try:
+        for m in models:
+            m._set_call_windows(follow=True)
+        yield net
+    finally:
+        for m in models:
+            m._set_call_windows()
 
 
 def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: AFTConvTransformer, interpolation: str = 'bicubic',

@@ -13,7 +13,7 @@ from torch.jit import Final
 
 from timm.layers import Format, LayerNorm, PatchEmbed, get_norm_layer, is_exporting, nchw_to, resample_abs_pos_embed, \
     to_2tuple
-from timm.models import checkpoint, checkpoint_seq, register_model
+from timm.models import checkpoint, register_model
 from timm.models._features import feature_take_indices
 from timm.models._input import get_pretrained_grid_size  # as timm's ViT (not re-exported)
 from timm.models.vision_transformer import Block, VisionTransformer
@@ -243,56 +243,27 @@ class AFTVisionTransformer(VisionTransformer):
             return self.pos_drop(torch.cat(to_cat + [x + pos_embed], dim=1))
         return self.pos_drop(torch.cat(to_cat + [x], dim=1) + pos_embed)
 
-    def _embed(self, x: torch.Tensor) -> Tuple[torch.Tensor, Optional[List[int]]]:
-        """timm's embedding (patches, prefix and position, patch drop, ``norm_pre``) of images (B, C, H, W), and
-        where AFT-full's bias follows each call's grid that grid [H', W'] (else None)."""
-        x = self.patch_embed(x)
-        feat_size: Optional[List[int]] = [x.shape[1], x.shape[2]] if self.grid_per_call else None  # (B, H', W', C)
-        return self.norm_pre(self.patch_drop(self._pos_embed(x))), feat_size
-
     def forward_intermediates(
             self, x: torch.Tensor, indices: Optional[Union[int, List[int]]] = None, return_prefix_tokens: bool = False,
             norm: bool = False, stop_early: bool = False, output_fmt: str = 'NCHW', intermediates_only: bool = False,
             output_dict: bool = False, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
     ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]], Dict[str, Any]]:
-        """timm's ``VisionTransformer.forward_intermediates``, line for line, the grid handed to the blocks."""
+        """timm's ``VisionTransformer.forward_intermediates``, the grid handed to the blocks."""
         if output_fmt not in ('NCHW', 'NLC'):
             raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got '{output_fmt}'")
-        reshape = output_fmt == 'NCHW'
-        intermediates = []
         take_indices, max_index = feature_take_indices(len(self.blocks), indices)
         B, _, height, width = x.shape
-        x, feat_size = self._embed(x)
-        if torch.jit.is_scripting() or not stop_early:  # can't slice blocks in torchscript
-            blocks = self.blocks
-        else:
-            blocks = self.blocks[:max_index + 1]
-        for i, blk in enumerate(blocks):
-            if self.grid_per_call:
-                if self.grad_checkpointing and not torch.jit.is_scripting():
-                    x = checkpoint(blk, x, attn_mask, is_causal, feat_size)
-                else:
-                    x = blk(x, attn_mask=attn_mask, is_causal=is_causal, feat_size=feat_size)
-            elif attn_mask is not None or is_causal:
-                x = blk(x, attn_mask=attn_mask, is_causal=is_causal)
-            elif self.grad_checkpointing and not torch.jit.is_scripting():
-                x = checkpoint(blk, x)
-            else:
-                x = blk(x)
-            if i in take_indices:
-                intermediates.append(self.norm(x) if norm else x)
-
+        x, intermediates = self._trunk(x, take_indices, norm, max_index if stop_early else None, attn_mask, is_causal)
         if self.num_prefix_tokens:  # split prefix (class, register) and patch tokens
             prefix_tokens = [y[:, 0:self.num_prefix_tokens] for y in intermediates]
             intermediates = [y[:, self.num_prefix_tokens:] for y in intermediates]
         else:
             prefix_tokens = None
-        if reshape:
+        if output_fmt == 'NCHW':
             H, W = self.patch_embed.dynamic_feat_size((height, width))
             intermediates = [y.reshape(B, H, W, -1).permute(0, 3, 1, 2).contiguous() for y in intermediates]
         if output_dict and not torch.jit.is_scripting():  # not in TorchScript (dict typing)
-            result_dict = {}
-            result_dict['image_intermediates'] = intermediates
+            result_dict = {'image_intermediates': intermediates}
             if prefix_tokens is not None and return_prefix_tokens:
                 result_dict['image_intermediates_prefix'] = prefix_tokens
             if not intermediates_only:
@@ -307,21 +278,32 @@ class AFTVisionTransformer(VisionTransformer):
     def forward_features(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
                          is_causal: bool = False) -> torch.Tensor:
         """timm's ``VisionTransformer.forward_features``, the grid handed to the blocks."""
-        x, feat_size = self._embed(x)
-        if self.grid_per_call:
-            for blk in self.blocks:
-                if self.grad_checkpointing and not torch.jit.is_scripting():
-                    x = checkpoint(blk, x, attn_mask, is_causal, feat_size)
-                else:
-                    x = blk(x, attn_mask=attn_mask, is_causal=is_causal, feat_size=feat_size)
-        elif attn_mask is not None or is_causal:
-            for blk in self.blocks:
-                x = blk(x, attn_mask=attn_mask, is_causal=is_causal)
-        elif self.grad_checkpointing and not torch.jit.is_scripting():
-            x = checkpoint_seq(self.blocks, x)
+        return self.norm(self._trunk(x, [], False, None, attn_mask, is_causal)[0])
+
+    def _trunk(self, x: torch.Tensor, take_indices: List[int], norm: bool, last: Optional[int],
+               attn_mask: Optional[torch.Tensor], is_causal: bool) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+        """Images x (B, C, H, W) through timm's embedding and the blocks (through block ``last``, None: all): the
+        tokens (B, T, C) as the blocks leave them, and the outputs of the blocks in ``take_indices`` (through the final
+        norm if ``norm``). Where AFT-full's bias follows each call's grid, the blocks are handed that grid."""
+        x = self.patch_embed(x)
+        feat_size: Optional[List[int]] = [x.shape[1], x.shape[2]] if self.grid_per_call else None  # (B, H', W', C)
+        x = self.norm_pre(self.patch_drop(self._pos_embed(x)))
+        if torch.jit.is_scripting() or last is None:  # TorchScript cannot slice the blocks
+            blocks = self.blocks
         else:
-            x = self.blocks(x)
-        return self.norm(x)
+            blocks = self.blocks[:last + 1]
+        intermediates = []
+        for i, blk in enumerate(blocks):
+            if self.grad_checkpointing and not torch.jit.is_scripting():
+                x = checkpoint(blk, x, attn_mask, is_causal, feat_size) if self.grid_per_call \
+                    else checkpoint(blk, x, attn_mask, is_causal)
+            elif self.grid_per_call:
+                x = blk(x, attn_mask=attn_mask, is_causal=is_causal, feat_size=feat_size)
+            else:
+                x = blk(x, attn_mask=attn_mask, is_causal=is_causal)
+            if i in take_indices:
+                intermediates.append(self.norm(x) if norm else x)
+        return x, intermediates
 
 
 def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: AFTVisionTransformer,
