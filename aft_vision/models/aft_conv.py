@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple, Ty
 import torch
 from torch import nn
 
-from timm.layers import LayerNorm, LayerScale, LayerType, Mlp, get_norm_layer, resample_patch_embed, to_2tuple
+from timm.layers import LayerScale, LayerType, Mlp, resample_patch_embed, to_2tuple
 from timm.models import checkpoint, register_model, register_model_deprecations
 from timm.models._features import feature_take_indices
 from timm.models._input import update_model_args, update_model_input_size  # what timm's ViT records on a resize
@@ -21,7 +21,7 @@ from timm.models.vision_transformer import Block, VisionTransformer
 
 from ..layers import AFTConv2d, AFTConv2dOneHot, exporting, layer_norm_nchw, linear_nchw, \
     resize_window_bias, scaled_kernel_size
-from ._base import DEPRECATED_TAGS, MLP_LAYERS, adapt_vit_checkpoint, aft_cfg, check_sizes, \
+from ._base import DEPRECATED_TAGS, NO_POOL, adapt_vit_checkpoint, aft_cfg, block_layers, by_name, check_sizes, \
     create_aft, family_cfgs
 from .aft_vit import AFTPatchEmbed
 
@@ -101,12 +101,6 @@ def size_plan(img_size: Tuple[int, int], base_img_size: Tuple[int, int], base_pa
     return (round(patch[0]), round(patch[1])), kernel_size
 
 
-def _check_pool(global_pool: str) -> str:
-    if global_pool not in GLOBAL_POOLS:
-        raise ValueError(f'unknown global_pool {global_pool!r}: choose one of {GLOBAL_POOLS} ("" for no pooling)')
-    return global_pool
-
-
 class AFTConvTransformer(VisionTransformer):
     """timm's ``VisionTransformer`` with AFT-conv blocks on a (B, H, W, C) map: no class token, no position embedding
     (the windows are the positions), the final norm before timm's pooling of the map's rows.
@@ -157,23 +151,15 @@ class AFTConvTransformer(VisionTransformer):
         if weight_init not in ('', 'skip'):
             raise ValueError(f"unknown weight_init {weight_init!r}: choose '' or 'skip'")
         arg, attn_layer = ('mixer_layer', mixer_layer) if mixer_layer is not None else ('attn_layer', attn_layer)
-        if isinstance(attn_layer, str):
-            if attn_layer not in MIXER_LAYERS:
-                raise ValueError(f'unknown {arg} {attn_layer!r}: choose one of {sorted(MIXER_LAYERS)} or pass a class')
-            attn_layer = MIXER_LAYERS[attn_layer]
-        if isinstance(mlp_layer, str):
-            if mlp_layer not in MLP_LAYERS:
-                raise ValueError(f'unknown mlp_layer {mlp_layer!r}: choose one of {sorted(MLP_LAYERS)} or pass a class')
-            mlp_layer = MLP_LAYERS[mlp_layer]
-        norm_layer = get_norm_layer(norm_layer) or LayerNorm
-        if norm_eps is not None:
-            norm_layer = partial(norm_layer, eps=norm_eps)
+        attn_layer = by_name(arg, attn_layer, MIXER_LAYERS)
+        norm_layer, mlp_layer = block_layers(norm_layer, norm_eps, mlp_layer)
+        global_pool = by_name('global_pool', global_pool, GLOBAL_POOLS, NO_POOL)
         base_img_size = to_2tuple(base_img_size or img_size)
         patch, kernel = size_plan(to_2tuple(img_size), base_img_size, to_2tuple(patch_size), kernel_size, resize_mode,
                                   dynamic_img_pad)
         super().__init__(
             img_size=img_size, patch_size=patch, in_chans=in_chans, num_classes=num_classes,
-            global_pool=_check_pool(global_pool), embed_dim=embed_dim, depth=depth, num_heads=num_heads,
+            global_pool=global_pool, embed_dim=embed_dim, depth=depth, num_heads=num_heads,
             mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, init_values=init_values, class_token=False, pos_embed='none',
             pre_norm=pre_norm, fc_norm=False, dynamic_img_size=dynamic_img_size, dynamic_img_pad=dynamic_img_pad,
             drop_rate=drop_rate, proj_drop_rate=proj_drop_rate, drop_path_rate=drop_path_rate,
@@ -214,7 +200,7 @@ class AFTConvTransformer(VisionTransformer):
     def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
         """timm's; ``global_pool`` one of ``GLOBAL_POOLS`` (None keeps the current one)."""
         if global_pool is not None:
-            self.global_pool = _check_pool(global_pool)
+            self.global_pool = by_name('global_pool', global_pool, GLOBAL_POOLS, NO_POOL)
         super().reset_classifier(num_classes)
 
     @torch.jit.ignore

@@ -11,8 +11,7 @@ import torch
 from torch import nn
 from torch.jit import Final
 
-from timm.layers import Format, LayerNorm, PatchEmbed, get_norm_layer, is_exporting, nchw_to, resample_abs_pos_embed, \
-    to_2tuple
+from timm.layers import Format, PatchEmbed, is_exporting, nchw_to, resample_abs_pos_embed, to_2tuple
 from timm.models import checkpoint, register_model
 from timm.models._features import feature_take_indices
 from timm.models._input import get_pretrained_grid_size  # as timm's ViT (not re-exported)
@@ -21,8 +20,8 @@ from timm.models.vision_transformer import checkpoint_filter_fn as vit_checkpoin
 
 from aft_vision.layers import AFTFull, AFTSimple, aft_full
 from aft_vision.layers.aft_full import masked_bias
-from ._base import DEPRECATED_TAGS, MLP_LAYERS, adapt_vit_checkpoint, aft_cfg, check_image, check_sizes, create_aft, \
-    family_cfgs
+from ._base import DEPRECATED_TAGS, NO_POOL, adapt_vit_checkpoint, aft_cfg, block_layers, by_name, check_image, \
+    check_sizes, create_aft, family_cfgs
 
 __all__ = ['AFTVisionTransformer', 'GridAFTFull', 'AFTSimpleAttention']  # register_model adds each entry point
 
@@ -39,14 +38,6 @@ def resample_pos_rows(rows: torch.Tensor, new_size: Tuple[int, int], old_size: T
         rows.unsqueeze(0), list(new_size), list(old_size), num_prefix_tokens, interpolation, antialias).squeeze(0)
 
 
-def _refuse_attention_options(qk_norm: bool, scale_norm: bool, proj_bias: bool, attn_drop: float) -> None:
-    """ValueError for a timm attention option that an AFT mixer has no part for."""
-    for name, asked in (('qk_norm', qk_norm), ('scale_attn_norm', scale_norm), ('proj_bias=False', not proj_bias),
-                        ('attn_drop_rate', attn_drop > 0)):
-        if asked:
-            raise ValueError(f'{name}: AFT mixers have no attention logits or heads for it; leave it at its default')
-
-
 class AFTSimpleAttention(AFTSimple):
     """``AFTSimple`` as timm's ``Block`` builds an ``attn_layer``: timm's attention arguments (``num_heads`` unused,
     every channel is its own head in AFT; the options AFT has no part for refused)."""
@@ -54,7 +45,11 @@ class AFTSimpleAttention(AFTSimple):
     def __init__(self, dim: int, num_heads: int = 1, qkv_bias: bool = True, qk_norm: bool = False,
                  scale_norm: bool = False, proj_bias: bool = True, attn_drop: float = 0., proj_drop: float = 0.,
                  norm_layer: Optional[Type[nn.Module]] = None, device=None, dtype=None):
-        _refuse_attention_options(qk_norm, scale_norm, proj_bias, attn_drop)
+        options = (('qk_norm', qk_norm), ('scale_attn_norm', scale_norm), ('proj_bias=False', not proj_bias),
+                   ('attn_drop_rate', attn_drop > 0))
+        for name, asked in options:
+            if asked:
+                raise ValueError(f'{name}: AFT mixers have no attention logits or heads for it; keep its default')
         super().__init__(dim, qkv_bias=qkv_bias, proj_drop=proj_drop, device=device, dtype=dtype)
 
 
@@ -169,23 +164,15 @@ class AFTVisionTransformer(VisionTransformer):
         check_sizes(img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim, depth=depth,
                     mlp_ratio=mlp_ratio)
         arg, attn_layer = ('mixer', mixer) if mixer is not None else ('attn_layer', attn_layer)
-        if isinstance(attn_layer, str) and attn_layer not in MIXERS:
-            raise ValueError(f'unknown {arg} {attn_layer!r}: choose one of {MIXERS}')
-        if global_pool not in GLOBAL_POOLS:
-            raise ValueError(f'unknown global_pool {global_pool!r}: choose one of {GLOBAL_POOLS} ("" for no pooling)')
+        attn_layer = by_name(arg, attn_layer, MIXERS)
+        by_name('global_pool', global_pool, GLOBAL_POOLS, NO_POOL)
         if global_pool == 'token' and not class_token:
             raise ValueError("global_pool='token' needs the class token (class_token=True); use 'avg' without it")
         full = attn_layer == 'full'
         if full and patch_drop_rate > 0:
             raise ValueError("patch_drop_rate: AFT-full's bias is tied to each grid position; use it with AFT-simple")
-        norm_layer = get_norm_layer(norm_layer) or LayerNorm
-        if norm_eps is not None:
-            norm_layer = partial(norm_layer, eps=norm_eps)
+        norm_layer, mlp_layer = block_layers(norm_layer, norm_eps, mlp_layer)
         block_fn = GridBlock if full else kwargs.pop('block_fn', Block)
-        if isinstance(mlp_layer, str):
-            if mlp_layer not in MLP_LAYERS:
-                raise ValueError(f'unknown mlp_layer {mlp_layer!r}: choose one of {sorted(MLP_LAYERS)} or pass a class')
-            mlp_layer = MLP_LAYERS[mlp_layer]
         super().__init__(
             img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim, depth=depth,
             mlp_ratio=mlp_ratio, global_pool=global_pool, class_token=class_token, fc_norm=fc_norm,
