@@ -113,13 +113,9 @@ class AFTConvTransformer(VisionTransformer):
         attn_layer: 'aft_conv' (dense bias), 'aft_conv_onehot' (Sec. 8's one-hot bias; the same parameters), or a
             class taking ``AFTConv2d``'s arguments; ``mixer_kwargs`` go to it (e.g. ``{'tau': 0.5}``).
         mixer_layer: The name ``attn_layer`` had before (config.json files written with it still rebuild).
-        dynamic_img_pad: Zero-pad images to a multiple of the patch size instead of rejecting them.
-        pre_norm: A norm between the patch embedding and the blocks (``norm_pre``, CLIP's), the patch embedding then
-            without bias, as in timm's ``VisionTransformer``.
         norm_eps: The norms' epsilon (None: the norm layer's own, 1e-6 for timm's LayerNorm; OpenAI / LAION CLIP
             weights were trained with 1e-5).
-        mlp_layer: The blocks' MLP, a class or a name of ``MLP_LAYERS`` ('mlp', timm's ViT MLP; 'swiglu_packed',
-            EVA-02's).
+        mlp_layer: The blocks' MLP, a class or a name of ``MLP_LAYERS`` ('mlp', 'swiglu_packed').
         resize_mode: How the model follows an ``img_size`` other than ``base_img_size`` (here and in
             ``set_input_size``): 'window' resamples each block's window by the size ratio (the default, the best in
             docs/results.md), 'keep' keeps it ``kernel_size`` tokens wide, 'patch' resizes the patch (FlexiViT).
@@ -282,6 +278,7 @@ class AFTConvTransformer(VisionTransformer):
         the final norm if ``final_norm`` (else as the blocks leave it), and the outputs of the blocks in
         ``take_indices`` in ``output_fmt`` (through the final norm if ``norm``); channel-first where a tracer records
         with ``export_layout`` 'NCHW' (``exporting``: never in TorchScript)."""
+        self.patch_embed.check(x)
         x = self._guard_recorded_size(x)
         if attn_mask is None and not is_causal and self.export_layout == 'NCHW' and exporting():
             return self._trunk_nchw(x, take_indices, norm, last, output_fmt, final_norm)
@@ -292,12 +289,10 @@ class AFTConvTransformer(VisionTransformer):
             blocks = self.blocks[:last + 1]
         intermediates = []
         for i, blk in enumerate(blocks):
-            if attn_mask is not None or is_causal:  # which AFT-conv refuses: it has no attention matrix
+            if self.grad_checkpointing and not torch.jit.is_scripting():
+                x = checkpoint(blk, x, attn_mask, is_causal)
+            else:  # a mask or is_causal, which AFT-conv refuses: it has no attention matrix
                 x = blk(x, attn_mask=attn_mask, is_causal=is_causal)
-            elif self.grad_checkpointing and not torch.jit.is_scripting():
-                x = checkpoint(blk, x)
-            else:
-                x = blk(x)
             if i in take_indices:
                 y = self.norm(x) if norm else x
                 intermediates.append(y.permute(0, 3, 1, 2).contiguous() if output_fmt == 'NCHW' else y)
