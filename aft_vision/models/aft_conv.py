@@ -278,7 +278,6 @@ class AFTConvTransformer(VisionTransformer):
         the final norm if ``final_norm`` (else as the blocks leave it), and the outputs of the blocks in
         ``take_indices`` in ``output_fmt`` (through the final norm if ``norm``); channel-first where a tracer records
         with ``export_layout`` 'NCHW' (``exporting``: never in TorchScript)."""
-        self.patch_embed.check(x)
         x = self._guard_recorded_size(x)
         if attn_mask is None and not is_causal and self.export_layout == 'NCHW' and exporting():
             return self._trunk_nchw(x, take_indices, norm, last, output_fmt, final_norm)

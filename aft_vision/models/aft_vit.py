@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.jit import Final
 
-from timm.layers import PatchEmbed, is_exporting, resample_abs_pos_embed, to_2tuple
+from timm.layers import Format, PatchEmbed, is_exporting, nchw_to, resample_abs_pos_embed, to_2tuple
 from timm.models import checkpoint, register_model
 from timm.models._features import feature_take_indices
 from timm.models._input import get_pretrained_grid_size  # as timm's ViT (not re-exported)
@@ -112,13 +112,26 @@ class GridBlock(Block):
 
 
 class AFTPatchEmbed(PatchEmbed):
-    """timm's ``PatchEmbed`` with ``check``, which the AFT models run on their images first: a wrong size, channel
-    count or dtype is a ValueError / TypeError naming it, where ``PatchEmbed`` fails an assert or its convolution."""
+    """timm's ``PatchEmbed`` whose input is checked first (``check_image``): a wrong size, channel count or dtype is a
+    ValueError / TypeError naming it, where ``PatchEmbed`` fails an assert or its convolution."""
 
     def check(self, x: torch.Tensor) -> None:
         """``check_image`` of images x (B, C, H, W) for this embedding."""
         check_image(x, self.proj.in_channels, self.patch_size, self.img_size if self.strict_img_size else None,
                     self.dynamic_img_pad, self.proj.weight.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.check(x)
+        if self.dynamic_img_pad:
+            pad_h = (self.patch_size[0] - x.shape[2] % self.patch_size[0]) % self.patch_size[0]
+            pad_w = (self.patch_size[1] - x.shape[3] % self.patch_size[1]) % self.patch_size[1]
+            x = nn.functional.pad(x, (0, pad_w, 0, pad_h))
+        x = self.proj(x)  # (B, C, H, W)
+        if self.flatten:
+            x = x.flatten(2).transpose(1, 2)  # NCHW -> NLC
+        elif self.output_fmt != Format.NCHW:
+            x = nchw_to(x, self.output_fmt)
+        return self.norm(x)
 
 
 class AFTVisionTransformer(VisionTransformer):
@@ -259,7 +272,6 @@ class AFTVisionTransformer(VisionTransformer):
         """Images x (B, C, H, W) through timm's embedding and the blocks (through block ``last``, None: all): the
         tokens (B, T, C) as the blocks leave them, and the outputs of the blocks in ``take_indices`` (through the final
         norm if ``norm``). Where AFT-full's bias follows each call's grid, the blocks are handed that grid."""
-        self.patch_embed.check(x)
         x = self.patch_embed(x)
         feat_size: Optional[List[int]] = [x.shape[1], x.shape[2]] if self.grid_per_call else None  # (B, H', W', C)
         x = self.norm_pre(self.patch_drop(self._pos_embed(x)))
