@@ -1,5 +1,6 @@
 """What the AFT model families (timm's ``VisionTransformer`` with an AFT ``attn_layer``) share: the size and input
-checks, the MLPs by name, the ViT weight transfer and the DeiT-initialised cfgs."""
+checks, the options given by name (mixers, MLPs, pools, norms), the ViT weight transfer and the DeiT-initialised
+cfgs."""
 import logging
 import warnings
 from functools import partial
