@@ -1,14 +1,16 @@
 """What the AFT model families (timm's ``VisionTransformer`` with an AFT ``attn_layer``) share: the size and input
-checks, the MLPs by name, the ViT weight transfer and the DeiT-initialised cfgs."""
+checks, the options given by name (mixers, MLPs, pools, norms), the ViT weight transfer and the DeiT-initialised
+cfgs."""
 import logging
 import warnings
-from typing import Any, Callable, Dict, Optional, Tuple, Type
+from functools import partial
+from typing import Any, Callable, Dict, Optional, Tuple, Type, Union
 
 import torch
 from torch import nn
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import Mlp, SwiGLUPacked, to_2tuple
+from timm.layers import LayerNorm, Mlp, SwiGLUPacked, get_norm_layer, to_2tuple
 from timm.models import build_model_with_cfg, generate_default_cfgs, get_pretrained_cfg, model_entrypoint, \
     register_notrace_function
 from timm.models._input import _spatial_size  # timm's size check
@@ -23,6 +25,28 @@ __all__ = ['MLP_LAYERS', 'check_image', 'check_sizes']
 # MLPs by name (names travel in config.json): timm's ViT MLP, and the packed SwiGLU of EVA-02 (fc1 holds gate and
 # value, ``mlp_ratio`` gives fc1's width; the gate's activation is the model's ``act_layer``, 'silu' for SwiGLU)
 MLP_LAYERS: Dict[str, Type[nn.Module]] = {'mlp': Mlp, 'swiglu_packed': SwiGLUPacked}
+NO_POOL = '("" for no pooling)'  # ``by_name``'s hint for ``global_pool``
+
+
+def by_name(arg: str, value: Any, choices: Union[Tuple[str, ...], Dict[str, Any]], hint: str = 'or pass a class'
+            ) -> Any:
+    """``value`` unless it is a name: then what ``choices`` (a dict) holds for it, or the name itself (a tuple);
+    ValueError naming ``arg`` and the choices for another name."""
+    if not isinstance(value, str):
+        return value
+    if value not in choices:
+        raise ValueError(f'unknown {arg} {value!r}: choose one of {sorted(choices)} {hint}')
+    return choices[value] if isinstance(choices, dict) else value
+
+
+def block_layers(norm_layer: Any, norm_eps: Optional[float], mlp_layer: Union[str, Type[nn.Module]]
+                 ) -> Tuple[Callable[..., nn.Module], Type[nn.Module]]:
+    """The blocks' norm (timm's by name, its LayerNorm by default, with ``norm_eps`` if given) and MLP (a class or a
+    name of ``MLP_LAYERS``)."""
+    norm_layer = get_norm_layer(norm_layer) or LayerNorm
+    if norm_eps is not None:
+        norm_layer = partial(norm_layer, eps=norm_eps)
+    return norm_layer, by_name('mlp_layer', mlp_layer, MLP_LAYERS)
 
 
 def check_sizes(**sizes: Any) -> None:

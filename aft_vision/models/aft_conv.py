@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple, Ty
 import torch
 from torch import nn
 
-from timm.layers import LayerNorm, LayerScale, LayerType, Mlp, get_norm_layer, resample_patch_embed, to_2tuple
+from timm.layers import LayerScale, LayerType, Mlp, resample_patch_embed, to_2tuple
 from timm.models import checkpoint, register_model, register_model_deprecations
 from timm.models._features import feature_take_indices
 from timm.models._input import update_model_args, update_model_input_size  # what timm's ViT records on a resize
@@ -21,12 +21,12 @@ from timm.models.vision_transformer import Block, VisionTransformer
 
 from ..layers import AFTConv2d, AFTConv2dOneHot, exporting, layer_norm_nchw, linear_nchw, \
     resize_window_bias, scaled_kernel_size
-from ._base import DEPRECATED_TAGS, MLP_LAYERS, adapt_vit_checkpoint, aft_cfg, check_sizes, \
+from ._base import DEPRECATED_TAGS, NO_POOL, adapt_vit_checkpoint, aft_cfg, block_layers, by_name, check_sizes, \
     create_aft, family_cfgs
 from .aft_vit import AFTPatchEmbed
 
 # register_model adds each entry point
-__all__ = ['AFTConvTransformer', 'AFTConvBlock', 'EXPORT_LAYOUTS', 'export_layout', 'forward_at_size']
+__all__ = ['AFTConvTransformer', 'AFTConvBlock', 'EXPORT_LAYOUTS', 'export_layout', 'windows_follow_grid']
 
 GLOBAL_POOLS = ('', 'avg', 'max', 'avgmax')  # timm's pools of a map ('' keeps it)
 RESIZE_MODES = ('keep', 'window', 'patch')  # how the model follows another input size (``resize_mode``)
@@ -101,12 +101,6 @@ def size_plan(img_size: Tuple[int, int], base_img_size: Tuple[int, int], base_pa
     return (round(patch[0]), round(patch[1])), kernel_size
 
 
-def _check_pool(global_pool: str) -> str:
-    if global_pool not in GLOBAL_POOLS:
-        raise ValueError(f'unknown global_pool {global_pool!r}: choose one of {GLOBAL_POOLS} ("" for no pooling)')
-    return global_pool
-
-
 class AFTConvTransformer(VisionTransformer):
     """timm's ``VisionTransformer`` with AFT-conv blocks on a (B, H, W, C) map: no class token, no position embedding
     (the windows are the positions), the final norm before timm's pooling of the map's rows.
@@ -119,13 +113,9 @@ class AFTConvTransformer(VisionTransformer):
         attn_layer: 'aft_conv' (dense bias), 'aft_conv_onehot' (Sec. 8's one-hot bias; the same parameters), or a
             class taking ``AFTConv2d``'s arguments; ``mixer_kwargs`` go to it (e.g. ``{'tau': 0.5}``).
         mixer_layer: The name ``attn_layer`` had before (config.json files written with it still rebuild).
-        dynamic_img_pad: Zero-pad images to a multiple of the patch size instead of rejecting them.
-        pre_norm: A norm between the patch embedding and the blocks (``norm_pre``, CLIP's), the patch embedding then
-            without bias, as in timm's ``VisionTransformer``.
         norm_eps: The norms' epsilon (None: the norm layer's own, 1e-6 for timm's LayerNorm; OpenAI / LAION CLIP
             weights were trained with 1e-5).
-        mlp_layer: The blocks' MLP, a class or a name of ``MLP_LAYERS`` ('mlp', timm's ViT MLP; 'swiglu_packed',
-            EVA-02's).
+        mlp_layer: The blocks' MLP, a class or a name of ``MLP_LAYERS`` ('mlp', 'swiglu_packed').
         resize_mode: How the model follows an ``img_size`` other than ``base_img_size`` (here and in
             ``set_input_size``): 'window' resamples each block's window by the size ratio (the default, the best in
             docs/results.md), 'keep' keeps it ``kernel_size`` tokens wide, 'patch' resizes the patch (FlexiViT).
@@ -157,23 +147,15 @@ class AFTConvTransformer(VisionTransformer):
         if weight_init not in ('', 'skip'):
             raise ValueError(f"unknown weight_init {weight_init!r}: choose '' or 'skip'")
         arg, attn_layer = ('mixer_layer', mixer_layer) if mixer_layer is not None else ('attn_layer', attn_layer)
-        if isinstance(attn_layer, str):
-            if attn_layer not in MIXER_LAYERS:
-                raise ValueError(f'unknown {arg} {attn_layer!r}: choose one of {sorted(MIXER_LAYERS)} or pass a class')
-            attn_layer = MIXER_LAYERS[attn_layer]
-        if isinstance(mlp_layer, str):
-            if mlp_layer not in MLP_LAYERS:
-                raise ValueError(f'unknown mlp_layer {mlp_layer!r}: choose one of {sorted(MLP_LAYERS)} or pass a class')
-            mlp_layer = MLP_LAYERS[mlp_layer]
-        norm_layer = get_norm_layer(norm_layer) or LayerNorm
-        if norm_eps is not None:
-            norm_layer = partial(norm_layer, eps=norm_eps)
+        attn_layer = by_name(arg, attn_layer, MIXER_LAYERS)
+        norm_layer, mlp_layer = block_layers(norm_layer, norm_eps, mlp_layer)
+        global_pool = by_name('global_pool', global_pool, GLOBAL_POOLS, NO_POOL)
         base_img_size = to_2tuple(base_img_size or img_size)
         patch, kernel = size_plan(to_2tuple(img_size), base_img_size, to_2tuple(patch_size), kernel_size, resize_mode,
                                   dynamic_img_pad)
         super().__init__(
             img_size=img_size, patch_size=patch, in_chans=in_chans, num_classes=num_classes,
-            global_pool=_check_pool(global_pool), embed_dim=embed_dim, depth=depth, num_heads=num_heads,
+            global_pool=global_pool, embed_dim=embed_dim, depth=depth, num_heads=num_heads,
             mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, init_values=init_values, class_token=False, pos_embed='none',
             pre_norm=pre_norm, fc_norm=False, dynamic_img_size=dynamic_img_size, dynamic_img_pad=dynamic_img_pad,
             drop_rate=drop_rate, proj_drop_rate=proj_drop_rate, drop_path_rate=drop_path_rate,
@@ -186,10 +168,11 @@ class AFTConvTransformer(VisionTransformer):
         self.base_img_size, self.base_patch_size = base_img_size, to_2tuple(patch_size)
         self._set_call_windows()
 
-    def _set_call_windows(self) -> None:
-        """With ``dynamic_img_size`` and ``resize_mode='window'``, each mixer's window follows its call's grid from
-        ``kernel_size`` on the grid of ``base_img_size`` (``follow_grid``); else each keeps the built one."""
-        follow = self.dynamic_img_size and self.resize_mode == 'window'
+    def _set_call_windows(self, follow: Optional[bool] = None) -> None:
+        """With ``follow`` (None: ``dynamic_img_size``) and ``resize_mode='window'``, each mixer's window follows its
+        call's grid from ``kernel_size`` on the grid of ``base_img_size`` (``follow_grid``); else each keeps the built
+        one."""
+        follow = (self.dynamic_img_size if follow is None else follow) and self.resize_mode == 'window'
         grid = tuple(size / patch for size, patch in zip(self.base_img_size, self.base_patch_size)) if follow else None
         for block in self.blocks:
             if not hasattr(block.attn, 'follow_grid'):
@@ -213,7 +196,7 @@ class AFTConvTransformer(VisionTransformer):
     def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
         """timm's; ``global_pool`` one of ``GLOBAL_POOLS`` (None keeps the current one)."""
         if global_pool is not None:
-            self.global_pool = _check_pool(global_pool)
+            self.global_pool = by_name('global_pool', global_pool, GLOBAL_POOLS, NO_POOL)
         super().reset_classifier(num_classes)
 
     @torch.jit.ignore
@@ -246,23 +229,6 @@ class AFTConvTransformer(VisionTransformer):
             info['reduction'] = self.patch_embed.feat_ratio()
         update_model_input_size(self, img_size, patch_size=patch_size)
         update_model_args(self, resize_mode=self.resize_mode, base_img_size=self.base_img_size)
-
-    def window_parameters(self, img_size: Union[int, Tuple[int, int]]) -> Dict[str, torch.Tensor]:
-        """Each block's window at ``img_size`` under ``resize_mode='window'``, differentiable in the parameters, by
-        parameter name (for ``torch.func.functional_call``: training at several sizes trains the one window all are
-        resampled from). Empty in the other modes and where the window would not change."""
-        if self.resize_mode != 'window':
-            return {}
-        _, kernel = size_plan(to_2tuple(img_size), self.base_img_size, self.base_patch_size, self.kernel_size, 'window',
-                              self.patch_embed.dynamic_img_pad)
-        windows = {}
-        for i, block in enumerate(self.blocks):
-            attn = block.attn
-            if kernel != attn.pos_weight.shape[-1]:  # (h, s, s)
-                names = [f'blocks.{i}.attn.{name}' for name in ('pos_weight', 'pos_gamma', 'pos_beta')]
-                windows.update(zip(names, resize_window_bias(
-                    attn.pos_weight, attn.pos_gamma, attn.pos_beta, kernel, attn.eps)))
-        return windows
 
     def _pos_embed(self, x: torch.Tensor) -> torch.Tensor:
         """The patch map (B, H, W, C) as the blocks take it, contiguous: no positions here (AFT-conv's are its
@@ -322,12 +288,10 @@ class AFTConvTransformer(VisionTransformer):
             blocks = self.blocks[:last + 1]
         intermediates = []
         for i, blk in enumerate(blocks):
-            if attn_mask is not None or is_causal:  # which AFT-conv refuses: it has no attention matrix
+            if self.grad_checkpointing and not torch.jit.is_scripting():
+                x = checkpoint(blk, x, attn_mask, is_causal)
+            else:  # a mask or is_causal, which AFT-conv refuses: it has no attention matrix
                 x = blk(x, attn_mask=attn_mask, is_causal=is_causal)
-            elif self.grad_checkpointing and not torch.jit.is_scripting():
-                x = checkpoint(blk, x)
-            else:
-                x = blk(x)
             if i in take_indices:
                 y = self.norm(x) if norm else x
                 intermediates.append(y.permute(0, 3, 1, 2).contiguous() if output_fmt == 'NCHW' else y)
@@ -390,17 +354,19 @@ def export_layout(model: nn.Module, layout: str = 'NCHW') -> Iterator[nn.Module]
             m.export_layout = previous
 
 
-def forward_at_size(net: nn.Module, images: torch.Tensor) -> torch.Tensor:
-    """``net(images)`` for a training step; an AFT-conv model in ``net`` (itself, or in DDP or ``torch.compile``) with
-    ``resize_mode='window'`` runs with its windows resampled for the images' size (``window_parameters``)."""
-    for prefix, model in net.named_modules():
-        if isinstance(model, AFTConvTransformer):
-            windows = model.window_parameters(images.shape[-2:])
-            if windows:
-                prefix = f'{prefix}.' if prefix else ''
-                return torch.func.functional_call(net, {prefix + k: v for k, v in windows.items()}, (images,))
-            break
-    return net(images)
+@contextlib.contextmanager
+def windows_follow_grid(net: nn.Module) -> Iterator[nn.Module]:
+    """Within the block, every AFT-conv model in ``net`` (itself, or in DDP or ``torch.compile``) with
+    ``resize_mode='window'`` runs each call with its windows resampled for the call's grid, differentiably from its
+    own, as with ``dynamic_img_size``: a training step at another size trains the windows the model keeps."""
+    models = [m for m in net.modules() if isinstance(m, AFTConvTransformer)]
+    try:
+        for m in models:
+            m._set_call_windows(follow=True)
+        yield net
+    finally:
+        for m in models:
+            m._set_call_windows()
 
 
 def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: AFTConvTransformer, interpolation: str = 'bicubic',

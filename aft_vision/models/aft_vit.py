@@ -11,9 +11,8 @@ import torch
 from torch import nn
 from torch.jit import Final
 
-from timm.layers import Format, LayerNorm, PatchEmbed, get_norm_layer, is_exporting, nchw_to, resample_abs_pos_embed, \
-    to_2tuple
-from timm.models import checkpoint, checkpoint_seq, register_model
+from timm.layers import Format, PatchEmbed, is_exporting, nchw_to, resample_abs_pos_embed, to_2tuple
+from timm.models import checkpoint, register_model
 from timm.models._features import feature_take_indices
 from timm.models._input import get_pretrained_grid_size  # as timm's ViT (not re-exported)
 from timm.models.vision_transformer import Block, VisionTransformer
@@ -21,8 +20,8 @@ from timm.models.vision_transformer import checkpoint_filter_fn as vit_checkpoin
 
 from aft_vision.layers import AFTFull, AFTSimple, aft_full
 from aft_vision.layers.aft_full import masked_bias
-from ._base import DEPRECATED_TAGS, MLP_LAYERS, adapt_vit_checkpoint, aft_cfg, check_image, check_sizes, create_aft, \
-    family_cfgs
+from ._base import DEPRECATED_TAGS, NO_POOL, adapt_vit_checkpoint, aft_cfg, block_layers, by_name, check_image, \
+    check_sizes, create_aft, family_cfgs
 
 __all__ = ['AFTVisionTransformer', 'GridAFTFull', 'AFTSimpleAttention']  # register_model adds each entry point
 
@@ -39,14 +38,6 @@ def resample_pos_rows(rows: torch.Tensor, new_size: Tuple[int, int], old_size: T
         rows.unsqueeze(0), list(new_size), list(old_size), num_prefix_tokens, interpolation, antialias).squeeze(0)
 
 
-def _refuse_attention_options(qk_norm: bool, scale_norm: bool, proj_bias: bool, attn_drop: float) -> None:
-    """ValueError for a timm attention option that an AFT mixer has no part for."""
-    for name, asked in (('qk_norm', qk_norm), ('scale_attn_norm', scale_norm), ('proj_bias=False', not proj_bias),
-                        ('attn_drop_rate', attn_drop > 0)):
-        if asked:
-            raise ValueError(f'{name}: AFT mixers have no attention logits or heads for it; leave it at its default')
-
-
 class AFTSimpleAttention(AFTSimple):
     """``AFTSimple`` as timm's ``Block`` builds an ``attn_layer``: timm's attention arguments (``num_heads`` unused,
     every channel is its own head in AFT; the options AFT has no part for refused)."""
@@ -54,7 +45,11 @@ class AFTSimpleAttention(AFTSimple):
     def __init__(self, dim: int, num_heads: int = 1, qkv_bias: bool = True, qk_norm: bool = False,
                  scale_norm: bool = False, proj_bias: bool = True, attn_drop: float = 0., proj_drop: float = 0.,
                  norm_layer: Optional[Type[nn.Module]] = None, device=None, dtype=None):
-        _refuse_attention_options(qk_norm, scale_norm, proj_bias, attn_drop)
+        options = (('qk_norm', qk_norm), ('scale_attn_norm', scale_norm), ('proj_bias=False', not proj_bias),
+                   ('attn_drop_rate', attn_drop > 0))
+        for name, asked in options:
+            if asked:
+                raise ValueError(f'{name}: AFT mixers have no attention logits or heads for it; keep its default')
         super().__init__(dim, qkv_bias=qkv_bias, proj_drop=proj_drop, device=device, dtype=dtype)
 
 
@@ -169,23 +164,15 @@ class AFTVisionTransformer(VisionTransformer):
         check_sizes(img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim, depth=depth,
                     mlp_ratio=mlp_ratio)
         arg, attn_layer = ('mixer', mixer) if mixer is not None else ('attn_layer', attn_layer)
-        if isinstance(attn_layer, str) and attn_layer not in MIXERS:
-            raise ValueError(f'unknown {arg} {attn_layer!r}: choose one of {MIXERS}')
-        if global_pool not in GLOBAL_POOLS:
-            raise ValueError(f'unknown global_pool {global_pool!r}: choose one of {GLOBAL_POOLS} ("" for no pooling)')
+        attn_layer = by_name(arg, attn_layer, MIXERS)
+        by_name('global_pool', global_pool, GLOBAL_POOLS, NO_POOL)
         if global_pool == 'token' and not class_token:
             raise ValueError("global_pool='token' needs the class token (class_token=True); use 'avg' without it")
         full = attn_layer == 'full'
         if full and patch_drop_rate > 0:
             raise ValueError("patch_drop_rate: AFT-full's bias is tied to each grid position; use it with AFT-simple")
-        norm_layer = get_norm_layer(norm_layer) or LayerNorm
-        if norm_eps is not None:
-            norm_layer = partial(norm_layer, eps=norm_eps)
+        norm_layer, mlp_layer = block_layers(norm_layer, norm_eps, mlp_layer)
         block_fn = GridBlock if full else kwargs.pop('block_fn', Block)
-        if isinstance(mlp_layer, str):
-            if mlp_layer not in MLP_LAYERS:
-                raise ValueError(f'unknown mlp_layer {mlp_layer!r}: choose one of {sorted(MLP_LAYERS)} or pass a class')
-            mlp_layer = MLP_LAYERS[mlp_layer]
         super().__init__(
             img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim, depth=depth,
             mlp_ratio=mlp_ratio, global_pool=global_pool, class_token=class_token, fc_norm=fc_norm,
@@ -243,56 +230,27 @@ class AFTVisionTransformer(VisionTransformer):
             return self.pos_drop(torch.cat(to_cat + [x + pos_embed], dim=1))
         return self.pos_drop(torch.cat(to_cat + [x], dim=1) + pos_embed)
 
-    def _embed(self, x: torch.Tensor) -> Tuple[torch.Tensor, Optional[List[int]]]:
-        """timm's embedding (patches, prefix and position, patch drop, ``norm_pre``) of images (B, C, H, W), and
-        where AFT-full's bias follows each call's grid that grid [H', W'] (else None)."""
-        x = self.patch_embed(x)
-        feat_size: Optional[List[int]] = [x.shape[1], x.shape[2]] if self.grid_per_call else None  # (B, H', W', C)
-        return self.norm_pre(self.patch_drop(self._pos_embed(x))), feat_size
-
     def forward_intermediates(
             self, x: torch.Tensor, indices: Optional[Union[int, List[int]]] = None, return_prefix_tokens: bool = False,
             norm: bool = False, stop_early: bool = False, output_fmt: str = 'NCHW', intermediates_only: bool = False,
             output_dict: bool = False, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
     ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]], Dict[str, Any]]:
-        """timm's ``VisionTransformer.forward_intermediates``, line for line, the grid handed to the blocks."""
+        """timm's ``VisionTransformer.forward_intermediates``, the grid handed to the blocks."""
         if output_fmt not in ('NCHW', 'NLC'):
             raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got '{output_fmt}'")
-        reshape = output_fmt == 'NCHW'
-        intermediates = []
         take_indices, max_index = feature_take_indices(len(self.blocks), indices)
         B, _, height, width = x.shape
-        x, feat_size = self._embed(x)
-        if torch.jit.is_scripting() or not stop_early:  # can't slice blocks in torchscript
-            blocks = self.blocks
-        else:
-            blocks = self.blocks[:max_index + 1]
-        for i, blk in enumerate(blocks):
-            if self.grid_per_call:
-                if self.grad_checkpointing and not torch.jit.is_scripting():
-                    x = checkpoint(blk, x, attn_mask, is_causal, feat_size)
-                else:
-                    x = blk(x, attn_mask=attn_mask, is_causal=is_causal, feat_size=feat_size)
-            elif attn_mask is not None or is_causal:
-                x = blk(x, attn_mask=attn_mask, is_causal=is_causal)
-            elif self.grad_checkpointing and not torch.jit.is_scripting():
-                x = checkpoint(blk, x)
-            else:
-                x = blk(x)
-            if i in take_indices:
-                intermediates.append(self.norm(x) if norm else x)
-
+        x, intermediates = self._trunk(x, take_indices, norm, max_index if stop_early else None, attn_mask, is_causal)
         if self.num_prefix_tokens:  # split prefix (class, register) and patch tokens
             prefix_tokens = [y[:, 0:self.num_prefix_tokens] for y in intermediates]
             intermediates = [y[:, self.num_prefix_tokens:] for y in intermediates]
         else:
             prefix_tokens = None
-        if reshape:
+        if output_fmt == 'NCHW':
             H, W = self.patch_embed.dynamic_feat_size((height, width))
             intermediates = [y.reshape(B, H, W, -1).permute(0, 3, 1, 2).contiguous() for y in intermediates]
         if output_dict and not torch.jit.is_scripting():  # not in TorchScript (dict typing)
-            result_dict = {}
-            result_dict['image_intermediates'] = intermediates
+            result_dict = {'image_intermediates': intermediates}
             if prefix_tokens is not None and return_prefix_tokens:
                 result_dict['image_intermediates_prefix'] = prefix_tokens
             if not intermediates_only:
@@ -307,21 +265,32 @@ class AFTVisionTransformer(VisionTransformer):
     def forward_features(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
                          is_causal: bool = False) -> torch.Tensor:
         """timm's ``VisionTransformer.forward_features``, the grid handed to the blocks."""
-        x, feat_size = self._embed(x)
-        if self.grid_per_call:
-            for blk in self.blocks:
-                if self.grad_checkpointing and not torch.jit.is_scripting():
-                    x = checkpoint(blk, x, attn_mask, is_causal, feat_size)
-                else:
-                    x = blk(x, attn_mask=attn_mask, is_causal=is_causal, feat_size=feat_size)
-        elif attn_mask is not None or is_causal:
-            for blk in self.blocks:
-                x = blk(x, attn_mask=attn_mask, is_causal=is_causal)
-        elif self.grad_checkpointing and not torch.jit.is_scripting():
-            x = checkpoint_seq(self.blocks, x)
+        return self.norm(self._trunk(x, [], False, None, attn_mask, is_causal)[0])
+
+    def _trunk(self, x: torch.Tensor, take_indices: List[int], norm: bool, last: Optional[int],
+               attn_mask: Optional[torch.Tensor], is_causal: bool) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+        """Images x (B, C, H, W) through timm's embedding and the blocks (through block ``last``, None: all): the
+        tokens (B, T, C) as the blocks leave them, and the outputs of the blocks in ``take_indices`` (through the final
+        norm if ``norm``). Where AFT-full's bias follows each call's grid, the blocks are handed that grid."""
+        x = self.patch_embed(x)
+        feat_size: Optional[List[int]] = [x.shape[1], x.shape[2]] if self.grid_per_call else None  # (B, H', W', C)
+        x = self.norm_pre(self.patch_drop(self._pos_embed(x)))
+        if torch.jit.is_scripting() or last is None:  # TorchScript cannot slice the blocks
+            blocks = self.blocks
         else:
-            x = self.blocks(x)
-        return self.norm(x)
+            blocks = self.blocks[:last + 1]
+        intermediates = []
+        for i, blk in enumerate(blocks):
+            if self.grad_checkpointing and not torch.jit.is_scripting():
+                x = checkpoint(blk, x, attn_mask, is_causal, feat_size) if self.grid_per_call \
+                    else checkpoint(blk, x, attn_mask, is_causal)
+            elif self.grid_per_call:
+                x = blk(x, attn_mask=attn_mask, is_causal=is_causal, feat_size=feat_size)
+            else:
+                x = blk(x, attn_mask=attn_mask, is_causal=is_causal)
+            if i in take_indices:
+                intermediates.append(self.norm(x) if norm else x)
+        return x, intermediates
 
 
 def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: AFTVisionTransformer,

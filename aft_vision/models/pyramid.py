@@ -18,7 +18,7 @@ SCALE_FACTORS = (4.0, 2.0, 1.0, 0.5)  # the levels ViTDet builds, relative to th
 
 class SimpleFeaturePyramid(nn.Module):
     """ViTDet's simple feature pyramid on the last token map of a plain backbone; its own layers start as
-    detectron2's (PyTorch's defaults, biases only where no norm follows), the backbone is left as it is.
+    detectron2's (PyTorch's default initialisation, biases only where no norm follows), the backbone is left as it is.
 
     Args:
         backbone: An AFT-conv model (``num_classes=0``; its ``forward_features`` map is used) or a timm feature
@@ -81,17 +81,6 @@ class SimpleFeaturePyramid(nn.Module):
         self.feature_info = FeatureInfo(
             [dict(num_chs=out_channels, reduction=r, module=f'stages.{min(i, len(scale_factors) - 1)}')
              for i, r in enumerate(reductions)], out_indices=tuple(range(len(self.names))))
-        self.init_weights()
-
-    def init_weights(self) -> None:
-        """ViTDet's initialisation of the pyramid's own layers (the backbone is not touched)."""
-        for module in self.stages.modules():
-            if isinstance(module, (nn.Conv2d, nn.ConvTranspose2d)):
-                module.reset_parameters()  # kaiming_uniform_(a=sqrt(5)), as detectron2's layers are left
-            elif isinstance(module, (nn.LayerNorm, nn.GroupNorm, nn.BatchNorm2d)):
-                if module.weight is not None:
-                    nn.init.ones_(module.weight)
-                    nn.init.zeros_(module.bias)
 
     def forward_backbone(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, C, H, W) -> the backbone's last map (B, D, H/p, W/p)."""

@@ -27,7 +27,7 @@ from ..checkpoints.files import atomic_dir
 from ..hub import load_model
 from ..images import read_image
 from ..models import fit_checkpoint
-from ..models.aft_conv import forward_at_size
+from ..models.aft_conv import windows_follow_grid
 from ..plots import figure
 from .regularizers import position_bias_entropy
 
@@ -344,7 +344,8 @@ def train(data_dir: Path, model_name: str, epochs: int, img_size: int, batch_siz
 
     def loss_of(batch: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         step_sizes.append(batch[0].shape[-1])
-        loss = criterion(forward_at_size(net, batch[0].to(device)), batch[1].to(device))
+        with windows_follow_grid(net):  # an AFT-conv's windows resampled for the step's size from its own
+            loss = criterion(net(batch[0].to(device)), batch[1].to(device))
         # Eq. 9 on the shared weights: every rank adds the same term
         return loss + sparsity_weight * position_bias_entropy(model) if sparsity_weight else loss
 
