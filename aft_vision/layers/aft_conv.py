@@ -28,7 +28,7 @@ class AFTConv2d(nn.Module):
         method: How ``aft_conv2d`` evaluates Eq. 6 ('auto', 'dense', 'conv', 'tuned'), fixed here; None takes
             ``get_conv_method()``. A model takes it as ``mixer_kwargs={'method': ...}``.
     """
-    window_grid: Optional[Tuple[float, float, int]]  # ``follow_grid``'s grid and window; None: the layer's window
+    window_grid: Optional[Tuple[float, float, int, int, int]]  # ``follow_grid``'s; None: the layer's window
 
     def __init__(self, dim: int, num_heads: int, kernel_size: int, qkv_bias: bool = True, proj_drop: float = 0.0,
                  eps: float = 1e-5, method: Optional[str] = None, device=None, dtype=None):
@@ -82,19 +82,22 @@ class AFTConv2d(nn.Module):
         self.pos_beta.copy_(beta)
         self.kernel_size = kernel_size
 
-    def follow_grid(self, grid: Optional[Tuple[float, float]], kernel_size: Optional[int] = None) -> None:
+    def follow_grid(self, grid: Optional[Tuple[float, float]], kernel_size: Optional[int] = None,
+                    patch_size: Tuple[int, int] = (1, 1)) -> None:
         """From now on each call's window follows its token grid: ``kernel_size`` (None: the layer's) on a grid of
-        ``grid`` tokens, stretched for a call's (H, W) by the geometric mean of the side ratios (``call_window``, as
-        ``resize_window`` for a resized model) and resampled for that call alone; None: the layer's window always."""
-        self.window_grid = None if grid is None else (float(grid[0]), float(grid[1]), kernel_size or self.kernel_size)
+        ``grid`` tokens (or pixels of ``patch_size``), stretched for a call's (H, W) by the geometric mean of the side
+        ratios (``call_window``, as ``resize_window`` for a resized model) and resampled for that call alone; None:
+        the layer's window always."""
+        self.window_grid = None if grid is None else (
+            float(grid[0]), float(grid[1]), int(patch_size[0]), int(patch_size[1]), kernel_size or self.kernel_size)
 
     @torch.jit.unused
     def call_window(self, height: int, width: int) -> Optional[int]:
         """The window of a call on a (height, width) token grid under ``follow_grid``; None: the layer's own."""
         if self.window_grid is None:
             return None
-        grid_h, grid_w, kernel_size = self.window_grid
-        return scaled_kernel_size(kernel_size, math.sqrt((height / grid_h) * (width / grid_w)))
+        grid_h, grid_w, patch_h, patch_w, kernel_size = self.window_grid  # ratios of whole pixels, as size_plan's
+        return scaled_kernel_size(kernel_size, math.sqrt((height * patch_h / grid_h) * (width * patch_w / grid_w)))
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
                 is_causal: bool = False) -> torch.Tensor:

@@ -173,14 +173,13 @@ class AFTConvTransformer(VisionTransformer):
         call's grid from ``kernel_size`` on the grid of ``base_img_size`` (``follow_grid``); else each keeps the built
         one."""
         follow = (self.dynamic_img_size if follow is None else follow) and self.resize_mode == 'window'
-        grid = tuple(size / patch for size, patch in zip(self.base_img_size, self.base_patch_size)) if follow else None
         for block in self.blocks:
             if not hasattr(block.attn, 'follow_grid'):
                 if follow:
                     raise ValueError(f"{type(block.attn).__name__} takes no per-call window (no follow_grid): build "
                                      f"the model with resize_mode='keep' or without dynamic_img_size")
                 continue
-            block.attn.follow_grid(grid, self.kernel_size)
+            block.attn.follow_grid(self.base_img_size if follow else None, self.kernel_size, self.base_patch_size)
 
     def _fixed_img_size(self) -> Optional[Tuple[int, int]]:
         """None: any multiple of the patch size runs."""

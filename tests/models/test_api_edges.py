@@ -10,6 +10,7 @@ import timm
 import torch
 
 import aft_vision  # noqa: F401  registers the models
+from aft_vision.models.aft_conv import AFTConvTransformer
 
 FAMILIES = ['aft_conv_test', 'aft_full_test', 'aft_simple_test']
 GRID = dict(img_size=64, patch_size=8)  # the AFT test models' own; timm's test_vit built the same
@@ -166,6 +167,21 @@ def test_aft_conv_dynamic_windows_follow_the_padded_token_grid():
     assert {m.blocks[0].attn.kernel_size for m in (rebuilt, at_50, built_50)} == {rebuilt.blocks[0].attn.kernel_size}
     with torch.no_grad():
         assert torch.equal(at_50(images), rebuilt(images))
+
+
+def test_aft_conv_resized_windows_are_the_windows_a_call_takes_from_its_grid():
+    """A model resized for a size (``set_input_size``) takes the window a call on that size's token grid takes
+    (``call_window``), also where the base size is no multiple of the patch: 18 px in 7-px patches resized to 78 px
+    (12 x 12 padded tokens, 84 px) is 3 * 84 / 18 = 14 exactly, a tie both round up to 15."""
+    kwargs = dict(img_size=18, patch_size=7, embed_dim=8, depth=1, num_heads=2, kernel_size=3, num_classes=0,
+                  dynamic_img_pad=True)
+    following = AFTConvTransformer(dynamic_img_size=True, **kwargs)
+    for img_size in (18, 30, 78, 100):
+        resized = AFTConvTransformer(**kwargs)
+        resized.set_input_size(img_size=img_size)
+        tokens = -(-img_size // 7)
+        assert resized.blocks[0].attn.kernel_size == following.blocks[0].attn.call_window(tokens, tokens)
+    assert following.blocks[0].attn.call_window(12, 12) == 15
 
 
 def test_aft_conv_dynamic_trains_the_one_window():
