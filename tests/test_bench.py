@@ -150,6 +150,15 @@ def test_dense_bench_refuses_compile(tmp_path, capsys):
     assert 'leave out --compile' in capsys.readouterr().err
 
 
+@pytest.mark.parametrize('runtime', [['--compile'], ['--runtime', 'openvino']])
+def test_ops_refuses_another_runtime_than_eager(runtime, tmp_path, capsys):
+    """--ops times and counts the mixer call in eager PyTorch: another runtime is refused, not ignored."""
+    assert cli_main(['bench', '--ops-count-only', '--models', 'aft_conv_test', '--resolutions', '32', *runtime,
+                     '--out-dir', str(tmp_path)]) == 2
+    assert '--ops times and counts the eager mixer call: leave out --runtime' in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
 def test_gmacs_count_attention_and_aft_conv_as_their_products():
     """``models.count_macs`` (bench's GMACs, the study's MACs) against a count by hand of a tiny timm ViT's products
     (torch's flop counter alone misses the CPU's fused attention), and AFT-conv counted as a convolution whatever

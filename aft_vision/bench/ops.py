@@ -9,7 +9,7 @@ import torch
 from tqdm import tqdm
 
 from .report import markdown, write_report
-from .traffic import (auto_method, autocast, count_layer, inductor_counts, layer_shape, mixer_call, mixer_inputs,
+from .traffic import (auto_method, autocast, count_layer, layer_shape, mixer_call, mixer_inputs,
                       saved_on_cuda_path)
 
 __all__ = ['variants_for', 'time_methods', 'main', 'sync']
@@ -56,13 +56,11 @@ def time_methods(shape: Dict, batch_size: int, device: torch.device, precision: 
 
 
 def _counts(shape: Dict, settings, variants: List[str]) -> Dict[str, Dict]:
-    """Per method: the traffic count on the CUDA path and, with ``--compile``, Inductor's on the CPU."""
+    """Per method: the traffic count on the CUDA path."""
     counts = {}
     for method in dict.fromkeys(variant.partition(':')[0] for variant in variants):
         count = count_layer(shape, 0, settings.batch_size, settings.precision, method)
         counts[method] = {key: count[key] for key in ('forward_ops', 'forward_mb', 'ops', 'mb')}
-        if settings.compile:
-            counts[method]['inductor'] = inductor_counts(shape, settings.batch_size, settings.precision, method)
     return counts
 
 
@@ -70,14 +68,13 @@ def _mb(value: float) -> str:
     return f'{value:,.0f}' if value >= 10 else f'{value:.2f}'
 
 
-def _table(rows: List[Dict], timed: bool, compiled: bool) -> str:
-    """The markdown tables: per row the shape, per method its ms (when timed), its counts, Inductor's (compiled);
+def _table(rows: List[Dict], timed: bool) -> str:
+    """The markdown tables: per row the shape, per method its ms (when timed), its counts;
     '-' where a row's layer has no such method; when timed, forward and backward ms apart per variant."""
     methods = list(dict.fromkeys(method for row in rows for method in row['counts']))
     timing = [f'{m} ms' for m in methods] + ['fastest'] if timed else []
     head = ['model', 'res', 'grid', 'C', 'h', 's', *timing, 'auto', 'CUDA auto',
             *(f'{m} {part} ops / MB' for m in methods for part in ('fwd', 'fwd+bwd')),
-            *(f'{m} Inductor, CPU: fwd / fwd+bwd kernels, MB' for m in methods if compiled),
             'saved MB: model / DeiT (ratio)']
     lines = []
     for row in rows:
@@ -91,10 +88,6 @@ def _table(rows: List[Dict], timed: bool, compiled: bool) -> str:
         for m in methods:
             cells += [f"{counts[m]['forward_ops']} / {_mb(counts[m]['forward_mb'])}",
                       f"{counts[m]['ops']} / {_mb(counts[m]['mb'])}"] if m in counts else ['-', '-']
-        for m in methods if compiled else ():
-            ind = counts[m]['inductor'] if m in counts else None
-            cells.append(f"{ind['forward_kernels']} / {ind['kernels']}, {_mb(ind['forward_mb'])} / {_mb(ind['mb'])}"
-                         if ind else '-')
         model_mb, baseline_mb = row['saved']['model_mb'], row['saved']['baseline_mb']
         lines.append(cells + [f'{_mb(model_mb)} / {_mb(baseline_mb)} ({model_mb / baseline_mb:.3f})'])
     first = rows[0]
@@ -139,5 +132,5 @@ def main(settings, resolutions: List[int], baselines: Dict[str, str]) -> int:
         for key, model in (('model_mb', name), ('baseline_mb', baselines[name])):
             row['saved'][key] = saved_on_cuda_path(model, res, settings.batch_size, settings.precision) / 1e6
         rows.append(row)
-    write_report(settings, 'ops', rows, _table(rows, timed, settings.compile))
+    write_report(settings, 'ops', rows, _table(rows, timed))
     return 0

@@ -312,6 +312,8 @@ def _main(settings: BenchSettings) -> int:
         return dense_main(settings)
     baselines = {name: _baseline_for(name) for name in settings.models}
     if settings.ops or settings.ops_count_only:
+        if runtime != 'eager':
+            raise ValueError(f'--ops times and counts the eager mixer call: leave out --runtime {runtime}')
         resolutions = OPS_RESOLUTIONS if settings.resolutions == DEFAULT_RESOLUTIONS else settings.resolutions
         return ops_main(settings, resolutions, baselines)
     cases = [(name, baselines[name], res) for res in settings.resolutions for name in settings.models]

@@ -1,5 +1,5 @@
 """A traffic count of one AFT mixer call: the aten ops that run a kernel and the bytes they read and write, counted on
-the path CUDA takes without a GPU (``count_layer``), beside what Inductor generates for it (``inductor_counts``).
+the path CUDA takes without a GPU (``count_layer``).
 
 ``TrafficCounter``'s rules (docs/performance.md, "Counting what a layer moves"): an op counts once if it runs a kernel
 (not views, storage aliases, metadata queries, bare allocations, ops returning no tensor); its bytes are those of its
@@ -8,7 +8,6 @@ tensor is input and output, ``out=`` and ``copy_`` / ``fill_`` / ``zero_`` / ``n
 custom operator is refused (its kernels are unseen), as are the kernels inside one aten op (cuDNN's transposes).
 """
 import collections
-import logging
 from typing import Dict, Optional
 
 import timm
@@ -20,7 +19,7 @@ from torch.utils._pytree import tree_leaves
 from ..layers import AFTConv2d, AFTFull, AFTSimple, aft_conv2d, aft_full, aft_simple, choose_conv_method, device_policy
 
 __all__ = ['TrafficCounter', 'tensor_bytes', 'layer_shape', 'mixer_inputs', 'mixer_call', 'auto_method',
-           'count_layer', 'inductor_counts', 'autocast', 'saved_bytes', 'saved_on_cuda_path']
+           'count_layer', 'autocast', 'saved_bytes', 'saved_on_cuda_path']
 
 _ALLOCATIONS = {'aten::empty', 'aten::empty_strided', 'aten::new_empty', 'aten::new_empty_strided',
                 'aten::empty_like'}
@@ -208,33 +207,3 @@ def saved_on_cuda_path(name: str, img_size: int, batch_size: int, precision: str
     model = timm.create_model(name, img_size=img_size, device='meta', **kwargs).to_empty(device='cpu')  # no init
     with torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True), device_policy('cuda'):
         return saved_bytes(model, torch.randn(batch_size, 3, img_size, img_size), precision)
-
-
-def inductor_counts(shape: Dict, batch_size: int, precision: str, method: str) -> Dict:
-    """Inductor's generated kernels and bytes of every scheduled node (extern kernels included) for the mixer call of
-    a ``layer_shape`` under ``torch.compile(fullgraph=True)`` on the CPU (compiled and run once): a dict of 'method',
-    'forward_kernels', 'forward_mb', 'kernels', 'mb' (forward + backward). Inductor counts bytes only while its
-    metrics log is at INFO: it is, during the call, with no handler."""
-    from torch._inductor import metrics
-    from torch._inductor.compile_fx import inductor_metrics_log
-
-    compiled = torch.compile(mixer_call(shape, method), fullgraph=True)
-    counts, level = {'method': method}, inductor_metrics_log.level
-    inductor_metrics_log.setLevel(logging.INFO)
-    try:
-        for prefix, train in (('forward_', False), ('', True)):
-            torch._dynamo.reset()
-            metrics.reset()
-            inputs = [x if x is None else x.detach().requires_grad_(train)
-                      for x in mixer_inputs(shape, batch_size, precision, 'cpu')]
-            # compiled afresh: a graph loaded from Inductor's caches generates no kernels and counts no bytes
-            with torch._inductor.config.patch(fx_graph_cache=False), device_policy('cuda'), \
-                    torch._functorch.config.patch(enable_autograd_cache=False), torch.set_grad_enabled(train):
-                out = compiled(*inputs)
-                if train:
-                    out.backward(torch.randn_like(out))
-            counts.update({prefix + 'kernels': metrics.generated_kernel_count,
-                           prefix + 'mb': metrics.num_bytes_accessed / 1e6})
-    finally:
-        inductor_metrics_log.setLevel(level)
-    return counts
