@@ -1,5 +1,5 @@
 """Graph capture: no host synchronisation over whole models under the 'cuda' policy, ``torch.compile(fullgraph=True)``,
-and the one capture check (``functional.capturing``) that every mixer follows."""
+and the one capture check (``_shared.capturing``) that every mixer follows."""
 import copy
 
 import pytest
