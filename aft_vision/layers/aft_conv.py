@@ -13,7 +13,7 @@ from .channels_first import linear_nchw
 from .depthwise_mix import depthwise_mix_nchw
 from .functional import aft_conv2d
 
-__all__ = ['AFTConv2d', 'resize_window_bias', 'scaled_kernel_size']
+__all__ = ['AFTConv2d', 'resize_window_bias', 'scaled_kernel_size', 'window_for_size']
 
 
 @register_notrace_module  # an fx leaf: its input check runs on real shapes, not on proxies
@@ -96,8 +96,8 @@ class AFTConv2d(nn.Module):
         """The window of a call on a (height, width) token grid under ``follow_grid``; None: the layer's own."""
         if self.window_grid is None:
             return None
-        grid_h, grid_w, patch_h, patch_w, kernel_size = self.window_grid  # ratios of whole pixels, as size_plan's
-        return scaled_kernel_size(kernel_size, math.sqrt((height * patch_h / grid_h) * (width * patch_w / grid_w)))
+        grid_h, grid_w, patch_h, patch_w, kernel_size = self.window_grid
+        return window_for_size(kernel_size, (height * patch_h, width * patch_w), (grid_h, grid_w))
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
                 is_causal: bool = False) -> torch.Tensor:
@@ -141,6 +141,13 @@ def scaled_kernel_size(kernel_size: int, ratio: float) -> int:
     if not (math.isfinite(ratio) and ratio > 0):
         raise ValueError(f'the size ratio must be a positive number, got {ratio}')
     return max(1, 2 * math.floor((kernel_size * ratio - 1) / 2 + 0.5) + 1)
+
+
+def window_for_size(kernel_size: int, size: Tuple[float, float], base_size: Tuple[float, float]) -> int:
+    """The window a ``kernel_size`` window on inputs of ``base_size`` takes on inputs of ``size`` (H, W, in pixels or
+    tokens alike): ``scaled_kernel_size`` by the geometric mean of the side ratios. The one rule for a resized model
+    and for each call's grid (``follow_grid``), so that both round a tie alike."""
+    return scaled_kernel_size(kernel_size, math.sqrt((size[0] / base_size[0]) * (size[1] / base_size[1])))
 
 
 def resize_window_bias(raw: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, kernel_size: int,

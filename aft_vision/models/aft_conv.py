@@ -5,7 +5,6 @@ returning it unpooled (timm's ``output_fmt='NHWC'``, as Swin) and the pooling ta
 names, so DeiT weights map by name. Model names and sizes: docs/models.md.
 """
 import contextlib
-import math
 import warnings
 from functools import partial
 from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple, Type, Union
@@ -20,7 +19,7 @@ from timm.models._input import update_model_args, update_model_input_size  # wha
 from timm.models.vision_transformer import Block, VisionTransformer
 
 from ..layers import AFTConv2d, AFTConv2dOneHot, exporting, layer_norm_nchw, linear_nchw, \
-    resize_window_bias, scaled_kernel_size
+    resize_window_bias, window_for_size
 from ._base import DEPRECATED_TAGS, NO_POOL, adapt_vit_checkpoint, aft_cfg, block_layers, by_name, check_sizes, \
     create_aft, family_cfgs
 from .aft_vit import AFTPatchEmbed
@@ -86,14 +85,14 @@ def size_plan(img_size: Tuple[int, int], base_img_size: Tuple[int, int], base_pa
     ``base_img_size``; ``pad`` (``dynamic_img_pad``): windows for the padded image, the token grid a call has."""
     if mode not in RESIZE_MODES:
         raise ValueError(f'unknown resize_mode {mode!r}: choose one of {", ".join(RESIZE_MODES)}')
-    if pad and mode == 'window':
-        img_size = (-(-img_size[0] // base_patch[0]) * base_patch[0], -(-img_size[1] // base_patch[1]) * base_patch[1])
-    ratio_h, ratio_w = (size / base for size, base in zip(img_size, base_img_size))
     if mode == 'window':
-        return base_patch, scaled_kernel_size(kernel_size, math.sqrt(ratio_h * ratio_w))
+        if pad:
+            img_size = (-(-img_size[0] // base_patch[0]) * base_patch[0],
+                        -(-img_size[1] // base_patch[1]) * base_patch[1])
+        return base_patch, window_for_size(kernel_size, img_size, base_img_size)
     if mode == 'keep':
         return base_patch, kernel_size
-    patch = (base_patch[0] * ratio_h, base_patch[1] * ratio_w)
+    patch = (base_patch[0] * (img_size[0] / base_img_size[0]), base_patch[1] * (img_size[1] / base_img_size[1]))
     if any(p != round(p) or p < 1 for p in patch):
         raise ValueError(
             f"resize_mode='patch': {img_size[0]}x{img_size[1]} px would need a {patch[0]:g}x{patch[1]:g} px patch "
